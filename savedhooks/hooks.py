@@ -1,0 +1,481 @@
+"""Saved-tensor hook pairs that AOTAutograd inlines, built from plain Python.
+
+Design notes
+------------
+* torch 2.13 inlines saved-tensor hooks into the compiled forward and backward
+  graphs only when both hooks are ``torch.fx.GraphModule``s. It re-traces them
+  once per saved tensor, so a GraphModule whose single node calls back into
+  Python keeps per-tensor Python logic: the user's body runs on the traced
+  (fake/functional) tensor and whatever it branches on is decided per tensor.
+* The node calls a *top-level* trampoline (``_run_pack`` / ``_run_unpack``) with
+  a constant registry key, never the user's function directly: the trampoline
+  is importable, so the GraphModule pickles into AOTAutograd's cache key, and
+  the key string carries the hook's fingerprint. ``meta["is_wrapped"]`` and
+  ``meta["user_cache_hash"]`` are what AOTAutograd checks to cache graphs that
+  contain such calls instead of bypassing its cache.
+* Dynamo guards on ``id(pack), id(unpack)``: :func:`make_hook_pair` returns one
+  cached HookPair per (name, fingerprint), so rebuilding an equal hook is free.
+* The trampolines check the hook contract (no input mutation, unpack returns one
+  tensor of the saved tensor's dtype, device and shape) and name the hook when
+  it is broken, because torch's own errors do not say which hook failed.
+* Eager mode has no partitioner to filter saved tensors, so the trampoline skips
+  what packing cannot free, as the compiled default ("donated": intermediates
+  only) does: leaves (parameters, inputs) and views of them. Eager and compiled
+  then pack the same tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import pathlib
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from savedhooks.fingerprint import UnfingerprintableError, fingerprint
+
+__all__ = [
+    "HookContext",
+    "HookError",
+    "HookMismatchError",
+    "HookMutationError",
+    "HookPair",
+    "HookTypeError",
+    "PackHook",
+    "hook",
+    "hook_context",
+    "make_hook_pair",
+    "saved_tensors_hooks",
+]
+
+# Any change to this file changes how hooks are traced: key caches on it.
+_MODULE_HASH = hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()
+
+# Values a pack function may return besides tensors: torch bakes them into the
+# unpack graph as constants, so they must be plain, printable values.
+_CONSTANT_TYPES = (
+    type(None), bool, int, float, str,
+    torch.dtype, torch.device, torch.layout, torch.memory_format,
+    torch.SymInt, torch.SymFloat, torch.SymBool,
+)  # fmt: skip
+
+
+class HookError(Exception):
+    """A saved-tensor hook breaks the hook contract. The message names the hook."""
+
+
+class HookTypeError(HookError, TypeError):
+    """A hook is not callable, lacks an unpack function, or returns the wrong type."""
+
+
+class HookMutationError(HookError, RuntimeError):
+    """A hook mutated the tensor it was given (pack: the saved tensor; unpack: the payload)."""
+
+
+class HookMismatchError(HookError, ValueError):
+    """Unpack returned a tensor whose dtype, device or shape differs from the saved one."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _HookFunctions:
+    name: str
+    pack: Callable[[torch.Tensor], Any]
+    unpack: Callable[[Any], torch.Tensor]
+
+    def where(self, fn: Callable[..., Any]) -> str:
+        code = getattr(fn, "__code__", None)
+        return f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
+
+    def error(self, cls: type[HookError], stage: str, problem: str) -> HookError:
+        fn = self.pack if stage == "pack" else self.unpack
+        return cls(f"savedhooks hook {self.name!r}{self.where(fn)}: {stage} {problem}")
+
+
+# What unpack must give back, as (dtype, device, shape) with symbolic dims as -1.
+# A plain tuple of constants: torch bakes it into the unpack graph (a dataclass
+# would become a constructor node in the traced pack graph).
+_SavedMeta = tuple[torch.dtype, torch.device, tuple[int, ...]]
+
+
+class _Passthrough:
+    """Eager-mode marker: the saved tensor was not packed (a leaf or a view of one)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+_FUNCTIONS: dict[str, _HookFunctions] = {}
+_PAIRS: dict[str, HookPair] = {}
+_unique_counter = 0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HookPair:
+    """A pack/unpack pair of GraphModules that AOTAutograd inlines.
+
+    Build one with :func:`hook` (from plain Python), a codec such as
+    ``savedhooks.fp8()``, or :func:`make_hook_pair`. Equal configurations give the
+    same object, so dynamo's hook guard does not recompile. The GraphModules are
+    callable, so the same pair works in eager mode.
+
+    Attributes:
+        name: readable name used in error messages and logs.
+        pack: GraphModule taking the saved tensor, returning the packed pytree.
+        unpack: GraphModule taking the packed pytree, returning one tensor.
+        cache_hash: stable digest of the hook's code and configuration (set on
+            the graph nodes as ``user_cache_hash``), or None when the hook
+            captures values without a stable digest; AOTAutograd then bypasses
+            its cache rather than risk a stale hit.
+    """
+
+    name: str
+    pack: torch.fx.GraphModule
+    unpack: torch.fx.GraphModule
+    cache_hash: str | None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pack, torch.fx.GraphModule) or not isinstance(self.unpack, torch.fx.GraphModule):
+            raise HookTypeError(
+                f"HookPair {self.name!r}: pack and unpack must be torch.fx.GraphModules "
+                f"(got {type(self.pack).__name__}, {type(self.unpack).__name__}); use savedhooks.hook to build "
+                "a pair from plain Python functions"
+            )
+
+    def __repr__(self) -> str:
+        return f"HookPair({self.name!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class HookContext:
+    """Where the saved tensor being packed comes from (compiled mode only).
+
+    Attributes:
+        node: the saved value's node in the forward graph; ``node.target`` is the
+            producing op and ``node.meta["val"]`` its fake value.
+        fw_graph: the forward graph being compiled.
+        bw_graph: the backward graph being compiled.
+    """
+
+    node: torch.fx.Node
+    fw_graph: torch.fx.Graph
+    bw_graph: torch.fx.Graph
+
+
+def hook_context() -> HookContext | None:
+    """Return the graph context of the saved tensor being packed, if any.
+
+    Call it inside a pack or unpack function to decide per producing op (for
+    example keep layer-norm statistics unpacked). Wraps torch's private
+    ``_get_saved_tensor_hook_context`` so that a change there is fixed here once.
+
+    Returns:
+        A :class:`HookContext` while AOTAutograd inlines hooks into a compiled
+        graph; None in eager mode, where there is no graph.
+
+    Raises:
+        Nothing.
+    """
+    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+
+    state = _get_saved_tensor_hook_context()
+    if not state:
+        return None
+    return HookContext(node=state["_node"], fw_graph=state["_fw_graph"], bw_graph=state["_bw_graph"])
+
+
+# --- trampolines: the only functions the hook GraphModules call --------------------
+
+
+def _run_pack(x: torch.Tensor, key: str) -> Any:
+    fns = _lookup(key)
+    if _is_eager(x) and _frees_nothing(x):
+        return _Passthrough(x)
+    return _pack_checked(fns, x)
+
+
+def _run_unpack(packed: Any, key: str) -> torch.Tensor:
+    fns = _lookup(key)
+    if isinstance(packed, _Passthrough):
+        return packed.tensor
+    return _unpack_checked(fns, packed)
+
+
+def _lookup(key: str) -> _HookFunctions:
+    try:
+        return _FUNCTIONS[key]
+    except KeyError:
+        raise HookError(
+            f"savedhooks hook {key!r} is not defined in this process; define the hook (import the module "
+            "that decorates it) before running graphs that use it"
+        ) from None
+
+
+def _is_eager(x: torch.Tensor) -> bool:
+    # Under AOTAutograd the hooks see FakeTensor / FunctionalTensor subclasses.
+    return type(x) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _frees_nothing(x: torch.Tensor) -> bool:
+    base = x._base if x._is_view() else x
+    return base.is_leaf
+
+
+def _pack_checked(fns: _HookFunctions, x: torch.Tensor) -> tuple[Any, _SavedMeta]:
+    version = x._version
+    packed = fns.pack(x)
+    if x._version != version:
+        raise fns.error(HookMutationError, "pack", "mutated the saved tensor in place; return a new tensor instead")
+    for leaf in pytree.tree_leaves(packed):
+        if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES)):
+            raise fns.error(
+                HookTypeError,
+                "pack",
+                f"returned a {type(leaf).__name__}; a pack result may hold tensors and constants "
+                "(None, bool, int, float, str, dtype, device) in tuples, lists and dicts",
+            )
+    shape = tuple(d if isinstance(d, int) else -1 for d in x.shape)
+    return packed, (x.dtype, x.device, shape)
+
+
+def _unpack_checked(fns: _HookFunctions, packed_and_meta: tuple[Any, _SavedMeta]) -> torch.Tensor:
+    packed, (dtype, device, shape) = packed_and_meta
+    tensors = [t for t in pytree.tree_leaves(packed) if isinstance(t, torch.Tensor)]
+    versions = [t._version for t in tensors]
+    out = fns.unpack(packed)
+    if [t._version for t in tensors] != versions:
+        raise fns.error(
+            HookMutationError, "unpack", "mutated the packed payload in place; backward may unpack it more than once"
+        )
+    if not isinstance(out, torch.Tensor):
+        raise fns.error(HookTypeError, "unpack", f"must return one torch.Tensor, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise fns.error(HookMismatchError, "unpack", f"returned dtype {out.dtype}, the saved tensor was {dtype}")
+    if out.device != device:
+        raise fns.error(HookMismatchError, "unpack", f"returned a tensor on {out.device}, the saved tensor was on {device}")
+    got = tuple(out.shape)
+    if len(got) != len(shape) or any(
+        want != -1 and isinstance(have, int) and have != want for have, want in zip(got, shape)
+    ):
+        raise fns.error(HookMismatchError, "unpack", f"returned shape {got}, the saved tensor had {shape}")
+    return out
+
+
+# --- building pairs ------------------------------------------------------------------
+
+
+def _hook_graph_module(trampoline: Callable[..., Any], arg_name: str, key: str, cache_hash: str | None) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    arg = graph.placeholder(arg_name)
+    call = graph.call_function(trampoline, (arg, key))
+    # AOTAutograd caches graphs containing wrapped Python calls only with a user hash.
+    call.meta["is_wrapped"] = True
+    if cache_hash is not None:
+        call.meta["user_cache_hash"] = cache_hash
+    graph.output(call)
+    return torch.fx.GraphModule(torch.nn.Module(), graph, class_name=arg_name.capitalize() + "Hook")
+
+
+def make_hook_pair(
+    name: str,
+    pack: Callable[[torch.Tensor], Any],
+    unpack: Callable[[Any], torch.Tensor],
+    config: Any = None,
+) -> HookPair:
+    """Build (or fetch the cached) :class:`HookPair` for two Python functions.
+
+    Args:
+        name: readable name for errors and logs.
+        pack: called once per saved tensor with that tensor (real in eager mode,
+            fake while compiling); returns a pytree of tensors and constants.
+        unpack: called with what ``pack`` returned; returns one tensor with the
+            saved tensor's dtype, device and shape.
+        config: extra configuration that changes what the functions compute and
+            that they do not capture themselves (fingerprinted with them).
+
+    Returns:
+        The HookPair for this (name, code, configuration). Calling again with
+        equal arguments returns the same object.
+
+    Raises:
+        HookTypeError: ``pack`` or ``unpack`` is not callable, or ``name`` is not
+            a string.
+    """
+    if not isinstance(name, str):
+        raise HookTypeError(f"savedhooks hook name must be a str, got {type(name).__name__}")
+    for stage, fn in (("pack", pack), ("unpack", unpack)):
+        if not callable(fn):
+            raise HookTypeError(f"savedhooks hook {name!r}: {stage} must be callable, got {type(fn).__name__}")
+    try:
+        digest = fingerprint((name, pack, unpack, config))
+    except UnfingerprintableError as e:
+        global _unique_counter
+        _unique_counter += 1
+        warnings.warn(
+            f"savedhooks hook {name!r}: {e}. The hook gets a process-local identity: equal hooks built "
+            "again recompile, and AOTAutograd's cache is bypassed for graphs using it.",
+            stacklevel=3,
+        )
+        digest, cache_hash = f"local{_unique_counter}", None
+    else:
+        cache_hash = hashlib.sha256(f"{digest}:{_MODULE_HASH}".encode()).hexdigest()
+    key = f"{name}:{digest}"
+    if key not in _PAIRS:
+        _FUNCTIONS[key] = _HookFunctions(name, pack, unpack)
+        _PAIRS[key] = HookPair(
+            name=name,
+            pack=_hook_graph_module(_run_pack, "x", key, cache_hash),
+            unpack=_hook_graph_module(_run_unpack, "packed", key, cache_hash),
+            cache_hash=cache_hash,
+        )
+    return _PAIRS[key]
+
+
+def _probe(fns: _HookFunctions) -> None:
+    """Run the hook once on a small meta tensor to catch contract errors at decoration.
+
+    Only contract errors are raised: a hook that cannot run on a meta tensor
+    (``.item()``, device-specific code) is checked when it first runs instead.
+    """
+    x = torch.empty(4, 8, device="meta")
+    try:
+        packed = _pack_checked(fns, x)
+        _unpack_checked(fns, packed)
+    except HookError:
+        raise
+    except Exception:  # noqa: BLE001 - not a contract error; the real run decides
+        pass
+
+
+class PackHook:
+    """A pack function waiting for its unpack function (returned by :func:`hook`).
+
+    Complete it with ``@<name>.unpack``, which returns the :class:`HookPair`.
+    Calling a PackHook calls the pack function.
+    """
+
+    def __init__(self, pack: Callable[[torch.Tensor], Any], name: str) -> None:
+        self._pack = pack
+        self.name = name
+
+    def __call__(self, x: torch.Tensor) -> Any:
+        return self._pack(x)
+
+    def unpack(self, fn: Callable[[Any], torch.Tensor]) -> HookPair:
+        """Attach the unpack function and return the complete :class:`HookPair`.
+
+        Args:
+            fn: called with what pack returned; returns one tensor of the saved
+                tensor's dtype, device and shape.
+
+        Returns:
+            The HookPair (the same object for equal code and configuration).
+
+        Raises:
+            HookTypeError: ``fn`` is not callable, or a probe run on a small meta
+                tensor shows unpack returning a non-tensor or pack returning an
+                unsupported value.
+            HookMutationError: the probe shows pack or unpack mutating its input.
+            HookMismatchError: the probe shows unpack returning a tensor of the
+                wrong dtype, device or shape.
+        """
+        if not callable(fn):
+            raise HookTypeError(
+                f"savedhooks hook {self.name!r}: @{self.name}.unpack must decorate a function, got {type(fn).__name__}"
+            )
+        _probe(_HookFunctions(self.name, self._pack, fn))
+        return make_hook_pair(self.name, self._pack, fn)
+
+    def __repr__(self) -> str:
+        return f"PackHook({self.name!r}, no unpack yet)"
+
+
+def hook(
+    pack: Callable[[torch.Tensor], Any] | None = None,
+    *,
+    unpack: Callable[[Any], torch.Tensor] | None = None,
+    name: str | None = None,
+) -> Any:
+    """Turn a plain Python pack function into a saved-tensor hook.
+
+    Use as a decorator, then attach the unpack function with the same name::
+
+        @savedhooks.hook
+        def bf16(x):
+            return x.dtype, x.to(torch.bfloat16)
+
+        @bf16.unpack
+        def bf16(packed):
+            dtype, y = packed
+            return y.to(dtype)
+
+    The functions run once per saved tensor: in eager mode on the real tensor,
+    under ``torch.compile`` on the traced one (so branches on dtype, shape or
+    :func:`hook_context` are decided per tensor and the ops they run are inlined
+    into the compiled graphs).
+
+    Args:
+        pack: the pack function, taking the saved tensor and returning a pytree
+            of tensors and constants.
+        unpack: optionally the unpack function, to build the pair in one call.
+        name: name for errors and logs; defaults to the pack function's name.
+
+    Returns:
+        A :class:`PackHook` (complete it with ``@<name>.unpack``), or the
+        :class:`HookPair` when ``unpack`` is given. Without ``pack``, a decorator.
+
+    Raises:
+        HookTypeError: ``pack`` or ``unpack`` is not callable, or a probe run shows
+            a broken contract (see :meth:`PackHook.unpack`).
+        HookMutationError, HookMismatchError: as for :meth:`PackHook.unpack`.
+    """
+    if pack is None:
+        return lambda fn: hook(fn, unpack=unpack, name=name)
+    if not callable(pack):
+        raise HookTypeError(f"savedhooks.hook decorates a pack function, got {type(pack).__name__}: {pack!r}")
+    pending = PackHook(pack, name or getattr(pack, "__name__", type(pack).__name__))
+    return pending if unpack is None else pending.unpack(unpack)
+
+
+class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch's name
+    """Apply a :class:`HookPair` to tensors saved for backward inside the block.
+
+    Works around eager code and around ``torch.compile``d models (the hooks are
+    then inlined into the compiled graphs). Nested blocks behave like torch's:
+    the innermost pair wins. Usable as a decorator; re-entrant.
+
+    Args:
+        hooks: a HookPair, e.g. from :func:`hook` or a codec such as ``savedhooks.fp8()``.
+
+    Raises:
+        HookTypeError: ``hooks`` is a :class:`PackHook` without an unpack function.
+        TypeError: ``hooks`` is anything else that is not a HookPair.
+    """
+
+    def __init__(self, hooks: HookPair) -> None:
+        if isinstance(hooks, PackHook):
+            raise HookTypeError(
+                f"savedhooks hook {hooks.name!r} has no unpack function: add one with @{hooks.name}.unpack"
+            )
+        if not isinstance(hooks, HookPair):
+            raise TypeError(
+                "savedhooks.saved_tensors_hooks expects a savedhooks.HookPair (from @savedhooks.hook or a "
+                f"codec such as savedhooks.fp8()), got {type(hooks).__name__}: {hooks!r}"
+            )
+        self.hooks = hooks
+        self._active: list[torch.autograd.graph.saved_tensors_hooks] = []
+
+    def __enter__(self) -> HookPair:
+        torch_hooks = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
+        torch_hooks.__enter__()
+        self._active.append(torch_hooks)
+        return self.hooks
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._active.pop().__exit__(*exc_info)

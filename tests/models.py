@@ -1,0 +1,68 @@
+"""Tiny models, reference hooks and graph-capturing backends shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+import savedhooks as sh
+
+
+@sh.hook
+def bf16(x):
+    """Round-trip floating tensors through bfloat16; leave other dtypes untouched."""
+    if not x.is_floating_point():
+        return x
+    return x.to(torch.bfloat16)
+
+
+@bf16.unpack
+def bf16(packed):
+    return packed.to(torch.float32) if packed.dtype == torch.bfloat16 else packed
+
+
+def mlp(width: int = 16) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
+        torch.nn.Linear(width, 4),
+    )  # fmt: skip
+
+
+def cnn() -> torch.nn.Module:
+    """Conv + max pool: max_pool2d_with_indices saves an int64 tensor."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+        torch.nn.Linear(4 * 7 * 7, 3),
+    )  # fmt: skip
+
+
+class GraphCapture:
+    """An aot_eager-equivalent backend that keeps the forward and backward graph code."""
+
+    def __init__(self) -> None:
+        self.fw: list[str] = []
+        self.bw: list[str] = []
+
+    def _keep(self, store: list[str]):
+        def compiler(gm: torch.fx.GraphModule, example_inputs):
+            store.append(gm.code.strip())
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    @property
+    def backend(self):
+        return aot_autograd(fw_compiler=self._keep(self.fw), bw_compiler=self._keep(self.bw))
+
+
+def train_step_grads(model: torch.nn.Module, fn, x: torch.Tensor, hooks: sh.HookPair | None = None):
+    """Gradients of sum(fn(x)^2) w.r.t. model's parameters, optionally under hooks."""
+    model.zero_grad(set_to_none=True)
+    if hooks is None:
+        loss = fn(x).square().sum()
+    else:
+        with sh.saved_tensors_hooks(hooks):
+            loss = fn(x).square().sum()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]

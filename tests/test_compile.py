@@ -1,0 +1,175 @@
+"""@savedhooks.hook under torch.compile: inlined graphs, gradients, int tensors, recompiles."""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import savedhooks as sh
+from models import GraphCapture, bf16, cnn, mlp, train_step_grads
+
+
+def _max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+class TestInlinedGraphs(expecttest.TestCase):
+    def test_bf16_pack_in_forward_unpack_in_backward(self):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        capture = GraphCapture()
+        compiled = torch.compile(model, backend=capture.backend)
+        x = torch.randn(4, 8)
+        got = train_step_grads(model, compiled, x, bf16)
+        self.assertExpectedInline(capture.fw[0], """\
+def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5):
+    t = torch.ops.aten.t.default(primals_1);  primals_1 = None
+    addmm = torch.ops.aten.addmm.default(primals_2, primals_3, t);  primals_2 = t = None
+    relu = torch.ops.aten.relu.default(addmm);  addmm = None
+    detach = torch.ops.aten.detach.default(relu)
+    t_1 = torch.ops.aten.t.default(primals_4);  primals_4 = None
+    addmm_1 = torch.ops.aten.addmm.default(primals_5, relu, t_1);  primals_5 = None
+    relu_hook_0 = torch.ops.aten._to_copy.default(relu, dtype = torch.bfloat16);  relu = None
+    detach_hook_0 = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None
+    return (addmm_1, primals_3, relu_hook_0, detach_hook_0, t_1)""")
+        self.assertExpectedInline(capture.bw[0], """\
+def forward(self, primals_3, relu_hook_0, detach_hook_0, t_1, tangents_1):
+    _to_copy_1 = torch.ops.aten._to_copy.default(detach_hook_0, dtype = torch.float32);  detach_hook_0 = None
+    _to_copy = torch.ops.aten._to_copy.default(relu_hook_0, dtype = torch.float32);  relu_hook_0 = None
+    t_2 = torch.ops.aten.t.default(t_1);  t_1 = None
+    mm = torch.ops.aten.mm.default(tangents_1, t_2);  t_2 = None
+    t_3 = torch.ops.aten.t.default(tangents_1)
+    mm_1 = torch.ops.aten.mm.default(t_3, _to_copy);  t_3 = _to_copy = None
+    t_4 = torch.ops.aten.t.default(mm_1);  mm_1 = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True);  tangents_1 = None
+    view = torch.ops.aten.view.default(sum_1, [4]);  sum_1 = None
+    t_5 = torch.ops.aten.t.default(t_4);  t_4 = None
+    detach_1 = torch.ops.aten.detach.default(_to_copy_1);  _to_copy_1 = None
+    threshold_backward = torch.ops.aten.threshold_backward.default(mm, detach_1, 0);  mm = detach_1 = None
+    t_6 = torch.ops.aten.t.default(threshold_backward)
+    mm_2 = torch.ops.aten.mm.default(t_6, primals_3);  t_6 = primals_3 = None
+    t_7 = torch.ops.aten.t.default(mm_2);  mm_2 = None
+    sum_2 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True);  threshold_backward = None
+    view_1 = torch.ops.aten.view.default(sum_2, [16]);  sum_2 = None
+    t_8 = torch.ops.aten.t.default(t_7);  t_7 = None
+    return (t_8, view_1, None, t_5, view)""")
+        # aot_eager runs the same aten ops as eager: gradients are bit-identical.
+        want = train_step_grads(model, model, x, bf16)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+# torch 2.13 hazard found here: inductor's reorder_for_peak_memory gives wrong conv
+# gradients for conv -> relu -> max_pool on CPU, with or without hooks (pinned by
+# test_torch_inductor_reorder_bug_conv_relu_maxpool). CNN runs under inductor keep
+# that pass off so that they test our hooks, not the torch bug.
+INDUCTOR_CNN_OPTIONS = {"reorder_for_peak_memory": False}
+
+
+def _inductor(model: torch.nn.Module) -> torch.nn.Module:
+    options = INDUCTOR_CNN_OPTIONS if any(isinstance(m, torch.nn.MaxPool2d) for m in model.modules()) else None
+    return torch.compile(model, backend="inductor", options=options)
+
+
+@pytest.mark.xfail(strict=True, reason="torch 2.13 inductor reorder_for_peak_memory bug (CPU); strict: tells us when fixed")
+def test_torch_inductor_reorder_bug_conv_relu_maxpool():
+    model = cnn()
+    x = torch.randn(2, 3, 16, 16)
+    want = train_step_grads(model, model, x)
+    got = train_step_grads(model, torch.compile(model, backend="inductor"), x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("make_model, shape", [(mlp, (16, 8)), (cnn, (2, 3, 16, 16))])
+def test_inductor_gradients_match_eager_within_bf16_rounding(make_model, shape):
+    model = make_model()
+    x = torch.randn(*shape)
+    eager = train_step_grads(model, model, x, bf16)
+    compiled = train_step_grads(model, _inductor(model), x, bf16)
+    plain = train_step_grads(model, model, x)
+    hook_effect = max(_max_rel_err(e, p) for e, p in zip(eager, plain))
+    # The hook really rounds something (else this test could not fail)...
+    assert hook_effect > 1e-4
+    # ...and inductor rounds the same tensors: what is left is fp32 reassociation,
+    # orders of magnitude below one bf16 ulp (2**-8 relative).
+    for c, e in zip(compiled, eager):
+        assert _max_rel_err(c, e) < 2**-8 / 16
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_dtype_branching_hook_handles_int64_indices(backend):
+    model = cnn()
+    x = torch.randn(2, 3, 16, 16)
+    capture = GraphCapture() if backend == "aot_eager" else None
+    compiled = torch.compile(model, backend=capture.backend) if capture else _inductor(model)
+    got = train_step_grads(model, compiled, x, bf16)
+    want = train_step_grads(model, model, x, bf16)
+    for g, w in zip(got, want):
+        assert _max_rel_err(g, w) < 2**-8 / 16
+    if capture:  # the int64 indices went through the hook untouched, floats were cast
+        fw = capture.fw[0]
+        assert "max_pool2d_with_indices" in fw and "dtype = torch.bfloat16" in fw
+        assert "getitem_1_hook_0 = max_pool2d_with_indices[1]" in fw
+
+
+def test_naive_make_fx_cast_crashes_on_int64_indices():
+    """What torch users do today: one make_fx'd cast for every saved tensor."""
+    pack = make_fx(lambda t: t.to(torch.bfloat16))(torch.randn(4))
+    unpack = make_fx(lambda t: t.to(torch.float32))(torch.randn(4, dtype=torch.bfloat16))
+    model = cnn()
+    with pytest.raises(Exception, match="expected scalar type Long but found Float"):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss = torch.compile(model, backend="aot_eager")(torch.randn(2, 3, 16, 16)).sum()
+        loss.backward()
+
+
+def _bf16_factory():
+    # A fresh function object on every call, with equal code and configuration.
+    @sh.hook
+    def cast(x):
+        return x.to(torch.bfloat16) if x.is_floating_point() else x
+
+    @cast.unpack
+    def cast(packed):
+        return packed.to(torch.float32) if packed.dtype == torch.bfloat16 else packed
+
+    return cast
+
+
+def test_equal_hooks_compile_once():
+    model = mlp()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        with sh.saved_tensors_hooks(_bf16_factory()):
+            compiled(x).sum().backward()
+    assert counter.frame_count == 1
+
+
+def test_fresh_make_fx_pairs_recompile():
+    """The contrast: torch's guard compares ids, so equal but fresh GraphModules recompile."""
+    model = mlp()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        pack = make_fx(lambda t: t.to(torch.bfloat16))(torch.randn(4))
+        unpack = make_fx(lambda t: t.to(torch.float32))(torch.randn(4, dtype=torch.bfloat16))
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            compiled(x).sum().backward()
+    assert counter.frame_count == 2
+
+
+def test_different_hook_recompiles():
+    model = mlp()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    x = torch.randn(4, 8)
+    for hooks in (bf16, _bf16_factory()):
+        with sh.saved_tensors_hooks(hooks):
+            compiled(x).sum().backward()
+    assert counter.frame_count == 2

@@ -1,0 +1,322 @@
+"""@savedhooks.hook in eager mode: identity, filtering, nesting, context, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import savedhooks as sh
+from models import bf16, mlp, train_step_grads
+
+
+def _counting_hook(calls: list[str], tag: str) -> sh.HookPair:
+    @sh.hook(name=f"count_{tag}")
+    def pack(x):
+        calls.append(tag)
+        return x
+
+    @pack.unpack
+    def pack(packed):
+        return packed
+
+    return pack
+
+
+# --- identity -------------------------------------------------------------------------
+
+
+def _cast_factory(dtype):
+    @sh.hook
+    def cast(x):
+        return x.dtype, x.to(dtype)
+
+    @cast.unpack
+    def cast(packed):
+        orig, y = packed
+        return y.to(orig)
+
+    return cast
+
+
+def test_equal_configuration_returns_same_pair():
+    a, b = _cast_factory(torch.bfloat16), _cast_factory(torch.bfloat16)
+    assert a is b and a.pack is b.pack and a.unpack is b.unpack
+    assert a.cache_hash is not None and len(a.cache_hash) == 64
+
+
+def test_different_configuration_returns_different_pair():
+    a, b = _cast_factory(torch.bfloat16), _cast_factory(torch.float16)
+    assert a is not b and a.cache_hash != b.cache_hash
+
+
+def test_unfingerprintable_capture_warns_and_gets_a_unique_pair():
+    scale = torch.tensor(2.0)  # a tensor has no stable value to hash
+
+    def build():
+        with pytest.warns(UserWarning, match="process-local identity"):
+            return sh.hook(lambda x: x * scale, unpack=lambda p: p / scale, name="scaled")
+
+    a, b = build(), build()
+    assert a is not b and a.cache_hash is None
+    # no user_cache_hash: AOTAutograd bypasses its cache instead of risking a stale hit
+    node = next(n for n in a.pack.graph.nodes if n.op == "call_function")
+    assert node.meta["is_wrapped"] and "user_cache_hash" not in node.meta
+
+
+def test_hook_pair_graph_modules_are_callable_and_carry_the_cache_hash():
+    node = next(n for n in bf16.pack.graph.nodes if n.op == "call_function")
+    assert node.meta["user_cache_hash"] == bf16.cache_hash
+    x = torch.randn(3, 5, requires_grad=True) * 2  # an intermediate: leaves are not packed
+    packed = bf16.pack(x)
+    y = bf16.unpack(packed)
+    assert y.dtype == torch.float32 and torch.equal(y, x.to(torch.bfloat16).float())
+    leaf = torch.randn(3, 5)
+    assert bf16.unpack(bf16.pack(leaf)) is leaf
+
+
+# --- eager behaviour --------------------------------------------------------------------
+
+
+def test_eager_packs_intermediates_only():
+    calls: list[str] = []
+    hooks = _counting_hook(calls, "a")
+    calls.clear()  # the decoration-time probe ran pack once
+    model = mlp()
+    x = torch.randn(4, 8)
+    with sh.saved_tensors_hooks(hooks):
+        loss = model(x).sum()
+    # Saved: x and W2.t(), W3.t() (a leaf and views of leaves: skipped, as the
+    # compiled "donated" filter does) and the two relu outputs, each saved twice
+    # (by relu and by the next addmm).
+    assert len(calls) == 4
+    loss.backward()
+
+
+def test_eager_gradients_change_under_bf16_and_match_manual_rounding():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    got = train_step_grads(model, model, x, bf16)
+
+    # Manual reference: the intermediates saved for backward (the relu output h,
+    # and y, saved by square) are rounded to bf16 for backward only.
+    w1, b1, w2, b2 = (p.detach() for p in model.parameters())
+    h = torch.relu(x @ w1.t() + b1)
+    y = h @ w2.t() + b2
+    gy = 2 * y.to(torch.bfloat16).float()
+    hb = h.to(torch.bfloat16).float()
+    gw2 = gy.t() @ hb
+    gh = (gy @ w2) * (hb > 0)
+    gw1 = gh.t() @ x
+    torch.testing.assert_close(got[2], gw2)
+    torch.testing.assert_close(got[0], gw1)
+    assert not torch.equal(gw2, gy.t() @ h)  # the rounding is visible
+
+
+def test_nesting_innermost_wins_and_outer_is_restored():
+    calls: list[str] = []
+    outer, inner = _counting_hook(calls, "outer"), _counting_hook(calls, "inner")
+    calls.clear()
+    x = torch.randn(4, 8, requires_grad=True)
+    with sh.saved_tensors_hooks(outer):
+        a = (x * 2).sin()  # sin saves its (non-leaf) input
+        with sh.saved_tensors_hooks(inner):
+            b = (x * 3).cos()
+        c = (x * 4).tanh()  # tanh saves its output
+    assert calls == ["outer", "inner", "outer"]
+    (a + b + c).sum().backward()
+    calls.clear()
+    (x * 5).exp()
+    assert calls == []
+
+
+def test_saved_tensors_hooks_is_reentrant_and_a_decorator():
+    calls: list[str] = []
+    hooks = sh.saved_tensors_hooks(_counting_hook(calls, "d"))
+    calls.clear()
+
+    @hooks
+    def step(x):
+        with hooks:
+            return (x * 2).sin()
+
+    step(torch.randn(3, requires_grad=True)).sum().backward()
+    assert calls == ["d"]
+
+
+def test_hook_context_is_none_in_eager_and_names_the_node_when_compiled():
+    seen: list[object] = []
+
+    @sh.hook
+    def spy(x):
+        ctx = sh.hook_context()
+        seen.append(None if ctx is None else ctx.node.target)
+        return x
+
+    @spy.unpack
+    def spy(packed):
+        return packed
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(2, 8)
+    seen.clear()  # the decoration-time probe ran spy once
+    with sh.saved_tensors_hooks(spy):
+        model(x).sum().backward()
+    assert seen and set(seen) == {None}
+    seen.clear()
+    with sh.saved_tensors_hooks(spy):
+        torch.compile(model, backend="aot_eager")(x).sum().backward()
+    assert torch.ops.aten.relu.default in seen
+
+
+def test_policy_by_producing_op_under_compile():
+    """Per-tensor decisions from the hook context survive into the compiled graph."""
+
+    @sh.hook
+    def skip_relu(x):
+        ctx = sh.hook_context()
+        if ctx is not None and ctx.node.target == torch.ops.aten.relu.default:
+            return x
+        return x.to(torch.bfloat16) if x.is_floating_point() else x
+
+    @skip_relu.unpack
+    def skip_relu(packed):
+        return packed.float() if packed.dtype == torch.bfloat16 else packed
+
+    from models import GraphCapture
+
+    capture = GraphCapture()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with sh.saved_tensors_hooks(skip_relu):
+        torch.compile(model, backend=capture.backend)(torch.randn(2, 8)).sum().backward()
+    fw = capture.fw[0]
+    # relu's output is saved as is (torch renames the node), its detach alias is cast
+    assert "relu_hook_0 = torch.ops.aten.relu.default(addmm)" in fw
+    assert "detach_hook_0 = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16)" in fw
+
+
+# --- bad input --------------------------------------------------------------------------
+
+
+def test_non_callable_pack_raises_at_decoration():
+    with pytest.raises(sh.HookTypeError, match="decorates a pack function, got int"):
+        sh.hook(3)
+
+
+def test_non_callable_unpack_raises_at_decoration():
+    @sh.hook
+    def half(x):
+        return x.half()
+
+    with pytest.raises(sh.HookTypeError, match="'half'.*must decorate a function, got str"):
+        half.unpack("nope")
+
+
+def test_missing_unpack_raises_when_used():
+    @sh.hook
+    def lonely(x):
+        return x
+
+    with pytest.raises(sh.HookTypeError, match="'lonely' has no unpack function: add one with @lonely.unpack"):
+        sh.saved_tensors_hooks(lonely)
+
+
+@pytest.mark.parametrize("bad", [None, "bf16", (lambda x: x, lambda x: x)])
+def test_saved_tensors_hooks_rejects_non_pairs(bad):
+    with pytest.raises(TypeError, match="expects a savedhooks.HookPair"):
+        sh.saved_tensors_hooks(bad)
+
+
+def test_unpack_returning_non_tensor_raises_at_decoration():
+    @sh.hook
+    def tupled(x):
+        return x
+
+    with pytest.raises(sh.HookTypeError, match=r"hook 'tupled' \(.*test_hooks.py:\d+\): unpack must return one torch.Tensor, got tuple"):
+
+        @tupled.unpack
+        def tupled(packed):
+            return (packed,)
+
+
+def test_pack_mutating_input_raises_at_decoration():
+    @sh.hook
+    def scale_in_place(x):
+        return x.mul_(2)
+
+    with pytest.raises(sh.HookMutationError, match="'scale_in_place'.*pack mutated the saved tensor"):
+
+        @scale_in_place.unpack
+        def scale_in_place(packed):
+            return packed / 2
+
+
+def test_unpack_mutating_payload_raises_at_decoration():
+    @sh.hook
+    def copy(x):
+        return x.clone()
+
+    with pytest.raises(sh.HookMutationError, match="'copy'.*unpack mutated the packed payload"):
+
+        @copy.unpack
+        def copy(packed):
+            return packed.mul_(1)
+
+
+def test_unpack_returning_wrong_dtype_raises_at_decoration():
+    @sh.hook
+    def lossy(x):
+        return x.to(torch.bfloat16)
+
+    with pytest.raises(sh.HookMismatchError, match="'lossy'.*unpack returned dtype torch.bfloat16, the saved tensor was torch.float32"):
+
+        @lossy.unpack
+        def lossy(packed):
+            return packed  # forgot to cast back
+
+
+def test_pack_returning_unsupported_value_raises():
+    class Box:
+        def __init__(self, t):
+            self.t = t
+
+    with pytest.raises(sh.HookTypeError, match="'boxed'.*pack returned a Box"):
+        sh.hook(lambda x: Box(x), unpack=lambda b: b.t, name="boxed")
+
+
+def _data_dependent_mutating_hook():
+    # .item() cannot run on the meta probe, so the contract is checked at first use.
+    @sh.hook
+    def sneaky(x):
+        if x.numel() > 0 and x.flatten()[0].item() != 12345.0:
+            x.add_(0)
+        return x.clone()
+
+    @sneaky.unpack
+    def sneaky(packed):
+        return packed
+
+    return sneaky
+
+
+def test_mutation_the_probe_cannot_see_raises_in_eager():
+    hooks = _data_dependent_mutating_hook()
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(sh.HookMutationError, match="'sneaky'.*pack mutated the saved tensor"):
+        with sh.saved_tensors_hooks(hooks):
+            (x * 2).sin()
+
+
+def test_contract_errors_name_the_hook_under_compile():
+    @sh.hook
+    def drift(x):
+        return x.clone()
+
+    @drift.unpack
+    def drift(packed):
+        # Shape only breaks for saved tensors the meta probe (4 x 8) does not cover.
+        return packed if packed.shape[-1] == 8 else packed[..., :1]
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    with pytest.raises(Exception, match=r"'drift'.*unpack returned shape \(3, 1\), the saved tensor had \(3, 6\)"):
+        with sh.saved_tensors_hooks(drift):
+            torch.compile(model, backend="aot_eager")(torch.randn(3, 4)).sum().backward()
