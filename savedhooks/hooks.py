@@ -175,6 +175,9 @@ def hook_context() -> HookContext | None:
     example keep layer-norm statistics unpacked). Wraps torch's private
     ``_get_saved_tensor_hook_context`` so that a change there is fixed here once.
 
+    Args:
+        None.
+
     Returns:
         A :class:`HookContext` while AOTAutograd inlines hooks into a compiled
         graph; None in eager mode, where there is no graph.

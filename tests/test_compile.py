@@ -173,3 +173,21 @@ def test_different_hook_recompiles():
         with sh.saved_tensors_hooks(hooks):
             compiled(x).sum().backward()
     assert counter.frame_count == 2
+
+
+def test_nested_hooks_innermost_is_inlined():
+    @sh.hook
+    def fp16(x):
+        return x.to(torch.float16) if x.is_floating_point() else x
+
+    @fp16.unpack
+    def fp16(packed):
+        return packed.float() if packed.dtype == torch.float16 else packed
+
+    model = mlp()
+    capture = GraphCapture()
+    compiled = torch.compile(model, backend=capture.backend)
+    with sh.saved_tensors_hooks(bf16):
+        with sh.saved_tensors_hooks(fp16):
+            compiled(torch.randn(4, 8)).sum().backward()
+    assert "dtype = torch.float16" in capture.fw[0] and "bfloat16" not in capture.fw[0]

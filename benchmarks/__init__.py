@@ -1,0 +1,1 @@
+"""savedhooks benchmarks: ``python -m benchmarks`` (run from the repository root)."""

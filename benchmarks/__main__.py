@@ -1,0 +1,3 @@
+from benchmarks.demo import main
+
+main()

@@ -1,0 +1,38 @@
+"""Packaging: the kernels folder imports as savedhooks.kernels; the public API is documented."""
+
+from __future__ import annotations
+
+import inspect
+import pathlib
+import subprocess
+import sys
+
+import savedhooks
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_kernels_resolve_to_this_repo_and_never_as_bare_kernels():
+    # Run from a neutral directory so the repository root is not on sys.path.
+    code = (
+        "import importlib.util, savedhooks.kernels as k;"
+        "spec = importlib.util.find_spec('kernels');"
+        "print(k.__file__); print(spec.origin if spec else None)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True)
+    kernels_file, bare = out.stdout.split()
+    assert pathlib.Path(kernels_file).resolve() == REPO / "kernels" / "__init__.py"
+    # A bare "kernels" is either absent or someone else's, never this folder.
+    assert bare == "None" or not pathlib.Path(bare).resolve().is_relative_to(REPO)
+
+
+def test_public_functions_document_args_returns_raises():
+    missing = []
+    for name in savedhooks.__all__:
+        obj = getattr(savedhooks, name)
+        if inspect.isfunction(obj):
+            doc = inspect.getdoc(obj) or ""
+            missing += [f"{name}: {s}" for s in ("Args:", "Returns:", "Raises:") if s not in doc]
+        elif not (inspect.getdoc(obj) or "").strip():
+            missing.append(f"{name}: no docstring")
+    assert not missing, missing
