@@ -22,6 +22,21 @@ def bf16(packed):
     return packed.to(torch.float32) if packed.dtype == torch.bfloat16 else packed
 
 
+def cast_hook(dtype: torch.dtype) -> sh.HookPair:
+    """A hook that keeps saved floating tensors in ``dtype``, built from fresh functions."""
+
+    @sh.hook
+    def cast(x):
+        return x.dtype, (x.to(dtype) if x.is_floating_point() else x)
+
+    @cast.unpack
+    def cast(packed):
+        orig, y = packed
+        return y.to(orig)
+
+    return cast
+
+
 def mlp(width: int = 16) -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),

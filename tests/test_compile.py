@@ -9,7 +9,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
-from models import GraphCapture, bf16, cnn, mlp, train_step_grads
+from models import GraphCapture, bf16, cast_hook, cnn, mlp, train_step_grads
 
 
 def _max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -126,68 +126,44 @@ def test_naive_make_fx_cast_crashes_on_int64_indices():
         loss.backward()
 
 
-def _bf16_factory():
-    # A fresh function object on every call, with equal code and configuration.
-    @sh.hook
-    def cast(x):
-        return x.to(torch.bfloat16) if x.is_floating_point() else x
-
-    @cast.unpack
-    def cast(packed):
-        return packed.to(torch.float32) if packed.dtype == torch.bfloat16 else packed
-
-    return cast
-
-
-def test_equal_hooks_compile_once():
+def _frames_compiled(hook_contexts) -> int:
+    """Run an MLP step under each hook context in turn; return how many frames compiled."""
     model = mlp()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter)
     x = torch.randn(4, 8)
-    for _ in range(2):
-        with sh.saved_tensors_hooks(_bf16_factory()):
+    for make_context in hook_contexts:
+        with make_context():
             compiled(x).sum().backward()
-    assert counter.frame_count == 1
+    return counter.frame_count
+
+
+def test_equal_hooks_compile_once():
+    # cast_hook builds fresh function objects on every call, with equal code and config.
+    assert _frames_compiled([lambda: sh.saved_tensors_hooks(cast_hook(torch.bfloat16))] * 2) == 1
+
+
+def _fresh_make_fx_hooks():
+    pack = make_fx(lambda t: t.to(torch.bfloat16))(torch.randn(4))
+    unpack = make_fx(lambda t: t.to(torch.float32))(torch.randn(4, dtype=torch.bfloat16))
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def test_fresh_make_fx_pairs_recompile():
     """The contrast: torch's guard compares ids, so equal but fresh GraphModules recompile."""
-    model = mlp()
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(model, backend=counter)
-    x = torch.randn(4, 8)
-    for _ in range(2):
-        pack = make_fx(lambda t: t.to(torch.bfloat16))(torch.randn(4))
-        unpack = make_fx(lambda t: t.to(torch.float32))(torch.randn(4, dtype=torch.bfloat16))
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            compiled(x).sum().backward()
-    assert counter.frame_count == 2
+    assert _frames_compiled([_fresh_make_fx_hooks] * 2) == 2
 
 
 def test_different_hook_recompiles():
-    model = mlp()
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(model, backend=counter)
-    x = torch.randn(4, 8)
-    for hooks in (bf16, _bf16_factory()):
-        with sh.saved_tensors_hooks(hooks):
-            compiled(x).sum().backward()
-    assert counter.frame_count == 2
+    hooks = [bf16, cast_hook(torch.float16)]
+    assert _frames_compiled([lambda h=h: sh.saved_tensors_hooks(h) for h in hooks]) == 2
 
 
 def test_nested_hooks_innermost_is_inlined():
-    @sh.hook
-    def fp16(x):
-        return x.to(torch.float16) if x.is_floating_point() else x
-
-    @fp16.unpack
-    def fp16(packed):
-        return packed.float() if packed.dtype == torch.float16 else packed
-
     model = mlp()
     capture = GraphCapture()
     compiled = torch.compile(model, backend=capture.backend)
     with sh.saved_tensors_hooks(bf16):
-        with sh.saved_tensors_hooks(fp16):
+        with sh.saved_tensors_hooks(cast_hook(torch.float16)):
             compiled(torch.randn(4, 8)).sum().backward()
     assert "dtype = torch.float16" in capture.fw[0] and "bfloat16" not in capture.fw[0]

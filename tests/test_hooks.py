@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import savedhooks as sh
-from models import bf16, mlp, train_step_grads
+from models import bf16, cast_hook, mlp, train_step_grads
 
 
 def _counting_hook(calls: list[str], tag: str) -> sh.HookPair:
@@ -25,27 +25,14 @@ def _counting_hook(calls: list[str], tag: str) -> sh.HookPair:
 # --- identity -------------------------------------------------------------------------
 
 
-def _cast_factory(dtype):
-    @sh.hook
-    def cast(x):
-        return x.dtype, x.to(dtype)
-
-    @cast.unpack
-    def cast(packed):
-        orig, y = packed
-        return y.to(orig)
-
-    return cast
-
-
 def test_equal_configuration_returns_same_pair():
-    a, b = _cast_factory(torch.bfloat16), _cast_factory(torch.bfloat16)
+    a, b = cast_hook(torch.bfloat16), cast_hook(torch.bfloat16)
     assert a is b and a.pack is b.pack and a.unpack is b.unpack
     assert a.cache_hash is not None and len(a.cache_hash) == 64
 
 
 def test_different_configuration_returns_different_pair():
-    a, b = _cast_factory(torch.bfloat16), _cast_factory(torch.float16)
+    a, b = cast_hook(torch.bfloat16), cast_hook(torch.float16)
     assert a is not b and a.cache_hash != b.cache_hash
 
 
