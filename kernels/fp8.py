@@ -1,0 +1,201 @@
+"""Scaled float8 quantize / dequantize of a 2-D tensor: the aten reference and its ops.
+
+Layout: the codec hands over a contiguous 2-D view ``(rows, cols)`` whose last
+dim is the tensor's innermost dim in memory. Scales are float32:
+
+* ``"tensor"``: shape ``(1, 1)``, one amax over everything (two passes);
+* ``"row"``: shape ``(rows, 1)``;
+* ``"block"``: shape ``(rows, ceil(cols / block_size))``; the last block of a row
+  may be shorter (no padding copy).
+
+Numerics (the spec the Triton kernels must match bit for bit):
+
+* ``scale = amax / fmax`` over the *finite* values of a group, 1 for an all-zero
+  (or all-non-finite) group so zeros come back exact, at least the smallest
+  normal float32 so that tiny groups never divide by zero; with ``pow2_scale``
+  rounded up to a power of two (exact: a mantissa carry on the bits).
+* ``q = fp8(clamp(x / scale, -fmax, fmax))`` with round-to-nearest-even. Non-finite
+  values are never made finite: NaN stays NaN; +-inf stays +-inf in e5m2 and
+  becomes NaN in e4m3fn, which has no infinity (torch's own cast would saturate
+  it to +-448). Finite neighbours keep full accuracy: amax skips non-finite values.
+* ``x' = q * scale`` in float32, then cast to the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FP8_DTYPES", "GRANULARITIES", "torch_fp8_dequantize", "torch_fp8_quantize"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+GRANULARITIES = ("tensor", "row", "block")
+# Smallest normal float32: a scale below it would make x / scale lose bits or overflow.
+_MIN_SCALE = torch.finfo(torch.float32).tiny
+
+
+def _group_amax(x: torch.Tensor, granularity: str, block_size: int) -> torch.Tensor:
+    finite_abs = torch.where(torch.isfinite(x), x.abs(), 0.0)
+    if granularity == "tensor":
+        return finite_abs.amax().reshape(1, 1)
+    if granularity == "row":
+        return finite_abs.amax(dim=1, keepdim=True)
+    rows, cols = x.shape
+    full = cols // block_size * block_size
+    parts = [finite_abs[:, :full].reshape(rows, -1, block_size).amax(dim=2)] if full else []
+    if full < cols:
+        parts.append(finite_abs[:, full:].amax(dim=1, keepdim=True))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def _pow2_ceil(v: torch.Tensor) -> torch.Tensor:
+    # Positive normal float32: adding 2**23 - 1 carries into the exponent unless the
+    # mantissa is already zero; masking the mantissa then leaves the next power of two.
+    bits = v.view(torch.int32)
+    return ((bits + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+
+
+def _expand_scale(scale: torch.Tensor, cols: int, block_size: int) -> torch.Tensor:
+    """Scale per element of a (rows, cols) tensor, as a broadcastable view where possible."""
+    if scale.shape[1] == 1:
+        return scale
+    return scale.repeat_interleave(block_size, dim=1)[:, :cols]
+
+
+# Rows per step of the reference: bounds its float32 temporaries to a few MiB,
+# whatever the tensor size (groups never span rows, so chunking changes no bits).
+_CHUNK_ELEMS = 1 << 20
+
+
+def _row_chunks(rows: int, cols: int) -> range:
+    return range(0, rows, max(1, _CHUNK_ELEMS // max(cols, 1)))
+
+
+def _scale_from_amax(amax: torch.Tensor, fmax: float, pow2_scale: bool) -> torch.Tensor:
+    scale = torch.where(amax > 0, amax / fmax, 1.0).clamp_min(_MIN_SCALE)
+    return _pow2_ceil(scale) if pow2_scale else scale
+
+
+def _cast(y: torch.Tensor, dtype: torch.dtype, fmax: float) -> torch.Tensor:
+    # e4m3fn has no inf: send +-inf to NaN rather than let the cast saturate to +-448.
+    nonfinite = torch.full_like(y, float("nan")) if dtype == torch.float8_e4m3fn else y
+    return torch.where(torch.isfinite(y), y.clamp(-fmax, fmax), nonfinite).to(dtype)
+
+
+def torch_fp8_quantize(
+    x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: int, pow2_scale: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D floating tensor to float8 with per-group float32 scales (aten reference).
+
+    Args:
+        x: ``(rows, cols)`` float32, bfloat16 or float16 tensor, any device.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        granularity: ``"tensor"``, ``"row"`` or ``"block"`` (1 x block_size along dim 1).
+        block_size: elements per block; ignored unless granularity is ``"block"``.
+        pow2_scale: round scales up to powers of two.
+
+    Returns:
+        ``(q, scale)``: q has x's shape and ``dtype``; scale is float32 of shape
+        ``(1, 1)``, ``(rows, 1)`` or ``(rows, ceil(cols / block_size))``.
+
+    Raises:
+        ValueError: x is not 2-D floating point, or dtype / granularity / block_size is invalid.
+    """
+    _check_quantize_args(x, dtype, granularity, block_size)
+    rows, cols = x.shape
+    fmax = torch.finfo(dtype).max
+    q = torch.empty((rows, cols), dtype=dtype, device=x.device)
+    scale = torch.ones(_scale_shape(rows, cols, granularity, block_size), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return q, scale
+    chunks = _row_chunks(rows, cols)
+    step = chunks.step
+    if granularity == "tensor":
+        amax = torch.stack([_group_amax(x[r : r + step].float(), "tensor", block_size) for r in chunks]).amax(0)
+        scale.copy_(_scale_from_amax(amax, fmax, pow2_scale))
+    for r in chunks:
+        xf = x[r : r + step].float()
+        if granularity == "tensor":
+            s = scale
+        else:
+            s = _scale_from_amax(_group_amax(xf, granularity, block_size), fmax, pow2_scale)
+            scale[r : r + step] = s
+        q[r : r + step] = _cast(xf / _expand_scale(s, cols, block_size), dtype, fmax)
+    return q, scale
+
+
+def torch_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, block_size: int) -> torch.Tensor:
+    """Inverse of :func:`torch_fp8_quantize` (aten reference).
+
+    Args:
+        q: ``(rows, cols)`` float8 tensor.
+        scale: float32 scales as returned by the quantize op.
+        out_dtype: dtype of the result (the original tensor's).
+        block_size: the block size used to quantize (only read for block scales).
+
+    Returns:
+        ``(rows, cols)`` tensor of ``out_dtype``, contiguous.
+
+    Raises:
+        ValueError: shapes or dtypes of q and scale do not fit together.
+    """
+    if q.dim() != 2 or q.dtype not in FP8_DTYPES or scale.dtype != torch.float32 or scale.dim() != 2:
+        raise ValueError(
+            "fp8_dequantize expects 2-D float8 q and 2-D float32 scale, got "
+            f"{q.dtype}{tuple(q.shape)}, {scale.dtype}{tuple(scale.shape)}"
+        )
+    rows, cols = q.shape
+    out = torch.empty((rows, cols), dtype=out_dtype, device=q.device)
+    chunks = _row_chunks(rows, cols)
+    for r in chunks:
+        s = scale if scale.shape[0] == 1 else scale[r : r + chunks.step]
+        out[r : r + chunks.step] = q[r : r + chunks.step].float() * _expand_scale(s, cols, block_size)
+    return out
+
+
+def _check_quantize_args(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: int) -> None:
+    if x.dim() != 2 or not x.is_floating_point() or x.dtype in FP8_DTYPES:
+        raise ValueError(f"fp8_quantize expects a 2-D float32/bfloat16/float16 tensor, got {x.dtype}{tuple(x.shape)}")
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_quantize: dtype must be one of {FP8_DTYPES}, got {dtype}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"fp8_quantize: granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if block_size < 1:
+        raise ValueError(f"fp8_quantize: block_size must be >= 1, got {block_size}")
+
+
+def _scale_shape(rows: int, cols: int, granularity: str, block_size: int) -> tuple[int, int]:
+    if granularity == "tensor":
+        return (1, 1)
+    if granularity == "row":
+        return (rows, 1)
+    return (rows, -(-cols // block_size))
+
+
+# --- ops: one graph node per codec call, traceable inside hook graphs -------------------
+
+
+@torch.library.custom_op("savedhooks::fp8_quantize", mutates_args=())
+def fp8_quantize(
+    x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: int, pow2_scale: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.savedhooks.fp8_quantize``: see :func:`torch_fp8_quantize`."""
+    return torch_fp8_quantize(x, dtype, granularity, block_size, pow2_scale)
+
+
+@fp8_quantize.register_fake
+def _(x, dtype, granularity, block_size, pow2_scale):
+    _check_quantize_args(x, dtype, granularity, block_size)
+    rows, cols = x.shape
+    scale = x.new_empty(_scale_shape(rows, cols, granularity, block_size), dtype=torch.float32)
+    return torch.empty_like(x, dtype=dtype), scale
+
+
+@torch.library.custom_op("savedhooks::fp8_dequantize", mutates_args=())
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, block_size: int) -> torch.Tensor:
+    """``torch.ops.savedhooks.fp8_dequantize``: see :func:`torch_fp8_dequantize`."""
+    return torch_fp8_dequantize(q, scale, out_dtype, block_size)
+
+
+@fp8_dequantize.register_fake
+def _(q, scale, out_dtype, block_size):
+    return torch.empty_like(q, dtype=out_dtype, memory_format=torch.contiguous_format)
