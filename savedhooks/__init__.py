@@ -1,5 +1,19 @@
 """savedhooks: cheaper activation memory through saved-tensor hooks, eager and compiled."""
 
+from savedhooks.codecs import (
+    Bitmask,
+    Codec,
+    Downcast,
+    Float8,
+    Offload,
+    Policy,
+    bitmask,
+    downcast,
+    fp8,
+    offload,
+    policy,
+)
+from savedhooks.metrics import sqnr
 from savedhooks.fingerprint import UnfingerprintableError, fingerprint
 from savedhooks.hooks import (
     HookContext,
@@ -26,6 +40,20 @@ __all__ = [
     "saved_tensors_hooks",
     "HookContext",
     "hook_context",
+    # codecs: ready-made hook pairs, and their configurations
+    "fp8",
+    "downcast",
+    "bitmask",
+    "offload",
+    "policy",
+    "Codec",
+    "Float8",
+    "Downcast",
+    "Bitmask",
+    "Offload",
+    "Policy",
+    # measuring
+    "sqnr",
     # errors
     "HookError",
     "HookMismatchError",

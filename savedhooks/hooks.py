@@ -22,6 +22,10 @@ Design notes
   what packing cannot free, as the compiled default ("donated": intermediates
   only) does: leaves (parameters, inputs) and views of them. Eager and compiled
   then pack the same tensors.
+* Eager autograd saves one tensor several times (relu's output is saved by relu
+  and by the next matmul). Inside :class:`saved_tensors_hooks` a tensor is packed
+  once per version and the payload shared; the cache holds the tensor weakly, so
+  an entry goes when the tensor does (no growth when one block spans many steps).
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ import contextlib
 import dataclasses
 import hashlib
 import pathlib
+import threading
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -112,6 +118,8 @@ class _Passthrough:
 
 
 _FUNCTIONS: dict[str, _HookFunctions] = {}
+# Per thread: the stack of active savedhooks contexts, as (hook key, eager pack cache).
+_active = threading.local()
 _PAIRS: dict[str, HookPair] = {}
 _unique_counter = 0
 
@@ -133,12 +141,16 @@ class HookPair:
             the graph nodes as ``user_cache_hash``), or None when the hook
             captures values without a stable digest; AOTAutograd then bypasses
             its cache rather than risk a stale hit.
+        codec: the ``savedhooks.codecs.Codec`` this pair applies, or None for
+            hooks written with :func:`hook` (lets codecs nest, as in
+            ``offload(fp8())``).
     """
 
     name: str
     pack: torch.fx.GraphModule
     unpack: torch.fx.GraphModule
     cache_hash: str | None
+    codec: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pack, torch.fx.GraphModule) or not isinstance(self.unpack, torch.fx.GraphModule):
@@ -198,9 +210,34 @@ def hook_context() -> HookContext | None:
 
 def _run_pack(x: torch.Tensor, key: str) -> Any:
     fns = _lookup(key)
-    if _is_eager(x) and _frees_nothing(x):
+    if not _is_eager(x):
+        return _pack_checked(fns, x)
+    if _frees_nothing(x):
         return _Passthrough(x)
-    return _pack_checked(fns, x)
+    cache = _eager_cache(key)
+    if cache is None:
+        return _pack_checked(fns, x)
+    hit = cache.get(id(x))
+    if hit is not None and hit[0]() is x and hit[1] == x._version:
+        return hit[2]
+    packed = _pack_checked(fns, x)
+    if not _holds_storage_of(packed, x):  # else the cache would keep x alive
+        cache[id(x)] = (weakref.ref(x, lambda _, k=id(x): cache.pop(k, None)), x._version, packed)
+    return packed
+
+
+def _eager_cache(key: str) -> dict[int, tuple[Any, int, Any]] | None:
+    stack = getattr(_active, "stack", None)
+    if not stack or stack[-1][0] != key:  # torch's hooks were pushed above ours
+        return None
+    return stack[-1][1]
+
+
+def _holds_storage_of(packed: Any, x: torch.Tensor) -> bool:
+    ptr = x.untyped_storage().data_ptr()
+    return any(
+        isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr for t in pytree.tree_leaves(packed)
+    )
 
 
 def _run_unpack(packed: Any, key: str) -> torch.Tensor:
@@ -290,6 +327,7 @@ def make_hook_pair(
     pack: Callable[[torch.Tensor], Any],
     unpack: Callable[[Any], torch.Tensor],
     config: Any = None,
+    codec: Any = None,
 ) -> HookPair:
     """Build (or fetch the cached) :class:`HookPair` for two Python functions.
 
@@ -301,6 +339,8 @@ def make_hook_pair(
             saved tensor's dtype, device and shape.
         config: extra configuration that changes what the functions compute and
             that they do not capture themselves (fingerprinted with them).
+        codec: the codec object the functions apply, kept on the pair (not
+            fingerprinted: the functions must capture it themselves).
 
     Returns:
         The HookPair for this (name, code, configuration). Calling again with
@@ -336,6 +376,7 @@ def make_hook_pair(
             pack=_hook_graph_module(_run_pack, "x", key, cache_hash),
             unpack=_hook_graph_module(_run_unpack, "packed", key, cache_hash),
             cache_hash=cache_hash,
+            codec=codec,
         )
     return _PAIRS[key]
 
@@ -472,13 +513,19 @@ class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors 
                 f"codec such as savedhooks.fp8()), got {type(hooks).__name__}: {hooks!r}"
             )
         self.hooks = hooks
-        self._active: list[torch.autograd.graph.saved_tensors_hooks] = []
+        # None for pairs not built by make_hook_pair (e.g. make_fx graphs): no eager cache.
+        self._key = next((n.args[1] for n in hooks.pack.graph.nodes if n.target is _run_pack), None)
+        self._entered: list[torch.autograd.graph.saved_tensors_hooks] = []
 
     def __enter__(self) -> HookPair:
         torch_hooks = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
         torch_hooks.__enter__()
-        self._active.append(torch_hooks)
+        self._entered.append(torch_hooks)
+        if not hasattr(_active, "stack"):
+            _active.stack = []
+        _active.stack.append((self._key, {}))
         return self.hooks
 
     def __exit__(self, *exc_info: object) -> None:
-        self._active.pop().__exit__(*exc_info)
+        _active.stack.pop()
+        self._entered.pop().__exit__(*exc_info)

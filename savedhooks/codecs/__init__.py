@@ -1,0 +1,24 @@
+"""Ready-made codecs: what a saved tensor becomes between forward and backward."""
+
+from savedhooks.codecs.base import Codec
+from savedhooks.codecs.bitmask import Bitmask, bitmask
+from savedhooks.codecs.downcast import Downcast, downcast
+from savedhooks.codecs.fp8 import Float8, fp8
+from savedhooks.codecs.offload import Offload, offload
+from savedhooks.codecs.policy import DEFAULT_KEEP_OPS, Policy, policy, producing_op
+
+__all__ = [
+    "Codec",
+    "Bitmask",
+    "Downcast",
+    "Float8",
+    "Offload",
+    "Policy",
+    "DEFAULT_KEEP_OPS",
+    "bitmask",
+    "downcast",
+    "fp8",
+    "offload",
+    "policy",
+    "producing_op",
+]

@@ -1,0 +1,223 @@
+"""What every codec shares: the Codec base, the pack/unpack driver, memory layout.
+
+Design notes
+------------
+* A codec is a frozen dataclass (its configuration, checked in ``__post_init__``)
+  with ``accepts`` (which saved tensors it packs), ``encode`` and ``decode``.
+  ``Codec.hooks()`` turns it into the cached :class:`~savedhooks.HookPair`; the
+  pack and unpack functions are ``functools.partial``s over the codec, so the
+  pair's fingerprint covers the whole configuration.
+* The driver (``pack_saved`` / ``unpack_saved``) tags each payload with the
+  index of the codec that made it (-1: stored as is). A policy is a codec with
+  several sub-codecs; the tag is a constant, so under compile it is decided per
+  saved tensor and baked into the unpack graph.
+* Layout: codecs work on a 2-D ``(rows, cols)`` view in *memory* order (the
+  innermost dim in memory becomes ``cols``). For any dense tensor, transposed
+  or channels_last included, that view needs no copy, and unpack gives back a
+  tensor with the original strides by permuting back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+from savedhooks.hooks import HookPair, hook_context, make_hook_pair
+
+__all__ = ["Codec", "Layout", "as_codec", "to_rows", "from_rows"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How to turn a ``(rows, cols)`` result back into the saved tensor's shape and strides.
+
+    Attributes:
+        dims: the tensor's dims ordered outermost to innermost in memory.
+        shape: the shape in that order (the shape of the contiguous permuted tensor).
+    """
+
+    dims: tuple[int, ...]
+    shape: tuple[Any, ...]
+
+
+def to_rows(x: torch.Tensor) -> tuple[torch.Tensor, Layout]:
+    """View ``x`` as ``(rows, cols)`` in memory order (copying only if x is not dense).
+
+    Args:
+        x: any tensor (0-d included).
+
+    Returns:
+        ``(x2d, layout)``: x2d is contiguous; :func:`from_rows` inverts it.
+
+    Raises:
+        Nothing.
+    """
+    if x.dim() == 0:
+        return x.reshape(1, 1), Layout((), ())
+    if x.is_contiguous() or not is_non_overlapping_and_dense_or_false(x):
+        dims = tuple(range(x.dim()))
+    else:  # a dense permutation (transposed, channels_last): read it in memory order
+        dims = tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d], d)))
+    permuted = x.permute(dims).contiguous()  # a no-op for dense tensors
+    return permuted.view(-1, permuted.shape[-1]), Layout(dims, tuple(permuted.shape))
+
+
+def from_rows(y: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Invert :func:`to_rows`: reshape ``(rows, cols)`` and permute back to the original strides.
+
+    Args:
+        y: contiguous ``(rows, cols)`` tensor.
+        layout: what :func:`to_rows` returned for the original tensor.
+
+    Returns:
+        A view of ``y`` with the original shape (and strides, for dense tensors).
+
+    Raises:
+        Nothing.
+    """
+    if not layout.dims:
+        return y.reshape(())
+    if layout.dims == tuple(range(len(layout.dims))):
+        return y.view(layout.shape)
+    inverse = [0] * len(layout.dims)
+    for position, dim in enumerate(layout.dims):
+        inverse[dim] = position
+    return y.view(layout.shape).permute(inverse)
+
+
+class Codec:
+    """Base of all codecs: a frozen-dataclass configuration plus encode / decode.
+
+    Subclasses set ``accepts`` (which saved tensors they pack; others are stored
+    as they are), ``encode`` (tensor -> payload pytree) and ``decode`` (payload ->
+    tensor of the saved tensor's dtype, shape and strides).
+    """
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        """Whether this codec packs ``x`` (default: non-empty floating tensors)."""
+        return x.is_floating_point() and x.numel() > 0
+
+    def encode(self, x: torch.Tensor) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def decode(self, payload: Any) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def choose(self, x: torch.Tensor) -> int:
+        """Index into :meth:`codecs` of the codec for ``x``, or -1 to store it as is."""
+        return 0 if self.accepts(x) else -1
+
+    def codecs(self) -> tuple[Codec, ...]:
+        """The codecs :meth:`choose` picks from (a policy has several)."""
+        return (self,)
+
+    def hooks(self) -> HookPair:
+        """The cached :class:`HookPair` that applies this codec to saved tensors."""
+        return _hooks_for(self)
+
+
+@functools.cache
+def _hooks_for(codec: Codec) -> HookPair:
+    pack = functools.partial(pack_saved, codec)
+    return make_hook_pair(repr(codec), pack, functools.partial(unpack_saved, codec), codec=codec)
+
+
+_AS_IS = -1
+_SIGN_ONLY = -2
+# Ops through which a saved value reaches its real backward users unchanged.
+_ALIAS_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def pack_saved(codec: Codec, x: torch.Tensor) -> tuple[int, Any]:
+    """Pack one saved tensor: ``(index of the codec used, payload)``.
+
+    Index -1 stores x as is; -2 stores only its sign (see :func:`sign_only_in_backward`).
+    """
+    index = codec.choose(x)
+    if index < 0:
+        return _AS_IS, x
+    if x.is_floating_point() and sign_only_in_backward():
+        from savedhooks.codecs.bitmask import SignBits
+
+        return _SIGN_ONLY, SignBits().encode(x)
+    return index, codec.codecs()[index].encode(x)
+
+
+def unpack_saved(codec: Codec, packed: tuple[int, Any]) -> torch.Tensor:
+    """Invert :func:`pack_saved`."""
+    index, payload = packed
+    if index == _AS_IS:
+        return payload
+    if index == _SIGN_ONLY:
+        from savedhooks.codecs.bitmask import SignBits
+
+        return SignBits().decode(payload)
+    return codec.codecs()[index].decode(payload)
+
+
+def sign_only_in_backward() -> bool:
+    """Whether the saved value being packed is only compared with 0 in backward.
+
+    True when, under torch.compile, every backward use of the value (looking
+    through ``detach``) is ``threshold_backward(grad, value, 0)``: ReLU's saved
+    output. Then 1 bit per element restores the gradient exactly.
+
+    Args:
+        None.
+
+    Returns:
+        False in eager mode, where there is no backward graph to look at.
+
+    Raises:
+        Nothing.
+    """
+    ctx = hook_context()
+    if ctx is None:
+        return False
+    placeholder = next((n for n in ctx.bw_graph.nodes if n.op == "placeholder" and n.name == ctx.node.name), None)
+    if placeholder is None:
+        return False
+    frontier, uses = [placeholder], []
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.target in _ALIAS_OPS:
+                frontier.append(user)
+            else:
+                uses.append((user, node))
+    return bool(uses) and all(
+        user.target is torch.ops.aten.threshold_backward.default
+        and user.args[1] is value
+        and user.args[0] is not value
+        and user.args[2] == 0
+        for user, value in uses
+    )
+
+
+def as_codec(value: Any, what: str) -> Codec | None:
+    """Accept a Codec, a HookPair built from one, or None; anything else is a TypeError.
+
+    Args:
+        value: what the user passed.
+        what: the argument's name, for the error message.
+
+    Returns:
+        The codec, or None.
+
+    Raises:
+        TypeError: ``value`` is a HookPair from ``@savedhooks.hook`` (no codec
+            inside) or not a codec at all.
+    """
+    if value is None or isinstance(value, Codec):
+        return value
+    codec = getattr(value, "codec", None) if isinstance(value, HookPair) else None
+    if codec is None:
+        raise TypeError(
+            f"{what} must be a savedhooks codec such as savedhooks.fp8() or savedhooks.bitmask(), "
+            f"got {value!r}; hooks written with @savedhooks.hook cannot be nested inside codecs"
+        )
+    return codec

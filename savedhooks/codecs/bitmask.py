@@ -1,0 +1,73 @@
+"""Lossless 1-bit packing of saved bool tensors (ReLU, dropout and threshold masks)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+import savedhooks.kernels.bitmask  # noqa: F401 - registers torch.ops.savedhooks.bitmask_*
+from savedhooks.codecs.base import Codec, Layout, from_rows, to_rows
+
+__all__ = ["Bitmask", "bitmask"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bitmask(Codec):
+    """Configuration of the bitmask codec (see :func:`bitmask`); it has none."""
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        """Non-empty bool tensors."""
+        return x.dtype == torch.bool and x.numel() > 0
+
+    def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
+        """``(bits, layout)``: 8 bools per byte, in memory order."""
+        rows, layout = to_rows(x)
+        return torch.ops.savedhooks.bitmask_pack(rows.view(-1)), layout.dims, layout.shape
+
+    def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
+        """The bool tensor, bit for bit, with the saved tensor's shape and strides."""
+        bits, dims, shape = payload
+        numel = 1
+        for size in shape:
+            numel *= size
+        flat = torch.ops.savedhooks.bitmask_unpack(bits, numel)
+        return from_rows(flat.view(-1, shape[-1] if shape else 1), Layout(tuple(dims), tuple(shape)))
+
+
+def bitmask():
+    """Hooks that keep saved bool tensors at 1 bit per element (lossless).
+
+    Args:
+        None.
+
+    Returns:
+        The cached :class:`~savedhooks.HookPair`. Non-bool tensors are stored as
+        they are.
+
+    Raises:
+        Nothing.
+    """
+    return Bitmask().hooks()
+
+
+@dataclasses.dataclass(frozen=True)
+class SignBits(Codec):
+    """Only the sign of a floating tensor (``x > 0``), 1 bit per element; decodes to 0.0 / 1.0.
+
+    Exact for a saved value whose backward uses only compare it with 0, as
+    ``threshold_backward(grad, relu_out, 0)`` does. Under torch.compile a ReLU
+    output is saved twice, as itself and as a ``detach`` alias that only feeds
+    ``threshold_backward``; packing the alias this way removes the second copy.
+    """
+
+    def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
+        """``(bits of x > 0, dtype, layout)``."""
+        rows, layout = to_rows(x)
+        return torch.ops.savedhooks.bitmask_pack((rows > 0).view(-1)), x.dtype, layout.dims, layout.shape
+
+    def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
+        """1.0 where the value was positive, else 0.0, in the saved dtype, shape and strides."""
+        bits, dtype, dims, shape = payload
+        return Bitmask().decode((bits, dims, shape)).to(dtype)

@@ -1,0 +1,87 @@
+"""Scaled float8 packing of saved floating tensors: 1 byte per element plus scales.
+
+The numerics live in ``savedhooks.kernels.fp8`` (the aten reference is the spec;
+Triton kernels must match it bit for bit). This file is the codec around them:
+configuration checks, layout, and what unpack needs to rebuild the tensor.
+
+Non-finite values: NaN stays NaN; +-inf stays +-inf with e5m2 and comes back as
+NaN with e4m3fn (it has no infinity). Scales ignore non-finite values, so the
+finite values of the same group keep full accuracy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+import savedhooks.kernels.fp8  # noqa: F401 - registers torch.ops.savedhooks.fp8_*
+from savedhooks.codecs.base import Codec, Layout, from_rows, to_rows
+from savedhooks.kernels.fp8 import FP8_DTYPES, GRANULARITIES
+
+__all__ = ["Float8", "fp8"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8(Codec):
+    """Configuration of the float8 codec (see :func:`fp8`)."""
+
+    dtype: torch.dtype = torch.float8_e4m3fn
+    granularity: str = "block"
+    block_size: int = 128
+    pow2_scale: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in FP8_DTYPES:
+            raise ValueError(f"fp8: dtype must be one of {FP8_DTYPES}, got {self.dtype}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"fp8: granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+            raise ValueError(f"fp8: block_size must be a positive int, got {self.block_size!r}")
+        if not isinstance(self.pow2_scale, bool):
+            raise ValueError(f"fp8: pow2_scale must be a bool, got {self.pow2_scale!r}")
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        """Non-empty fp32 / bf16 / fp16 tensors (float8 and float64 are left alone)."""
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.numel() > 0
+
+    def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
+        """Quantize ``x``: ``(q, scale, dtype, layout)``."""
+        rows, layout = to_rows(x)
+        q, scale = torch.ops.savedhooks.fp8_quantize(rows, self.dtype, self.granularity, self.block_size, self.pow2_scale)
+        return q, scale, x.dtype, layout.dims, layout.shape
+
+    def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
+        """Dequantize to the saved tensor's dtype, shape and strides."""
+        q, scale, dtype, dims, shape = payload
+        rows = torch.ops.savedhooks.fp8_dequantize(q, scale, dtype, self.block_size)
+        return from_rows(rows, Layout(tuple(dims), tuple(shape)))
+
+
+def fp8(
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    granularity: str = "block",
+    block_size: int = 128,
+    pow2_scale: bool = False,
+):
+    """Hooks that keep saved floating tensors in float8 with float32 scales.
+
+    Args:
+        dtype: ``torch.float8_e4m3fn`` (more precision, max 448) or
+            ``torch.float8_e5m2`` (more range, max 57344).
+        granularity: ``"tensor"`` (one scale), ``"row"`` (one per row of the
+            innermost dim in memory) or ``"block"`` (1 x ``block_size`` tiles
+            along it; a last block may be shorter).
+        block_size: elements per block for ``"block"``.
+        pow2_scale: round scales up to powers of two (re-quantizing an unpacked
+            tensor then gives it back exactly).
+
+    Returns:
+        The cached :class:`~savedhooks.HookPair` (equal arguments, same object).
+        Integer, bool and float64 tensors are stored as they are.
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
+    return Float8(dtype, granularity, block_size, pow2_scale).hooks()

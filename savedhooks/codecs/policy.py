@@ -1,0 +1,147 @@
+"""Choose a codec per saved tensor: by dtype, by size, and by the op that made it.
+
+Under ``torch.compile`` the hook context gives the saved value's FX node, so the
+policy can keep what is small but precision-critical (normalization statistics)
+as it is. In eager mode there is no graph: the policy decides by dtype and size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+
+from savedhooks.codecs.base import Codec, as_codec
+from savedhooks.codecs.bitmask import Bitmask
+from savedhooks.codecs.fp8 import Float8
+from savedhooks.hooks import hook_context
+
+__all__ = ["DEFAULT_KEEP_OPS", "Policy", "is_statistic_of", "policy", "producing_op"]
+
+# Statistics saved by normalization layers: small, and their error is amplified
+# (rstd multiplies every element of the row).
+DEFAULT_KEEP_OPS = (
+    "native_layer_norm",
+    "native_group_norm",
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional",
+    "_native_batch_norm_legit_no_training",
+    "_fused_rms_norm",
+)
+
+
+def producing_op(node: torch.fx.Node) -> str | None:
+    """Name of the aten op that produced a saved value, looking through ``getitem``.
+
+    Args:
+        node: the saved value's node in the forward graph.
+
+    Returns:
+        The op's overload-packet name (``"native_layer_norm"``), or None when the
+        node is not an op call.
+
+    Raises:
+        Nothing.
+    """
+    while node.op == "call_function" and node.target is operator.getitem:
+        node = node.args[0]
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet, "__name__", None) if packet is not None else getattr(target, "__name__", None)
+
+
+def is_statistic_of(node: torch.fx.Node, ops: tuple[str, ...]) -> bool:
+    """Whether a saved value is a statistic of one of ``ops``.
+
+    A statistic is an output after the first of a multi-output op (layer norm's
+    mean and rstd, not its normalized output), or the output of a single-output op.
+
+    Args:
+        node: the saved value's node in the forward graph.
+        ops: aten overload-packet names.
+
+    Returns:
+        True when the value should be kept as it is.
+
+    Raises:
+        Nothing.
+    """
+    index = None
+    if node.op == "call_function" and node.target is operator.getitem:
+        index = node.args[1]
+    return producing_op(node) in ops and index != 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy(Codec):
+    """Configuration of the policy codec (see :func:`policy`)."""
+
+    floating: Codec | None = Float8()
+    boolean: Codec | None = Bitmask()
+    integer: Codec | None = None
+    min_bytes: int = 1024
+    keep_ops: tuple[str, ...] = DEFAULT_KEEP_OPS
+
+    def __post_init__(self) -> None:
+        for name in ("floating", "boolean", "integer"):
+            object.__setattr__(self, name, as_codec(getattr(self, name), f"policy({name}=...)"))
+        if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
+            raise ValueError(f"policy: min_bytes must be a non-negative int, got {self.min_bytes!r}")
+        if isinstance(self.keep_ops, str) or not all(isinstance(op, str) for op in self.keep_ops):
+            raise ValueError(f"policy: keep_ops must be a tuple of op names, got {self.keep_ops!r}")
+        object.__setattr__(self, "keep_ops", tuple(self.keep_ops))
+
+    def codecs(self) -> tuple[Codec, ...]:
+        """The configured codecs, in the fixed order floating, boolean, integer."""
+        return tuple(c for c in (self.floating, self.boolean, self.integer) if c is not None)
+
+    def choose(self, x: torch.Tensor) -> int:
+        """Pick the codec for ``x`` (index into :meth:`codecs`), or -1 to keep it as is."""
+        if x.numel() * x.element_size() < self.min_bytes:
+            return -1
+        ctx = hook_context()
+        if ctx is not None and is_statistic_of(ctx.node, self.keep_ops):
+            return -1
+        if x.dtype == torch.bool:
+            codec = self.boolean
+        elif x.is_floating_point():
+            codec = self.floating
+        else:
+            codec = self.integer
+        if codec is None or not codec.accepts(x):
+            return -1
+        return self.codecs().index(codec)
+
+
+def policy(
+    floating: Any = Float8(),
+    boolean: Any = Bitmask(),
+    integer: Any = None,
+    min_bytes: int = 1024,
+    keep_ops: tuple[str, ...] = DEFAULT_KEEP_OPS,
+):
+    """Hooks that pick a codec for each saved tensor.
+
+    Args:
+        floating: codec for floating tensors (default fp8 e4m3 block 128), or None.
+        boolean: codec for bool tensors (default bitmask), or None.
+        integer: codec for integer tensors (default None: stored as they are).
+        min_bytes: tensors smaller than this are stored as they are (a kernel
+            launch costs more than it saves).
+        keep_ops: ops (aten overload-packet names) whose saved statistics are
+            stored as they are: the outputs after the first of a multi-output op
+            (layer norm's mean and rstd, not its normalized output), the output
+            of a single-output op (add ``"_softmax"`` to keep attention
+            probabilities). Known only under ``torch.compile``.
+
+    Returns:
+        The cached :class:`~savedhooks.HookPair`.
+
+    Raises:
+        TypeError: a codec argument is not a savedhooks codec.
+        ValueError: ``min_bytes`` or ``keep_ops`` is malformed.
+    """
+    return Policy(floating, boolean, integer, min_bytes, tuple(keep_ops)).hooks()
