@@ -62,7 +62,8 @@ def to_rows(x: torch.Tensor) -> tuple[torch.Tensor, Layout]:
         dims = tuple(range(x.dim()))
     else:  # a dense permutation (transposed, channels_last): read it in memory order
         dims = tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d], d)))
-    permuted = x.permute(dims).contiguous()  # a no-op for dense tensors
+    permuted = x if dims == tuple(range(x.dim())) else x.permute(dims)
+    permuted = permuted.contiguous()  # a no-op for dense tensors
     return permuted.view(-1, permuted.shape[-1]), Layout(dims, tuple(permuted.shape))
 
 

@@ -47,11 +47,7 @@ class Offload(Codec):
         payload = self.inner.encode(x) if use_inner else x
         # Pinned host memory makes the device-to-host copy asynchronous.
         pin = self.pin_memory and self.device.type == "cpu" and x.device.type == "cuda"
-        moved = pytree.tree_map_only(
-            torch.Tensor,
-            lambda t: torch.ops.aten._to_copy.default(t, device=self.device, pin_memory=pin, non_blocking=pin),
-            payload,
-        )
+        moved = pytree.tree_map_only(torch.Tensor, lambda t: _copy_to(t, self.device, pin), payload)
         return moved, use_inner, x.device
 
     def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
@@ -59,6 +55,14 @@ class Offload(Codec):
         moved, use_inner, device = payload
         back = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), moved)
         return self.inner.decode(back) if use_inner else back
+
+
+def _copy_to(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    if not pin:
+        return t.to(device)
+    # Not t.to(device, pin_memory=...): the _to_copy decomposition rejects pin_memory.
+    host = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def offload(inner: Any = None, device: str | torch.device = "cpu", pin_memory: bool = True):

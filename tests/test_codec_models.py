@@ -1,0 +1,259 @@
+"""Codecs on models: gradient SQNR under compile, exactness, policy, eager rules, offload graphs."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import re
+
+import expecttest
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import savedhooks as sh
+from models import GraphCapture, mlp, train_step_grads, transformer
+from savedhooks.codecs.base import pack_saved, unpack_saved
+from savedhooks.codecs.fp8 import Float8
+
+
+def _mlp4() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.GELU(),
+        torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8),
+    )  # fmt: skip
+
+
+MODELS = {"mlp4": (_mlp4, (32, 64)), "transformer2": (transformer, (2, 32, 64))}
+
+
+def _compiled(model, backend):
+    return model if backend == "eager" else torch.compile(model, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fp8_gradients_sqnr_and_eager_agreement(name, backend):
+    make, shape = MODELS[name]
+    model, x = make(), torch.randn(*shape)
+    fn = _compiled(model, backend)
+    plain = train_step_grads(model, fn, x)
+    hooked = train_step_grads(model, fn, x, sh.fp8())
+    eager = train_step_grads(model, model, x, sh.fp8())
+    for (pname, _), p, h, e in zip(model.named_parameters(), plain, hooked, eager):
+        assert sh.sqnr(p, h) >= 25.0, pname
+        assert sh.sqnr(e, h) >= 25.0, pname  # eager and compiled agree within fp8 rounding
+    # the hooks did something: not every gradient is exact
+    assert min(sh.sqnr(p, h) for p, h in zip(plain, hooked)) < 60.0
+
+
+class TestFp8Graph(expecttest.TestCase):
+    def test_fp8_block_aot_eager_graph(self):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        capture = GraphCapture()
+        train_step_grads(model, torch.compile(model, backend=capture.backend), torch.randn(16, 8), sh.fp8())
+        # relu's output: fp8 payload + scales; its detach alias (only read by
+        # threshold_backward): sign bits.
+        self.assertExpectedInline(capture.fw[0], """\
+def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5):
+    t = torch.ops.aten.t.default(primals_1);  primals_1 = None
+    addmm = torch.ops.aten.addmm.default(primals_2, primals_3, t);  primals_2 = t = None
+    relu = torch.ops.aten.relu.default(addmm);  addmm = None
+    detach = torch.ops.aten.detach.default(relu)
+    t_1 = torch.ops.aten.t.default(primals_4);  primals_4 = None
+    addmm_1 = torch.ops.aten.addmm.default(primals_5, relu, t_1);  primals_5 = None
+    view = torch.ops.aten.view.default(relu, [-1, 32]);  relu = None
+    fp8_quantize = torch.ops.savedhooks.fp8_quantize.default(view, torch.float8_e4m3fn, 'block', 128, False);  view = None
+    relu_hook_1 = fp8_quantize[0]
+    relu_hook_2 = fp8_quantize[1];  fp8_quantize = None
+    view_1 = torch.ops.aten.view.default(detach, [-1, 32]);  detach = None
+    gt = torch.ops.aten.gt.Scalar(view_1, 0);  view_1 = None
+    view_2 = torch.ops.aten.view.default(gt, [-1]);  gt = None
+    detach_hook_1 = torch.ops.savedhooks.bitmask_pack.default(view_2);  view_2 = None
+    return (addmm_1, primals_3, relu_hook_1, relu_hook_2, detach_hook_1, t_1)""")
+        self.assertExpectedInline(capture.bw[0], """\
+def forward(self, primals_3, relu_hook_1, relu_hook_2, detach_hook_1, t_1, tangents_1):
+    bitmask_unpack = torch.ops.savedhooks.bitmask_unpack.default(detach_hook_1, 512);  detach_hook_1 = None
+    view_3 = torch.ops.aten.view.default(bitmask_unpack, [-1, 32]);  bitmask_unpack = None
+    view_4 = torch.ops.aten.view.default(view_3, [16, 32]);  view_3 = None
+    _to_copy = torch.ops.aten._to_copy.default(view_4, dtype = torch.float32);  view_4 = None
+    fp8_dequantize = torch.ops.savedhooks.fp8_dequantize.default(relu_hook_1, relu_hook_2, torch.float32, 128);  relu_hook_1 = relu_hook_2 = None
+    view_2 = torch.ops.aten.view.default(fp8_dequantize, [16, 32]);  fp8_dequantize = None
+    t_2 = torch.ops.aten.t.default(t_1);  t_1 = None
+    mm = torch.ops.aten.mm.default(tangents_1, t_2);  t_2 = None
+    t_3 = torch.ops.aten.t.default(tangents_1)
+    mm_1 = torch.ops.aten.mm.default(t_3, view_2);  t_3 = view_2 = None
+    t_4 = torch.ops.aten.t.default(mm_1);  mm_1 = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True);  tangents_1 = None
+    view = torch.ops.aten.view.default(sum_1, [4]);  sum_1 = None
+    t_5 = torch.ops.aten.t.default(t_4);  t_4 = None
+    detach_1 = torch.ops.aten.detach.default(_to_copy);  _to_copy = None
+    threshold_backward = torch.ops.aten.threshold_backward.default(mm, detach_1, 0);  mm = detach_1 = None
+    t_6 = torch.ops.aten.t.default(threshold_backward)
+    mm_2 = torch.ops.aten.mm.default(t_6, primals_3);  t_6 = primals_3 = None
+    t_7 = torch.ops.aten.t.default(mm_2);  mm_2 = None
+    sum_2 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True);  threshold_backward = None
+    view_1 = torch.ops.aten.view.default(sum_2, [32]);  sum_2 = None
+    t_8 = torch.ops.aten.t.default(t_7);  t_7 = None
+    return (t_8, view_1, None, t_5, view)""")
+
+
+def test_bitmask_is_exact_end_to_end():
+    """Dropout saves a bool mask under compile: packing it 8 per byte changes no gradient."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Dropout(0.3), torch.nn.Linear(64, 4))
+    x = torch.randn(32, 16)
+    capture = GraphCapture()
+    compiled = torch.compile(model, backend=capture.backend)
+    torch.manual_seed(1)
+    plain = train_step_grads(model, compiled, x)
+    torch.manual_seed(1)
+    packed = train_step_grads(model, compiled, x, sh.bitmask())
+    assert "savedhooks.bitmask_pack" in capture.fw[-1]
+    for p, q in zip(plain, packed):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_downcast_to_the_same_dtype_is_exact_end_to_end(backend):
+    model, x = _mlp4(), torch.randn(32, 64)
+    fn = _compiled(model, backend)
+    for p, q in zip(train_step_grads(model, fn, x), train_step_grads(model, fn, x, sh.downcast(torch.float32))):
+        assert torch.equal(p, q)
+
+
+# --- policy -------------------------------------------------------------------------------
+
+
+def _layer_norm_stats_and_packed(keep_ops) -> tuple[list[str], list[str]]:
+    model = transformer(layers=1)
+    capture = GraphCapture()
+    hooks = sh.policy(min_bytes=0, keep_ops=keep_ops)
+    train_step_grads(model, torch.compile(model, backend=capture.backend), torch.randn(2, 32, 64), hooks)
+    fw = capture.fw[0]
+    # native_layer_norm returns (out, mean, rstd); a stat saved as is keeps its getitem as the saved output
+    stats_as_is = re.findall(r"(\w+) = native_layer_norm(?:_\d+)?\[[12]\]", fw)
+    return stats_as_is, re.findall(r"fp8_quantize\.default\((\w+),", fw)
+
+
+def test_policy_keeps_layer_norm_statistics_and_packs_the_rest():
+    stats, packed = _layer_norm_stats_and_packed(sh.codecs.DEFAULT_KEEP_OPS)
+    assert len(stats) == 6 and all(name.endswith("_hook_1") for name in stats)  # 3 norms x (mean, rstd)
+    assert len(packed) >= 6 and not set(packed) & set(stats)
+
+
+def test_policy_without_keep_ops_packs_the_statistics():
+    """The contrast: the same graph with keep_ops=() quantizes mean and rstd."""
+    stats, packed = _layer_norm_stats_and_packed(())
+    assert not any(name.endswith("_hook_1") for name in stats)
+    _, packed_with_keep = _layer_norm_stats_and_packed(sh.codecs.DEFAULT_KEEP_OPS)
+    assert len(packed) == len(packed_with_keep) + 6
+
+
+def test_policy_min_bytes_and_dtypes_in_eager():
+    seen: list[tuple[torch.dtype, int]] = []
+    spy = Float8.encode
+
+    def recording_encode(self, x):
+        seen.append((x.dtype, x.numel()))
+        return spy(self, x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 600), torch.nn.ReLU(), torch.nn.Linear(600, 1))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Float8, "encode", recording_encode)
+        train_step_grads(model, model, torch.randn(2, 4), sh.policy(min_bytes=1024))
+    # (2, 8) fp32 relu output = 64 bytes: kept; (2, 600) = 4800 bytes: packed once
+    assert seen == [(torch.float32, 1200)]
+
+
+def test_policy_leaves_int64_indices_alone_under_compile():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(8 * 7 * 7, 2))
+    capture = GraphCapture()
+    train_step_grads(model, torch.compile(model, backend=capture.backend), torch.randn(2, 3, 16, 16), sh.policy(min_bytes=0))
+    fw = capture.fw[0]
+    assert "getitem_1_hook_1 = max_pool2d_with_indices[1]" in fw  # indices returned as they are
+
+
+# --- eager rules: parameters never packed, one storage packed once --------------------------
+
+
+def test_eager_packs_each_activation_once_and_never_parameters():
+    encoded: list[tuple[int, ...]] = []
+    spy = Float8.encode
+
+    def recording_encode(self, x):
+        encoded.append(tuple(x.shape))
+        return spy(self, x)
+
+    model = mlp(width=16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Float8, "encode", recording_encode)
+        train_step_grads(model, model, torch.randn(4, 8), sh.fp8())
+    # two relu outputs, each saved twice by autograd (relu and the next addmm), packed once;
+    # y saved by square(); no weight (16x8, 16x16, 4x16) and no input.
+    assert sorted(encoded) == [(4, 4), (4, 16), (4, 16)]
+
+
+def test_eager_pack_cache_does_not_keep_tensors_alive():
+    from savedhooks import hooks as hooks_module
+
+    model = mlp(width=16)
+    with sh.saved_tensors_hooks(sh.fp8()):
+        loss = model(torch.randn(4, 8)).square().sum()
+        cache = hooks_module._active.stack[-1][1]
+        loss.backward()
+        del loss
+        gc.collect()
+        assert cache == {}  # entries leave with their tensors, even inside the block
+
+
+# --- offload ------------------------------------------------------------------------------
+
+
+class TestOffloadGraph(expecttest.TestCase):
+    def test_fp8_then_offload_traced_on_fake_cuda(self):
+        codec = sh.Offload(sh.Float8())
+        with FakeTensorMode():
+            x = torch.empty(4, 256, device="cuda")
+            pack = make_fx(functools.partial(pack_saved, codec))(x)
+            unpack = make_fx(functools.partial(unpack_saved, codec))(pack_saved(codec, x))
+        self.assertExpectedInline(pack.code.strip(), """\
+def forward(self, arg0_1):
+    view = torch.ops.aten.view.default(arg0_1, [-1, 256]);  arg0_1 = None
+    fp8_quantize = torch.ops.savedhooks.fp8_quantize.default(view, torch.float8_e4m3fn, 'block', 128, False);  view = None
+    getitem = fp8_quantize[0]
+    getitem_1 = fp8_quantize[1];  fp8_quantize = None
+    empty = torch.ops.aten.empty.memory_format([4, 256], dtype = torch.float8_e4m3fn, device = device(type='cpu'), pin_memory = True)
+    copy_ = torch.ops.aten.copy_.default(empty, getitem, True);  empty = getitem = None
+    empty_1 = torch.ops.aten.empty.memory_format([4, 2], dtype = torch.float32, device = device(type='cpu'), pin_memory = True)
+    copy__1 = torch.ops.aten.copy_.default(empty_1, getitem_1, True);  empty_1 = getitem_1 = None
+    return (0, ((copy_, copy__1, torch.float32, (0, 1), (4, 256)), True, device(type='cuda', index=0)))""")
+        self.assertExpectedInline(unpack.code.strip(), """\
+def forward(self, arg0):
+    arg0_1, arg0_2, arg0_3, arg0_4, arg0_5, arg0_6, arg0_7, arg0_8, arg0_9, arg0_10, = fx_pytree.tree_flatten_spec([arg0], self._in_spec)
+    _to_copy = torch.ops.aten._to_copy.default(arg0_2, dtype = torch.float8_e4m3fn, layout = torch.strided, device = device(type='cuda', index=0), non_blocking = True);  arg0_2 = None
+    _to_copy_1 = torch.ops.aten._to_copy.default(arg0_3, dtype = torch.float32, layout = torch.strided, device = device(type='cuda', index=0), non_blocking = True);  arg0_3 = None
+    fp8_dequantize = torch.ops.savedhooks.fp8_dequantize.default(_to_copy, _to_copy_1, torch.float32, 128);  _to_copy = _to_copy_1 = None
+    view = torch.ops.aten.view.default(fp8_dequantize, [4, 256]);  fp8_dequantize = None
+    return pytree.tree_unflatten([view], self._out_spec)""")
+
+
+def test_offload_leaves_tensors_already_on_the_target_device():
+    x = torch.randn(4, 4)
+    packed = pack_saved(sh.Offload(), x)
+    assert packed[0] == -1 and packed[1] is x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inner", [None, sh.Float8()], ids=["plain", "fp8"])
+def test_offload_on_cuda_gradients(inner):
+    model, x = _mlp4().cuda(), torch.randn(32, 64, device="cuda")
+    for backend in ("eager", "aot_eager", "inductor"):
+        fn = _compiled(model, backend)
+        plain = train_step_grads(model, fn, x)
+        off = train_step_grads(model, fn, x, sh.offload(inner))
+        for p, q in zip(plain, off):
+            if inner is None:
+                assert torch.equal(p, q)
+            else:
+                assert sh.sqnr(p, q) >= 25.0
