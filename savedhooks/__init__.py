@@ -14,7 +14,7 @@ from savedhooks.codecs import (
     policy,
 )
 from savedhooks.metrics import sqnr
-from savedhooks.fingerprint import UnfingerprintableError, fingerprint
+from savedhooks.identity import UnfingerprintableError, fingerprint
 from savedhooks.hooks import (
     HookContext,
     HookError,

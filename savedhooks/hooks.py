@@ -15,13 +15,18 @@ Design notes
   contain such calls instead of bypassing its cache.
 * Dynamo guards on ``id(pack), id(unpack)``: :func:`make_hook_pair` returns one
   cached HookPair per (name, fingerprint), so rebuilding an equal hook is free.
+  A hook without a stable fingerprint is not registered at all: its graph calls
+  a per-pair closure, so it lives and dies with its GraphModules, and
+  AOTAutograd bypasses its cache for it. A hook that reads globals not yet
+  defined at decoration gets its cache hash when it is entered.
 * The trampolines check the hook contract (no input mutation, unpack returns one
   tensor of the saved tensor's dtype, device and shape) and name the hook when
   it is broken, because torch's own errors do not say which hook failed.
 * Eager mode has no partitioner to filter saved tensors, so the trampoline skips
   what packing cannot free, as the compiled default ("donated": intermediates
-  only) does: leaves (parameters, inputs) and views of them. Eager and compiled
-  then pack the same tensors.
+  only) does: parameters, other leaves that require grad, floating leaves (the
+  input batch) and views of them. Bool masks and int64 indices made in the forward
+  are leaves too, and are packed, as under compile.
 * Eager autograd saves one tensor several times (relu's output is saved by relu
   and by the next matmul). Inside :class:`saved_tensors_hooks` a tensor is packed
   once per version and the payload shared; the cache holds the tensor weakly, so
@@ -43,7 +48,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from savedhooks.fingerprint import UnfingerprintableError, fingerprint
+from savedhooks.identity import UnfingerprintableError, fingerprint_details
 
 __all__ = [
     "HookContext",
@@ -59,8 +64,14 @@ __all__ = [
     "saved_tensors_hooks",
 ]
 
-# Any change to this file changes how hooks are traced: key caches on it.
-_MODULE_HASH = hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()
+# Any change to savedhooks' own code (codecs, kernels, this file) can change what a
+# hook traces to, and fingerprints name savedhooks functions without walking them:
+# key caches on all of its source.
+_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent
+_MODULE_HASH = hashlib.sha256(
+    b"".join(p.read_bytes() for p in sorted(_PACKAGE_ROOT.rglob("*.py")))
+    + b"".join(p.read_bytes() for p in sorted((_PACKAGE_ROOT.parent / "kernels").glob("*.py")))
+).hexdigest()
 
 # Values a pack function may return besides tensors: torch bakes them into the
 # unpack graph as constants, so they must be plain, printable values.
@@ -92,14 +103,29 @@ class _HookFunctions:
     name: str
     pack: Callable[[torch.Tensor], Any]
     unpack: Callable[[Any], torch.Tensor]
+    config: Any = None
+    late_globals: tuple[str, ...] = ()
 
     def where(self, fn: Callable[..., Any]) -> str:
         code = getattr(fn, "__code__", None)
         return f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
 
     def error(self, cls: type[HookError], stage: str, problem: str) -> HookError:
-        fn = self.pack if stage == "pack" else self.unpack
-        return cls(f"savedhooks hook {self.name!r}{self.where(fn)}: {stage} {problem}")
+        return cls(f"{self.label(stage)}: {stage} {problem}")
+
+    def label(self, stage: str) -> str:
+        return f"savedhooks hook {self.name!r}{self.where(self.pack if stage == 'pack' else self.unpack)}"
+
+    def call(self, stage: str, arg: Any) -> Any:
+        """Call pack or unpack; an exception from user code gets a note naming the hook."""
+        try:
+            return (self.pack if stage == "pack" else self.unpack)(arg)
+        except HookError:
+            raise
+        except Exception as e:
+            if hasattr(e, "add_note"):  # Python >= 3.11
+                e.add_note(f"raised in {stage} of {self.label(stage)}")
+            raise
 
 
 # What unpack must give back, as (dtype, device, shape) with symbolic dims as -1.
@@ -118,10 +144,9 @@ class _Passthrough:
 
 
 _FUNCTIONS: dict[str, _HookFunctions] = {}
-# Per thread: the stack of active savedhooks contexts, as (hook key, eager pack cache).
+# Per thread: the stack of active savedhooks contexts, as (hook functions, eager pack cache).
 _active = threading.local()
 _PAIRS: dict[str, HookPair] = {}
-_unique_counter = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -209,12 +234,36 @@ def hook_context() -> HookContext | None:
 
 
 def _run_pack(x: torch.Tensor, key: str) -> Any:
-    fns = _lookup(key)
+    return _pack_outside_dynamo(_lookup(key), x)
+
+
+def _run_unpack(packed: Any, key: str) -> torch.Tensor:
+    return _unpack_outside_dynamo(_lookup(key), packed)
+
+
+def _local_trampoline(fns: _HookFunctions, stage: str) -> Callable[[Any], Any]:
+    """The call target for a hook without a stable fingerprint: not registered, dies with its graph."""
+    if stage == "pack":
+
+        def savedhooks_local_pack(x: torch.Tensor) -> Any:
+            return _pack_outside_dynamo(fns, x)
+
+        savedhooks_local_pack.hook_functions = fns  # type: ignore[attr-defined]
+        return savedhooks_local_pack
+
+    def savedhooks_local_unpack(packed: Any) -> torch.Tensor:
+        return _unpack_outside_dynamo(fns, packed)
+
+    savedhooks_local_unpack.hook_functions = fns  # type: ignore[attr-defined]
+    return savedhooks_local_unpack
+
+
+def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
     if not _is_eager(x):
         return _pack_checked(fns, x)
     if _frees_nothing(x):
         return _Passthrough(x)
-    cache = _eager_cache(key)
+    cache = _eager_cache(fns)
     if cache is None:
         return _pack_checked(fns, x)
     hit = cache.get(id(x))
@@ -226,9 +275,22 @@ def _run_pack(x: torch.Tensor, key: str) -> Any:
     return packed
 
 
-def _eager_cache(key: str) -> dict[int, tuple[Any, int, Any]] | None:
+def _unpack(fns: _HookFunctions, packed: Any) -> torch.Tensor:
+    if isinstance(packed, _Passthrough):
+        return packed.tensor
+    return _unpack_checked(fns, packed)
+
+
+# A hook entered inside a torch.compile'd function is called from frames dynamo
+# compiles; its body must still run eagerly on real tensors (the eager rules above),
+# so dynamo never traces it. AOTAutograd's re-trace of the hook graphs is unaffected.
+_pack_outside_dynamo = torch._dynamo.disable(_pack)
+_unpack_outside_dynamo = torch._dynamo.disable(_unpack)
+
+
+def _eager_cache(fns: _HookFunctions) -> dict[int, tuple[Any, int, Any]] | None:
     stack = getattr(_active, "stack", None)
-    if not stack or stack[-1][0] != key:  # torch's hooks were pushed above ours
+    if not stack or stack[-1][0] is not fns:  # torch's own hooks were pushed above ours
         return None
     return stack[-1][1]
 
@@ -238,13 +300,6 @@ def _holds_storage_of(packed: Any, x: torch.Tensor) -> bool:
     return any(
         isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr for t in pytree.tree_leaves(packed)
     )
-
-
-def _run_unpack(packed: Any, key: str) -> torch.Tensor:
-    fns = _lookup(key)
-    if isinstance(packed, _Passthrough):
-        return packed.tensor
-    return _unpack_checked(fns, packed)
 
 
 def _lookup(key: str) -> _HookFunctions:
@@ -258,18 +313,23 @@ def _lookup(key: str) -> _HookFunctions:
 
 
 def _is_eager(x: torch.Tensor) -> bool:
-    # Under AOTAutograd the hooks see FakeTensor / FunctionalTensor subclasses.
+    # AOTAutograd traces hooks on FakeTensor / FunctionalTensor subclasses.
     return type(x) in (torch.Tensor, torch.nn.Parameter)
 
 
 def _frees_nothing(x: torch.Tensor) -> bool:
+    # What the caller still holds, as compile's "donated" filter sees it: parameters
+    # (frozen ones too), leaves that require grad, floating leaves (the input batch),
+    # and views of them. Eager autograd cannot tell a no-grad float input from a float
+    # tensor made inside an op, so both are kept (CPU eager dropout's float noise is
+    # one); bool masks and int64 indices made in the forward are packed.
     base = x._base if x._is_view() else x
-    return base.is_leaf
+    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and (base.requires_grad or base.is_floating_point()))
 
 
 def _pack_checked(fns: _HookFunctions, x: torch.Tensor) -> tuple[Any, _SavedMeta]:
     version = x._version
-    packed = fns.pack(x)
+    packed = fns.call("pack", x)
     if x._version != version:
         raise fns.error(HookMutationError, "pack", "mutated the saved tensor in place; return a new tensor instead")
     for leaf in pytree.tree_leaves(packed):
@@ -288,7 +348,7 @@ def _unpack_checked(fns: _HookFunctions, packed_and_meta: tuple[Any, _SavedMeta]
     packed, (dtype, device, shape) = packed_and_meta
     tensors = [t for t in pytree.tree_leaves(packed) if isinstance(t, torch.Tensor)]
     versions = [t._version for t in tensors]
-    out = fns.unpack(packed)
+    out = fns.call("unpack", packed)
     if [t._version for t in tensors] != versions:
         raise fns.error(
             HookMutationError, "unpack", "mutated the packed payload in place; backward may unpack it more than once"
@@ -299,27 +359,56 @@ def _unpack_checked(fns: _HookFunctions, packed_and_meta: tuple[Any, _SavedMeta]
         raise fns.error(HookMismatchError, "unpack", f"returned dtype {out.dtype}, the saved tensor was {dtype}")
     if out.device != device:
         raise fns.error(HookMismatchError, "unpack", f"returned a tensor on {out.device}, the saved tensor was on {device}")
+    ctx = hook_context()  # under compile: the saved value's symbolic shape
+    want = tuple(ctx.node.meta["val"].shape) if ctx is not None else shape
     got = tuple(out.shape)
-    if len(got) != len(shape) or any(
-        want != -1 and isinstance(have, int) and have != want for have, want in zip(got, shape)
-    ):
-        raise fns.error(HookMismatchError, "unpack", f"returned shape {got}, the saved tensor had {shape}")
+    if len(got) != len(want) or not all(_same_size(have, size) for have, size in zip(got, want)):
+        raise fns.error(HookMismatchError, "unpack", f"returned shape {_hints(got)}, the saved tensor had {_hints(want)}")
     return out
+
+
+def _hint(size: Any) -> int | None:
+    return size if isinstance(size, int) else getattr(size.node, "hint", None)
+
+
+def _hints(shape: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(_hint(s) if _hint(s) is not None else s for s in shape)
+
+
+def _same_size(have: Any, want: Any) -> bool:
+    """Equal sizes, symbolic ones included, without adding guards.
+
+    Provably equal: yes. Different example values: no. Equal example values but
+    not provably equal: accepted (guarding would specialize the graph).
+    """
+    if want == -1:  # eager meta of a symbolic dim (not reachable in eager mode)
+        return True
+    if isinstance(have, int) and isinstance(want, int):
+        return have == want
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if statically_known_true(have == want):
+        return True
+    have_hint, want_hint = _hint(have), _hint(want)
+    return have_hint is None or want_hint is None or have_hint == want_hint
 
 
 # --- building pairs ------------------------------------------------------------------
 
 
-def _hook_graph_module(trampoline: Callable[..., Any], arg_name: str, key: str, cache_hash: str | None) -> torch.fx.GraphModule:
+def _hook_graph_module(target: Callable[..., Any], args: tuple[Any, ...], cache_hash: str | None, stage: str) -> torch.fx.GraphModule:
     graph = torch.fx.Graph()
-    arg = graph.placeholder(arg_name)
-    call = graph.call_function(trampoline, (arg, key))
+    call = graph.call_function(target, (graph.placeholder("x" if stage == "pack" else "packed"), *args))
     # AOTAutograd caches graphs containing wrapped Python calls only with a user hash.
     call.meta["is_wrapped"] = True
     if cache_hash is not None:
         call.meta["user_cache_hash"] = cache_hash
     graph.output(call)
-    return torch.fx.GraphModule(torch.nn.Module(), graph, class_name=arg_name.capitalize() + "Hook")
+    return torch.fx.GraphModule(torch.nn.Module(), graph, class_name=stage.capitalize() + "Hook")
+
+
+def _cache_hash(digest: str) -> str:
+    return hashlib.sha256(f"{digest}:{_MODULE_HASH}".encode()).hexdigest()
 
 
 def make_hook_pair(
@@ -333,8 +422,8 @@ def make_hook_pair(
 
     Args:
         name: readable name for errors and logs.
-        pack: called once per saved tensor with that tensor (real in eager mode,
-            fake while compiling); returns a pytree of tensors and constants.
+        pack: called with each saved tensor (the real one in eager mode; a fake
+            one, twice, while compiling); returns a pytree of tensors and constants.
         unpack: called with what ``pack`` returned; returns one tensor with the
             saved tensor's dtype, device and shape.
         config: extra configuration that changes what the functions compute and
@@ -344,7 +433,9 @@ def make_hook_pair(
 
     Returns:
         The HookPair for this (name, code, configuration). Calling again with
-        equal arguments returns the same object.
+        equal arguments returns the same object, except for hooks that capture a
+        value without a stable fingerprint (a warning says so): those get a new,
+        unregistered pair each time.
 
     Raises:
         HookTypeError: ``pack`` or ``unpack`` is not callable, or ``name`` is not
@@ -356,41 +447,80 @@ def make_hook_pair(
         if not callable(fn):
             raise HookTypeError(f"savedhooks hook {name!r}: {stage} must be callable, got {type(fn).__name__}")
     try:
-        digest = fingerprint((name, pack, unpack, config))
+        details = fingerprint_details((name, pack, unpack, config))
     except UnfingerprintableError as e:
-        global _unique_counter
-        _unique_counter += 1
         warnings.warn(
             f"savedhooks hook {name!r}: {e}. The hook gets a process-local identity: equal hooks built "
             "again recompile, and AOTAutograd's cache is bypassed for graphs using it.",
             stacklevel=3,
         )
-        digest, cache_hash = f"local{_unique_counter}", None
-    else:
-        cache_hash = hashlib.sha256(f"{digest}:{_MODULE_HASH}".encode()).hexdigest()
-    key = f"{name}:{digest}"
+        fns = _HookFunctions(name, pack, unpack, config)
+        return HookPair(
+            name=name,
+            pack=_hook_graph_module(_local_trampoline(fns, "pack"), (), None, "pack"),
+            unpack=_hook_graph_module(_local_trampoline(fns, "unpack"), (), None, "unpack"),
+            cache_hash=None,
+            codec=codec,
+        )
+    key = f"{name}:{details.digest}"
     if key not in _PAIRS:
-        _FUNCTIONS[key] = _HookFunctions(name, pack, unpack)
+        # Globals assigned after decoration are not in the digest yet: no cache hash
+        # until saved_tensors_hooks takes the digest again (see _refresh_cache_hash).
+        cache_hash = None if details.late_globals else _cache_hash(details.digest)
+        _FUNCTIONS[key] = _HookFunctions(name, pack, unpack, config, details.late_globals)
         _PAIRS[key] = HookPair(
             name=name,
-            pack=_hook_graph_module(_run_pack, "x", key, cache_hash),
-            unpack=_hook_graph_module(_run_unpack, "packed", key, cache_hash),
+            pack=_hook_graph_module(_run_pack, (key,), cache_hash, "pack"),
+            unpack=_hook_graph_module(_run_unpack, (key,), cache_hash, "unpack"),
             cache_hash=cache_hash,
             codec=codec,
         )
     return _PAIRS[key]
 
 
-def _probe(fns: _HookFunctions) -> None:
-    """Run the hook once on a small meta tensor to catch contract errors at decoration.
+def _functions_of(pair: HookPair) -> _HookFunctions | None:
+    """The Python functions behind a pair, or None for pairs built elsewhere (make_fx graphs)."""
+    for node in pair.pack.graph.nodes:
+        if node.target is _run_pack:
+            return _FUNCTIONS.get(node.args[1])
+        if hasattr(node.target, "hook_functions"):
+            return node.target.hook_functions
+    return None
 
-    Only contract errors are raised: a hook that cannot run on a meta tensor
-    (``.item()``, device-specific code) is checked when it first runs instead.
+
+def _refresh_cache_hash(fns: _HookFunctions, pair: HookPair) -> None:
+    """Take the digest again for a hook that read undefined globals; set it where AOTAutograd reads it."""
+    try:
+        details = fingerprint_details((fns.name, fns.pack, fns.unpack, fns.config))
+    except UnfingerprintableError:
+        details = None
+    cache_hash = None if details is None or details.late_globals else _cache_hash(details.digest)
+    for gm in (pair.pack, pair.unpack):
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                node.meta.pop("user_cache_hash", None)
+                if cache_hash is not None:
+                    node.meta["user_cache_hash"] = cache_hash
+
+
+def _probe(fns: _HookFunctions) -> None:
+    """Run the hook once on a small CPU tensor to catch contract errors at decoration.
+
+    Only contract errors are raised: a hook that cannot run on a small CPU tensor
+    (device-specific code) is checked when it first runs instead. Values are
+    compared too, which catches mutation through ``.data`` (its own version counter).
     """
-    x = torch.empty(4, 8, device="meta")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    before = x.clone()
     try:
         packed = _pack_checked(fns, x)
+        if not torch.equal(x, before):
+            raise fns.error(HookMutationError, "pack", "mutated the saved tensor's values (through .data?)")
+        payload = [t.clone() for t in pytree.tree_leaves(packed[0]) if isinstance(t, torch.Tensor)]
         _unpack_checked(fns, packed)
+        after = [t for t in pytree.tree_leaves(packed[0]) if isinstance(t, torch.Tensor)]
+        if any(not torch.equal(a, b) for a, b in zip(after, payload)):
+            raise fns.error(HookMutationError, "unpack", "mutated the packed payload's values (through .data?)")
     except HookError:
         raise
     except Exception:  # noqa: BLE001 - not a contract error; the real run decides
@@ -513,17 +643,18 @@ class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors 
                 f"codec such as savedhooks.fp8()), got {type(hooks).__name__}: {hooks!r}"
             )
         self.hooks = hooks
-        # None for pairs not built by make_hook_pair (e.g. make_fx graphs): no eager cache.
-        self._key = next((n.args[1] for n in hooks.pack.graph.nodes if n.target is _run_pack), None)
+        self._functions = _functions_of(hooks)  # None for pairs built elsewhere: no eager cache
         self._entered: list[torch.autograd.graph.saved_tensors_hooks] = []
 
     def __enter__(self) -> HookPair:
+        if self._functions is not None and self._functions.late_globals:
+            _refresh_cache_hash(self._functions, self.hooks)
         torch_hooks = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
         torch_hooks.__enter__()
         self._entered.append(torch_hooks)
         if not hasattr(_active, "stack"):
             _active.stack = []
-        _active.stack.append((self._key, {}))
+        _active.stack.append((self._functions, {}))
         return self.hooks
 
     def __exit__(self, *exc_info: object) -> None:

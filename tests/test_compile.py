@@ -126,10 +126,10 @@ def test_naive_make_fx_cast_crashes_on_int64_indices():
         loss.backward()
 
 
-def _frames_compiled(hook_contexts) -> int:
+def _frames_compiled(hook_contexts, capture: GraphCapture | None = None) -> int:
     """Run an MLP step under each hook context in turn; return how many frames compiled."""
     model = mlp()
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend(capture.backend if capture else "aot_eager")
     compiled = torch.compile(model, backend=counter)
     x = torch.randn(4, 8)
     for make_context in hook_contexts:
@@ -140,7 +140,9 @@ def _frames_compiled(hook_contexts) -> int:
 
 def test_equal_hooks_compile_once():
     # cast_hook builds fresh function objects on every call, with equal code and config.
-    assert _frames_compiled([lambda: sh.saved_tensors_hooks(cast_hook(torch.bfloat16))] * 2) == 1
+    capture = GraphCapture()
+    assert _frames_compiled([lambda: sh.saved_tensors_hooks(cast_hook(torch.bfloat16))] * 2, capture) == 1
+    assert "dtype = torch.bfloat16" in capture.fw[0]  # and the hook is in the graph
 
 
 def _fresh_make_fx_hooks():

@@ -93,3 +93,86 @@ def test_values_without_a_stable_digest_are_refused(captured):
 
     with pytest.raises(UnfingerprintableError, match="<closure captured>"):
         fingerprint(f)
+
+
+# --- what a hook depends on beyond its own body ---------------------------------------------
+
+CLASS_SRC = """
+class Cast:
+    def apply(self, x):
+        return x.to(torch.DTYPE)
+
+def f(x):
+    return Cast().apply(x)
+"""
+
+
+def test_class_method_bodies_are_part_of_the_fingerprint():
+    a = _compile_fn(CLASS_SRC.replace("DTYPE", "bfloat16"))
+    b = _compile_fn(CLASS_SRC.replace("DTYPE", "float16"))
+    assert fingerprint(a) != fingerprint(b)
+
+
+def test_module_attributes_the_code_reads_are_part_of_the_fingerprint():
+    import types
+
+    def with_cfg(dtype):
+        cfg = types.ModuleType("cfg")
+        cfg.DTYPE = dtype
+        return _compile_fn("def f(x):\n    return x.to(cfg.DTYPE)\n", cfg=cfg)
+
+    assert fingerprint(with_cfg(torch.bfloat16)) == fingerprint(with_cfg(torch.bfloat16))
+    assert fingerprint(with_cfg(torch.bfloat16)) != fingerprint(with_cfg(torch.float16))
+
+
+def test_globals_defined_later_are_reported():
+    from savedhooks.identity import fingerprint_details
+
+    f = _compile_fn("def f(x):\n    return x.to(LOW)\n")
+    early = fingerprint_details(f)
+    assert early.late_globals == ("LOW",)
+    f.__globals__["LOW"] = torch.float16
+    late = fingerprint_details(f)
+    assert late.late_globals == () and late.digest != early.digest
+
+
+def test_bound_builtins_include_their_object():
+    a = fingerprint({torch.float32: torch.bfloat16}.get)
+    b = fingerprint({torch.float32: torch.float16}.get)
+    assert a != b
+
+
+def test_attribute_names_are_not_mistaken_for_globals():
+    # The global named like the attribute (.bfloat16) has no stable value; it is not read.
+    f = _compile_fn("def f(x):\n    return x.bfloat16()\n", bfloat16=object())
+    assert len(fingerprint(f)) == 64
+
+
+def test_decorated_helpers_are_followed_through_wrapped():
+    def with_helper(body):
+        helper = functools.lru_cache(_compile_fn(f"def helper(n):\n    return {body}\n", name="helper"))
+        return _compile_fn("def f(x):\n    return x * helper(2)\n", helper=helper)
+
+    assert fingerprint(with_helper("n * 2")) != fingerprint(with_helper("n * 3"))
+    no_grad_helper = torch.no_grad()(_compile_fn("def helper(x):\n    return x * 2\n", name="helper"))
+    assert len(fingerprint(_compile_fn("def f(x):\n    return helper(x)\n", helper=no_grad_helper))) == 64
+
+
+def test_set_constants_are_stable_across_hash_seeds(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "digest.py"
+    script.write_text(
+        "from savedhooks import fingerprint\n"
+        "def f(x):\n    return x.device.type in {'cpu', 'cuda', 'xpu', 'mps'}\n"
+        "print(fingerprint(f))\n"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, str(script)], env={**__import__("os").environ, "PYTHONHASHSEED": seed},
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        for seed in ("1", "2", "3", "4")
+    }  # fmt: skip
+    assert len(digests) == 1

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import re
+import weakref
+
 import pytest
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 
 import savedhooks as sh
 from models import bf16, cast_hook, mlp, train_step_grads
@@ -271,10 +276,10 @@ def test_pack_returning_unsupported_value_raises():
 
 
 def _data_dependent_mutating_hook():
-    # .item() cannot run on the meta probe, so the contract is checked at first use.
+    # Mutates only tensors unlike the 4 x 8 probe: the contract is checked at first use.
     @sh.hook
     def sneaky(x):
-        if x.numel() > 0 and x.flatten()[0].item() != 12345.0:
+        if x.shape != (4, 8):
             x.add_(0)
         return x.clone()
 
@@ -287,7 +292,7 @@ def _data_dependent_mutating_hook():
 
 def test_mutation_the_probe_cannot_see_raises_in_eager():
     hooks = _data_dependent_mutating_hook()
-    x = torch.randn(4, 8, requires_grad=True)
+    x = torch.randn(3, 5, requires_grad=True)
     with pytest.raises(sh.HookMutationError, match="'sneaky'.*pack mutated the saved tensor"):
         with sh.saved_tensors_hooks(hooks):
             (x * 2).sin()
@@ -304,6 +309,129 @@ def test_contract_errors_name_the_hook_under_compile():
         return packed if packed.shape[-1] == 8 else packed[..., :1]
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
-    with pytest.raises(Exception, match=r"'drift'.*unpack returned shape \(3, 1\), the saved tensor had \(3, 6\)"):
+    # torch wraps backend errors; ours is the inner exception, of our type.
+    with pytest.raises(BackendCompilerFailed) as failed:
         with sh.saved_tensors_hooks(drift):
             torch.compile(model, backend="aot_eager")(torch.randn(3, 4)).sum().backward()
+    assert isinstance(failed.value.inner_exception, sh.HookMismatchError)
+    assert re.search(r"'drift'.*unpack returned shape \(3, 1\), the saved tensor had \(3, 6\)", str(failed.value))
+
+
+def _truncating_hook():
+    @sh.hook
+    def truncate(x):
+        return x.clone()
+
+    @truncate.unpack
+    def truncate(packed):
+        return packed if packed.shape == (4, 8) else packed[:1]  # wrong for anything but the probe
+
+    return truncate
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_wrong_unpack_shape_is_caught_with_dynamic_shapes(dynamic):
+    """With symbolic sizes the check compares against the saved value's symbolic shape."""
+    w = torch.randn(8, 16, requires_grad=True)
+    compiled = torch.compile(lambda x: (x @ w).sin().sum(), backend="aot_eager", dynamic=dynamic)
+    with pytest.raises(BackendCompilerFailed) as failed:
+        with sh.saved_tensors_hooks(_truncating_hook()):
+            compiled(torch.randn(6, 8)).backward()
+    assert isinstance(failed.value.inner_exception, sh.HookMismatchError)
+
+
+def test_dynamic_shapes_compile_once_and_match_eager():
+    w = torch.randn(8, 16, requires_grad=True)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x: (x @ w).sin().sum(), backend=counter, dynamic=True)
+    for rows in (3, 5, 7):
+        x = torch.randn(rows, 8)
+        w.grad = None
+        with sh.saved_tensors_hooks(bf16):
+            compiled(x).backward()
+        got = w.grad.clone()
+        w.grad = None
+        with sh.saved_tensors_hooks(bf16):
+            (x @ w).sin().sum().backward()
+        torch.testing.assert_close(got, w.grad)
+    assert counter.frame_count == 1
+
+
+def test_hooks_entered_inside_a_compiled_function():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(4, 8, requires_grad=True)  # a leaf that requires grad: never packed, in either mode
+
+    def step(inp):
+        with sh.saved_tensors_hooks(bf16):
+            return model(inp).square().sum()
+
+    want = train_step_grads(model, model, x, bf16)
+    plain = train_step_grads(model, model, x)
+    assert any(not torch.equal(p, w) for p, w in zip(plain, want))  # the hook does something
+    model.zero_grad(set_to_none=True)
+    torch.compile(step, backend="aot_eager")(x).backward()
+    for p, w in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, w)
+
+
+def test_hook_capturing_a_tensor_names_itself_when_compile_fails():
+    scale = torch.tensor(2.0)
+    with pytest.warns(UserWarning, match="process-local identity"):
+        hooks = sh.hook(lambda x: x * scale, unpack=lambda p: p / scale, name="scaled")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    with pytest.raises(BackendCompilerFailed) as failed:
+        with sh.saved_tensors_hooks(hooks):
+            torch.compile(model, backend="aot_eager")(torch.randn(2, 4)).sum().backward()
+    notes = getattr(failed.value.inner_exception, "__notes__", [])
+    assert any("savedhooks hook 'scaled'" in note for note in notes), notes
+
+
+def test_process_local_hooks_are_not_kept_alive():
+    from savedhooks import hooks as hooks_module
+
+    scale = torch.tensor(2.0)
+    registered = len(hooks_module._FUNCTIONS)
+    with pytest.warns(UserWarning, match="process-local identity"):
+        pair = sh.hook(lambda x: x * scale, unpack=lambda p: p / scale, name="scaled")
+    x = torch.randn(3, 5, requires_grad=True)
+    with sh.saved_tensors_hooks(pair):
+        (x * 1).sin().sum().backward()
+    assert len(hooks_module._FUNCTIONS) == registered
+    ref = weakref.ref(scale)
+    del pair, scale
+    gc.collect()
+    assert ref() is None
+
+
+def test_eager_packs_masks_made_in_the_forward():
+    """Non-floating leaves made in the forward (native_dropout's bool mask) are packed, as under compile."""
+    seen: list[torch.dtype] = []
+
+    @sh.hook
+    def spy(x):
+        seen.append(x.dtype)
+        return x.clone()
+
+    @spy.unpack
+    def spy(packed):
+        return packed
+
+    seen.clear()
+    w = torch.randn(8, 16, requires_grad=True)
+    with sh.saved_tensors_hooks(spy):
+        out, mask = torch.native_dropout(torch.randn(4, 8) @ w, 0.5, True)  # what CUDA and compile use
+        out.sum().backward()
+    assert seen == [torch.bool]  # the mask; not the input, not w
+
+
+def test_mutation_through_data_is_caught_at_decoration():
+    @sh.hook
+    def via_data(x):
+        x.data.mul_(2)  # .data has its own version counter
+        return x.clone()
+
+    with pytest.raises(sh.HookMutationError, match="'via_data'.*pack mutated the saved tensor's values"):
+
+        @via_data.unpack
+        def via_data(packed):
+            return packed
