@@ -5,6 +5,8 @@ from __future__ import annotations
 import pathlib
 import re
 
+import torch
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -13,5 +15,9 @@ def test_readme_hook_example_runs():
     assert blocks, "README has no python example"
     namespace: dict[str, object] = {}
     exec(compile(blocks[0], "README.md", "exec"), namespace)
-    model = namespace["model"]
-    assert all(p.grad is not None for p in model.parameters())
+    model, compiled, x = namespace["model"], namespace["compiled"], namespace["x"]
+    hooked = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    compiled(x).square().mean().backward()
+    plain = [p.grad for p in model.parameters()]
+    assert any(not torch.equal(h, p) for h, p in zip(hooked, plain))  # the example's hook did something
