@@ -1,7 +1,8 @@
 """The foundation demo: measured memory of one training step with and without a hook.
 
 A stand-in for the full benchmark suite (its own issue): one MLP, a bf16 round-trip
-hook written with ``@savedhooks.hook``, eager and ``aot_eager``, on CPU. Memory
+hook written with ``@savedhooks.hook`` and the ready-made ``savedhooks.fp8()``,
+eager and ``aot_eager``, on CPU. Memory
 comes from the profiler's allocation events accumulated in time order, so the
 figures are measured, not modelled.
 """
@@ -92,8 +93,10 @@ def run(width: int, depth: int, batch: int) -> list[Row]:
     return [
         measure("eager, no hooks", model, model, x, None),
         measure("eager, @sh.hook bf16", model, model, x, bf16),
+        measure("eager, sh.fp8()", model, model, x, sh.fp8()),
         measure("aot_eager, no hooks", model, compiled, x, None),
         measure("aot_eager, @sh.hook bf16 (inlined)", model, compiled, x, bf16),
+        measure("aot_eager, sh.fp8() (inlined)", model, compiled, x, sh.fp8()),
     ]
 
 

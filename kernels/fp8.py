@@ -33,20 +33,6 @@ GRANULARITIES = ("tensor", "row", "block")
 _MIN_SCALE = torch.finfo(torch.float32).tiny
 
 
-def _group_amax(x: torch.Tensor, granularity: str, block_size: int) -> torch.Tensor:
-    finite_abs = torch.where(torch.isfinite(x), x.abs(), 0.0)
-    if granularity == "tensor":
-        return finite_abs.amax().reshape(1, 1)
-    if granularity == "row":
-        return finite_abs.amax(dim=1, keepdim=True)
-    rows, cols = x.shape
-    full = cols // block_size * block_size
-    parts = [finite_abs[:, :full].reshape(rows, -1, block_size).amax(dim=2)] if full else []
-    if full < cols:
-        parts.append(finite_abs[:, full:].amax(dim=1, keepdim=True))
-    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-
-
 def _pow2_ceil(v: torch.Tensor) -> torch.Tensor:
     # Positive normal float32: adding 2**23 - 1 carries into the exponent unless the
     # mantissa is already zero; masking the mantissa then leaves the next power of two.
@@ -54,20 +40,26 @@ def _pow2_ceil(v: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x7FFFFF) & 0x7F800000).view(torch.float32)
 
 
-def _expand_scale(scale: torch.Tensor, cols: int, block_size: int) -> torch.Tensor:
-    """Scale per element of a (rows, cols) tensor, as a broadcastable view where possible."""
-    if scale.shape[1] == 1:
-        return scale
-    return scale.repeat_interleave(block_size, dim=1)[:, :cols]
-
-
-# Rows per step of the reference: bounds its float32 temporaries to a few MiB,
+# Elements per step of the reference: its float32 temporaries stay near 1 MiB,
 # whatever the tensor size (groups never span rows, so chunking changes no bits).
-_CHUNK_ELEMS = 1 << 20
+_CHUNK_ELEMS = 1 << 18
 
 
 def _row_chunks(rows: int, cols: int) -> range:
     return range(0, rows, max(1, _CHUNK_ELEMS // max(cols, 1)))
+
+
+def _segments(cols: int, granularity: str, block_size: int) -> list[tuple[int, int, int]]:
+    """Column ranges ``(start, end, group size)`` that view as ``(rows, groups, group size)``."""
+    if granularity != "block" or block_size >= cols:
+        return [(0, cols, cols)] if cols else []
+    full = cols // block_size * block_size
+    return [(0, full, block_size)] + ([(full, cols, cols - full)] if full < cols else [])
+
+
+def _finite_amax(x3: torch.Tensor) -> torch.Tensor:
+    """Per-group amax of a (rows, groups, size) float32 view, ignoring NaN and +-inf."""
+    return x3.abs().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).amax(dim=2)
 
 
 def _scale_from_amax(amax: torch.Tensor, fmax: float, pow2_scale: bool) -> torch.Tensor:
@@ -76,9 +68,11 @@ def _scale_from_amax(amax: torch.Tensor, fmax: float, pow2_scale: bool) -> torch
 
 
 def _cast(y: torch.Tensor, dtype: torch.dtype, fmax: float) -> torch.Tensor:
-    # e4m3fn has no inf: send +-inf to NaN rather than let the cast saturate to +-448.
-    nonfinite = torch.full_like(y, float("nan")) if dtype == torch.float8_e4m3fn else y
-    return torch.where(torch.isfinite(y), y.clamp(-fmax, fmax), nonfinite).to(dtype)
+    # |y| <= fmax up to rounding, as the scale comes from the group's amax.
+    if dtype == torch.float8_e4m3fn:
+        # No inf in e4m3fn: +-inf becomes NaN (torch's cast would saturate it to +-448).
+        y.masked_fill_(torch.isinf(y), float("nan")).clamp_(-fmax, fmax)
+    return y.to(dtype)  # e5m2 keeps +-inf and NaN as they are
 
 
 def torch_fp8_quantize(
@@ -105,21 +99,22 @@ def torch_fp8_quantize(
     fmax = torch.finfo(dtype).max
     q = torch.empty((rows, cols), dtype=dtype, device=x.device)
     scale = torch.ones(_scale_shape(rows, cols, granularity, block_size), dtype=torch.float32, device=x.device)
-    if x.numel() == 0:
-        return q, scale
-    chunks = _row_chunks(rows, cols)
-    step = chunks.step
-    if granularity == "tensor":
-        amax = torch.stack([_group_amax(x[r : r + step].float(), "tensor", block_size) for r in chunks]).amax(0)
-        scale.copy_(_scale_from_amax(amax, fmax, pow2_scale))
+    chunks, segments = _row_chunks(rows, cols), _segments(cols, granularity, block_size)
+    if granularity == "tensor" and x.numel():
+        amax = max(_finite_amax(x[r : r + chunks.step].float().view(1, -1, cols)).amax() for r in chunks)
+        scale.copy_(_scale_from_amax(amax.reshape(1, 1), fmax, pow2_scale))
     for r in chunks:
-        xf = x[r : r + step].float()
-        if granularity == "tensor":
-            s = scale
-        else:
-            s = _scale_from_amax(_group_amax(xf, granularity, block_size), fmax, pow2_scale)
-            scale[r : r + step] = s
-        q[r : r + step] = _cast(xf / _expand_scale(s, cols, block_size), dtype, fmax)
+        r_end = min(r + chunks.step, rows)
+        block_index = 0
+        for c0, c1, size in segments:
+            x3 = x[r:r_end, c0:c1].float().view(r_end - r, -1, size)
+            if granularity == "tensor":
+                s = scale.view(1, 1)
+            else:
+                s = _scale_from_amax(_finite_amax(x3), fmax, pow2_scale)
+                scale[r:r_end, block_index : block_index + s.shape[1]] = s
+                block_index += s.shape[1]
+            q[r:r_end, c0:c1].view(r_end - r, -1, size).copy_(_cast(x3 / s.unsqueeze(2), dtype, fmax))
     return q, scale
 
 
@@ -145,10 +140,18 @@ def torch_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.
         )
     rows, cols = q.shape
     out = torch.empty((rows, cols), dtype=out_dtype, device=q.device)
+    per_block = scale.shape[1] > 1
     chunks = _row_chunks(rows, cols)
     for r in chunks:
-        s = scale if scale.shape[0] == 1 else scale[r : r + chunks.step]
-        out[r : r + chunks.step] = q[r : r + chunks.step].float() * _expand_scale(s, cols, block_size)
+        r_end = min(r + chunks.step, rows)
+        s_rows = scale if scale.shape[0] == 1 else scale[r:r_end]
+        block_index = 0
+        for c0, c1, size in _segments(cols, "block" if per_block else "row", block_size):
+            q3 = q[r:r_end, c0:c1].view(r_end - r, -1, size)
+            groups = q3.shape[1]
+            s = s_rows[:, block_index : block_index + groups] if per_block else s_rows
+            block_index += groups
+            out[r:r_end, c0:c1].view(r_end - r, -1, size).copy_(q3.float().mul_(s.unsqueeze(2)))
     return out
 
 

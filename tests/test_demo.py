@@ -19,6 +19,10 @@ def test_demo_saved_bytes_match_the_analytic_count():
         assert rows[config].saved_mib == pytest.approx(fp32_saved, abs=slack)
     for config in ("eager, @sh.hook bf16", "aot_eager, @sh.hook bf16 (inlined)"):
         assert rows[config].saved_mib == pytest.approx(fp32_saved / 2, abs=slack)
+    # fp8 block 128: one byte per element plus one float32 scale per 128 elements
+    fp8_saved = 2 * DEPTH * BATCH * (WIDTH + 4 * WIDTH // 128) / MIB
+    for config in ("eager, sh.fp8()", "aot_eager, sh.fp8() (inlined)"):
+        assert rows[config].saved_mib == pytest.approx(fp8_saved, abs=slack)
     # aot_eager leaves the inlined packs at the forward's end: no lower step peak
     # (the reorder pass fixes that); eager hooks pack as they go and lower it.
     assert rows["eager, @sh.hook bf16"].step_peak_mib < rows["eager, no hooks"].step_peak_mib
