@@ -435,3 +435,25 @@ def test_mutation_through_data_is_caught_at_decoration():
         @via_data.unpack
         def via_data(packed):
             return packed
+
+
+def test_late_global_gets_its_cache_hash_when_entered():
+    namespace = {"torch": torch, "sh": sh}
+    exec(
+        "@sh.hook\n"
+        "def late(x):\n"
+        "    return x.to(LOW) if x.is_floating_point() else x\n"
+        "@late.unpack\n"
+        "def late(p):\n"
+        "    return p.float() if p.dtype == LOW else p\n",
+        namespace,
+    )
+    pair = namespace["late"]
+    node = next(n for n in pair.pack.graph.nodes if n.op == "call_function")
+    assert "user_cache_hash" not in node.meta  # LOW is unknown: no hash, no stale cache hit
+    namespace["LOW"] = torch.bfloat16  # e.g. set in main() after parsing flags
+    with sh.saved_tensors_hooks(pair):
+        first = node.meta["user_cache_hash"]
+    namespace["LOW"] = torch.float16
+    with sh.saved_tensors_hooks(pair):
+        assert node.meta["user_cache_hash"] != first
