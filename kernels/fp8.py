@@ -18,7 +18,9 @@ Numerics (the spec the Triton kernels must match bit for bit):
   values are never made finite: NaN stays NaN; +-inf stays +-inf in e5m2 and
   becomes NaN in e4m3fn, which has no infinity (torch's own cast would saturate
   it to +-448). Finite neighbours keep full accuracy: amax skips non-finite values.
-* ``x' = q * scale`` in float32, then cast to the output dtype.
+* ``x' = q * scale`` in float32, clamped to the output dtype's finite range for
+  finite codes (a power-of-two scale can round fp16's 65504 up to 65536), then
+  cast to the output dtype.
 """
 
 from __future__ import annotations
@@ -151,8 +153,16 @@ def torch_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.
             groups = q3.shape[1]
             s = s_rows[:, block_index : block_index + groups] if per_block else s_rows
             block_index += groups
-            out[r:r_end, c0:c1].view(r_end - r, -1, size).copy_(q3.float().mul_(s.unsqueeze(2)))
+            out[r:r_end, c0:c1].view(r_end - r, -1, size).copy_(_rescale(q3, s.unsqueeze(2), out_dtype))
     return out
+
+
+def _rescale(q3: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    # A power-of-two scale can carry a value just past the output dtype's largest
+    # finite one (fp16 65504 -> 65536): clamp finite codes, keep e5m2's +-inf as inf.
+    qf = q3.float()
+    top = torch.finfo(out_dtype).max
+    return torch.where(torch.isinf(qf), qf, (qf * scale).clamp_(-top, top))
 
 
 def _check_quantize_args(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: int) -> None:

@@ -137,10 +137,33 @@ _SavedMeta = tuple[torch.dtype, torch.device, tuple[int, ...]]
 class _Passthrough:
     """Eager-mode marker: the saved tensor was not packed (a leaf or a view of one)."""
 
-    __slots__ = ("tensor",)
+    __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
+        self.version = tensor._version
+
+
+class _Aliasing:
+    """Eager-mode wrapper of a payload that holds the saved tensor's storage.
+
+    With a pack hook active, torch no longer checks that a saved tensor was not
+    modified in place before backward; a payload that aliases it must do that itself.
+    """
+
+    __slots__ = ("packed", "tensor", "version")
+
+    def __init__(self, packed: Any, tensor: torch.Tensor) -> None:
+        self.packed, self.tensor, self.version = packed, tensor, tensor._version
+
+
+def _check_version(fns: _HookFunctions, tensor: torch.Tensor, version: int) -> None:
+    if tensor._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: {tuple(tensor.shape)} {tensor.dtype} is at version {tensor._version}; expected version "
+            f"{version} instead (it was saved as is by {fns.label('pack')})"
+        )
 
 
 _FUNCTIONS: dict[str, _HookFunctions] = {}
@@ -265,19 +288,27 @@ def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
         return _Passthrough(x)
     cache = _eager_cache(fns)
     if cache is None:
-        return _pack_checked(fns, x)
+        packed = _pack_checked(fns, x)
+        return _Aliasing(packed, x) if _holds_storage_of(packed, x) else packed
     hit = cache.get(id(x))
     if hit is not None and hit[0]() is x and hit[1] == x._version:
         return hit[2]
     packed = _pack_checked(fns, x)
-    if not _holds_storage_of(packed, x):  # else the cache would keep x alive
-        cache[id(x)] = (weakref.ref(x, lambda _, k=id(x): cache.pop(k, None)), x._version, packed)
+    if _holds_storage_of(packed, x):  # not cached: the cache would keep x alive
+        return _Aliasing(packed, x)
+    cache[id(x)] = (weakref.ref(x, lambda _, k=id(x): cache.pop(k, None)), x._version, packed)
     return packed
 
 
 def _unpack(fns: _HookFunctions, packed: Any) -> torch.Tensor:
-    if isinstance(packed, _Passthrough):
-        return packed.tensor
+    if isinstance(packed, (_Passthrough, _Aliasing)):
+        _check_version(fns, packed.tensor, packed.version)
+        if isinstance(packed, _Passthrough):
+            return packed.tensor
+        packed = packed.packed
+    cache = _eager_cache(fns)
+    if cache:  # backward has started: the forward's sharing is over, drop the entries
+        cache.clear()
     return _unpack_checked(fns, packed)
 
 
@@ -314,7 +345,10 @@ def _lookup(key: str) -> _HookFunctions:
 
 def _is_eager(x: torch.Tensor) -> bool:
     # AOTAutograd traces hooks on FakeTensor / FunctionalTensor subclasses.
-    return type(x) in (torch.Tensor, torch.nn.Parameter)
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return not isinstance(x, (FakeTensor, FunctionalTensor))
 
 
 def _frees_nothing(x: torch.Tensor) -> bool:

@@ -147,7 +147,8 @@ def test_policy_without_keep_ops_packs_the_statistics():
     stats, packed = _layer_norm_stats_and_packed(())
     assert not any(name.endswith("_hook_1") for name in stats)
     _, packed_with_keep = _layer_norm_stats_and_packed(sh.codecs.DEFAULT_KEEP_OPS)
-    assert len(packed) == len(packed_with_keep) + 6
+    # 3 norms x (mean, rstd), and sdpa's logsumexp
+    assert len(packed) == len(packed_with_keep) + 7
 
 
 def test_policy_min_bytes_and_dtypes_in_eager():
@@ -257,3 +258,83 @@ def test_offload_on_cuda_gradients(inner):
                 assert torch.equal(p, q)
             else:
                 assert sh.sqnr(p, q) >= 25.0
+
+
+# --- regressions from review ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "hooks, saved",
+    [
+        (sh.fp8(), "parameter"),  # stored as is: a leaf
+        (sh.fp8(), "float64"),  # stored as is: not an fp8 dtype
+        (sh.downcast(torch.float32), "intermediate"),  # a no-op cast aliases the tensor
+    ],
+    ids=["parameter", "float64", "same-dtype downcast"],
+)
+def test_in_place_change_after_save_raises_as_without_hooks(hooks, saved):
+    """With a pack hook, torch stops checking saved tensors' versions: payloads that alias must."""
+    w = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float64 if saved == "float64" else torch.float32))
+    a = torch.randn(4, 8, requires_grad=True, dtype=w.dtype)
+    with sh.saved_tensors_hooks(hooks):
+        h = torch.tanh(a)
+        out = h @ w
+    with torch.no_grad():
+        (h if saved != "parameter" else w).mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_parameter_subclasses_are_not_packed_in_eager():
+    class MyParameter(torch.nn.Parameter):
+        pass
+
+    encoded: list[tuple[int, ...]] = []
+    spy = Float8.encode
+
+    def recording_encode(self, x):
+        encoded.append(tuple(x.shape))
+        return spy(self, x)
+
+    w = MyParameter(torch.randn(8, 6))
+    a = torch.randn(4, 8, requires_grad=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Float8, "encode", recording_encode)
+        with sh.saved_tensors_hooks(sh.fp8()):
+            out = torch.tanh(a) @ w
+        out.sum().backward()
+    assert (8, 6) not in encoded and (4, 8) in encoded
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_pow2_scales_never_overflow_the_input_dtype(in_dtype):
+    top = torch.finfo(in_dtype).max
+    x = torch.tensor([[top, -top * 0.98, 1.0]], dtype=in_dtype)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        y = unpack_saved(sh.Float8(dtype, "row", pow2_scale=True), pack_saved(sh.Float8(dtype, "row", pow2_scale=True), x))
+        assert torch.isfinite(y).all(), (dtype, y)
+
+
+def test_downcast_to_float8_is_refused():
+    with pytest.raises(ValueError, match="use savedhooks.fp8"):
+        sh.downcast(torch.float8_e4m3fn)
+
+
+def test_policy_keeps_the_attention_logsumexp():
+    stats_kept = []
+
+    def spy_choose(self, x, _orig=sh.Policy.choose):
+        from savedhooks.codecs.policy import producing_op
+
+        ctx = sh.hook_context()
+        index = _orig(self, x)
+        if ctx is not None and "attention" in (producing_op(ctx.node) or ""):
+            stats_kept.append((tuple(x.shape), index))
+        return index
+
+    model = transformer(layers=1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sh.Policy, "choose", spy_choose)
+        train_step_grads(model, torch.compile(model, backend="aot_eager"), torch.randn(2, 32, 64), sh.policy(min_bytes=0))
+    logsumexp = [index for shape, index in stats_kept if shape == (2, 4, 32)]
+    assert logsumexp and set(logsumexp) == {-1}  # (batch, heads, seq) float32: stored as is (pack runs twice)

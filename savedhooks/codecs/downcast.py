@@ -21,6 +21,8 @@ class Downcast(Codec):
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"downcast: dtype must be a floating torch.dtype, got {self.dtype!r}")
+        if self.dtype.itemsize == 1:  # a plain cast to float8 saturates +-inf to finite values
+            raise ValueError(f"downcast: {self.dtype} needs scales; use savedhooks.fp8(dtype={self.dtype})")
 
     def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
         """``(x.to(dtype), original dtype)``; a no-op (no copy) when the dtype already matches."""

@@ -20,9 +20,14 @@ from savedhooks.hooks import hook_context
 
 __all__ = ["DEFAULT_KEEP_OPS", "Policy", "is_statistic_of", "policy", "producing_op"]
 
-# Statistics saved by normalization layers: small, and their error is amplified
-# (rstd multiplies every element of the row).
+# Statistics saved by normalization and fused attention: small, and their error is
+# amplified (rstd multiplies every element of a row; the logsumexp of attention
+# re-normalizes every probability in backward).
 DEFAULT_KEEP_OPS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
     "native_layer_norm",
     "native_group_norm",
     "native_batch_norm",
