@@ -338,3 +338,29 @@ def test_policy_keeps_the_attention_logsumexp():
         train_step_grads(model, torch.compile(model, backend="aot_eager"), torch.randn(2, 32, 64), sh.policy(min_bytes=0))
     logsumexp = [index for shape, index in stats_kept if shape == (2, 4, 32)]
     assert logsumexp and set(logsumexp) == {-1}  # (batch, heads, seq) float32: stored as is (pack runs twice)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_statistics_are_recognised_in_plain_and_decomposed_graphs(backend):
+    """Inductor decomposes norms before the hooks see them (var_mean, rsqrt): original_aten tells."""
+    from savedhooks.codecs.policy import DEFAULT_KEEP_OPS, is_statistic_of
+
+    decisions: dict[str, tuple[tuple[int, ...], bool]] = {}
+
+    @sh.hook
+    def spy(x):
+        ctx = sh.hook_context()
+        if ctx is not None:
+            decisions[ctx.node.name] = (tuple(x.shape), is_statistic_of(ctx.node, DEFAULT_KEEP_OPS))
+        return x.clone()
+
+    @spy.unpack
+    def spy(packed):
+        return packed
+
+    model = torch.nn.Sequential(transformer(layers=1), torch.nn.Unflatten(2, (4, 4)), torch.nn.GroupNorm(2, 32))
+    train_step_grads(model, torch.compile(model, backend=backend), torch.randn(2, 32, 64), spy)
+    kept = sorted(shape for shape, keep in decisions.values() if keep)
+    # layer norm mean/rstd (2, 32, 1) x >= 4, group norm mean/rstd (2, 2) x 2, sdpa logsumexp (2, 4, 32)
+    assert kept.count((2, 32, 1)) >= 4 and kept.count((2, 2)) == 2 and (2, 4, 32) in kept
+    assert not any(keep for shape, keep in decisions.values() if shape == (2, 32, 64))  # normalized outputs packed

@@ -38,8 +38,17 @@ DEFAULT_KEEP_OPS = (
 )
 
 
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def _through_aliases(node: torch.fx.Node) -> torch.fx.Node:
+    while node.op == "call_function" and node.target in _ALIASES:
+        node = node.args[0]
+    return node
+
+
 def producing_op(node: torch.fx.Node) -> str | None:
-    """Name of the aten op that produced a saved value, looking through ``getitem``.
+    """Name of the aten op that produced a saved value, looking through ``detach`` and ``getitem``.
 
     Args:
         node: the saved value's node in the forward graph.
@@ -51,9 +60,13 @@ def producing_op(node: torch.fx.Node) -> str | None:
     Raises:
         Nothing.
     """
+    node = _through_aliases(node)
     while node.op == "call_function" and node.target is operator.getitem:
-        node = node.args[0]
-    target = node.target
+        node = _through_aliases(node.args[0])
+    return _op_name(node.target)
+
+
+def _op_name(target: Any) -> str | None:
     packet = getattr(target, "overloadpacket", None)
     return getattr(packet, "__name__", None) if packet is not None else getattr(target, "__name__", None)
 
@@ -62,7 +75,10 @@ def is_statistic_of(node: torch.fx.Node, ops: tuple[str, ...]) -> bool:
     """Whether a saved value is a statistic of one of ``ops``.
 
     A statistic is an output after the first of a multi-output op (layer norm's
-    mean and rstd, not its normalized output), or the output of a single-output op.
+    mean and rstd, not its normalized output), or the output of a single-output
+    op. Under inductor the op arrives decomposed (``var_mean``, ``rsqrt``, ...):
+    then its nodes carry ``meta["original_aten"]``, and a statistic is a value
+    smaller than the largest tensor the decomposed op reads.
 
     Args:
         node: the saved value's node in the forward graph.
@@ -74,10 +90,38 @@ def is_statistic_of(node: torch.fx.Node, ops: tuple[str, ...]) -> bool:
     Raises:
         Nothing.
     """
-    index = None
-    if node.op == "call_function" and node.target is operator.getitem:
-        index = node.args[1]
-    return producing_op(node) in ops and index != 0
+    node = _through_aliases(node)
+    if producing_op(node) in ops:
+        index = node.args[1] if node.op == "call_function" and node.target is operator.getitem else None
+        return index != 0
+    original = node.meta.get("original_aten")
+    if _op_name(original) not in ops:
+        return False
+    if len(original._schema.returns) == 1:
+        return True
+    return _numel(node) < _largest_input_numel(node, original)
+
+
+def _numel(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() if isinstance(val, torch.Tensor) else 0
+
+
+def _largest_input_numel(node: torch.fx.Node, original: Any, limit: int = 64) -> int:
+    """Largest tensor read by the nodes decomposed from the same op as ``node``."""
+    name = str(original)  # compared by name: the meta holds equal but not always identical op objects
+    largest, frontier, seen = 0, [node], set()
+    while frontier and len(seen) < limit:
+        current = frontier.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for arg in current.all_input_nodes:
+            largest = max(largest, _numel(arg))
+            # getitem nodes carry no original_aten: they are structure, walk through them
+            if str(arg.meta.get("original_aten")) == name or arg.target is operator.getitem:
+                frontier.append(arg)
+    return largest
 
 
 @dataclasses.dataclass(frozen=True)
