@@ -11,7 +11,9 @@ What the digest covers, recursively:
 * the code object: bytecode, constants (canonicalized, so a set constant does
   not depend on ``PYTHONHASHSEED``), names, nested code; not file names or line
   numbers, so moving a function keeps caches valid;
-* default arguments and closure cells;
+* default arguments and closure cells (tuples and frozensets by value; lists,
+  dicts and sets are refused, since their contents can change after the hook is
+  built);
 * the globals the code *loads* (read from the bytecode, so attribute names such
   as ``.to`` are not mistaken for globals): constants by value, functions by
   their own fingerprint, user classes by their methods and attributes, modules by
@@ -121,13 +123,18 @@ class _Walker:
             return ("Size", tuple(obj))
         if isinstance(obj, enum.Enum):
             return ("enum", _qualname(type(obj)), obj.name)
-        if isinstance(obj, (tuple, list)):
-            return (type(obj).__name__, tuple(self.canonical(v, f"{path}[{i}]") for i, v in enumerate(obj)))
-        if isinstance(obj, (set, frozenset)):
-            return (type(obj).__name__, tuple(sorted(repr(self.canonical(v, path)) for v in obj)))
-        if isinstance(obj, dict):
-            items = [(repr(self.canonical(k, path)), self.canonical(v, f"{path}[{k!r}]")) for k, v in obj.items()]
-            return ("dict", tuple(sorted(items, key=lambda kv: kv[0])))
+        if isinstance(obj, tuple):
+            return ("tuple", tuple(self.canonical(v, f"{path}[{i}]") for i, v in enumerate(obj)))
+        if isinstance(obj, frozenset):
+            return ("frozenset", tuple(sorted(repr(self.canonical(v, path)) for v in obj)))
+        if isinstance(obj, (list, dict, set, bytearray)):
+            # Its contents can change after the hook is built: a digest of today's contents
+            # would share one pair between hooks that write to different lists, and keep
+            # serving a cached graph after the values it was traced with changed.
+            raise UnfingerprintableError(
+                f"{path} is a mutable {type(obj).__name__}, whose contents can change after the hook is "
+                "built (capture a tuple or frozenset instead)"
+            )
         if isinstance(obj, types.ModuleType):
             return ("module", obj.__name__)
         if isinstance(obj, type):
@@ -148,11 +155,11 @@ class _Walker:
                 "partial",
                 self.canonical(obj.func, f"{path}.func"),
                 self.canonical(obj.args, f"{path}.args"),
-                self.canonical(obj.keywords, f"{path}.keywords"),
+                self._mapping(obj.keywords, f"{path}.keywords"),
             )
         if dataclasses.is_dataclass(obj):
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-            return ("dataclass", self._class(type(obj), path), self.canonical(fields, path))
+            return ("dataclass", self._class(type(obj), path), self._mapping(fields, path))
         wrapped = getattr(obj, "__wrapped__", None)  # functools.lru_cache and other wrappers
         if wrapped is not None:
             return ("wrapper", _qualname(type(obj)), self.canonical(wrapped, f"{path}.__wrapped__"))
@@ -161,6 +168,11 @@ class _Walker:
             "to fingerprint (supported: constants, dtypes/devices, tuples/lists/dicts of them, "
             "dataclasses, functions, classes, modules)"
         )
+
+    def _mapping(self, mapping: dict[str, Any] | None, path: str) -> Any:
+        """A dict the fingerprinted object owns (keyword arguments, dataclass fields), by contents."""
+        items = sorted((mapping or {}).items())
+        return ("mapping", tuple((k, self.canonical(v, f"{path}[{k!r}]")) for k, v in items))
 
     def _function(self, fn: types.FunctionType, path: str) -> Any:
         if _is_library(fn.__module__):
@@ -182,7 +194,7 @@ class _Walker:
             "function",
             _canonical_code(code, self, path),
             self.canonical(fn.__defaults__, f"{path}.__defaults__"),
-            self.canonical(fn.__kwdefaults__, f"{path}.__kwdefaults__"),
+            self._mapping(fn.__kwdefaults__, f"{path}.__kwdefaults__"),
             closure,
             self._globals(code, fn.__globals__, path),
         )

@@ -137,9 +137,20 @@ def test_globals_defined_later_are_reported():
 
 
 def test_bound_builtins_include_their_object():
-    a = fingerprint({torch.float32: torch.bfloat16}.get)
-    b = fingerprint({torch.float32: torch.float16}.get)
-    assert a != b
+    assert fingerprint(frozenset({1, 2}).__contains__) != fingerprint(frozenset({1, 3}).__contains__)
+    with pytest.raises(UnfingerprintableError, match="mutable dict"):  # its contents can change later
+        fingerprint({torch.float32: torch.bfloat16}.get)
+
+
+def test_mutable_containers_are_refused():
+    log: list[int] = []
+
+    def f(x):
+        log.append(1)
+        return x
+
+    with pytest.raises(UnfingerprintableError, match="<closure log> is a mutable list"):
+        fingerprint(f)
 
 
 def test_attribute_names_are_not_mistaken_for_globals():
