@@ -29,8 +29,9 @@ Design notes
   are leaves too, and are packed, as under compile.
 * Eager autograd saves one tensor several times (relu's output is saved by relu
   and by the next matmul). Inside :class:`saved_tensors_hooks` a tensor is packed
-  once per version and the payload shared; the cache holds the tensor weakly, so
-  an entry goes when the tensor does (no growth when one block spans many steps).
+  once per version and the payload shared, also with a view that reads all of it
+  (relu's ``(B, T, C)`` output and the ``(B*T, C)`` view a matmul saves); the cache
+  holds the tensor weakly and is cleared when backward starts unpacking.
 """
 
 from __future__ import annotations
@@ -155,6 +156,15 @@ class _Aliasing:
 
     def __init__(self, packed: Any, tensor: torch.Tensor) -> None:
         self.packed, self.tensor, self.version = packed, tensor, tensor._version
+
+
+class _ViewOf:
+    """Eager-mode payload of a view that covers its whole base: the base's payload, shared."""
+
+    __slots__ = ("packed", "size", "stride", "offset")
+
+    def __init__(self, packed: Any, view: torch.Tensor) -> None:
+        self.packed, self.size, self.stride, self.offset = packed, view.size(), view.stride(), view.storage_offset()
 
 
 def _check_version(fns: _HookFunctions, tensor: torch.Tensor, version: int) -> None:
@@ -290,6 +300,15 @@ def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
     if cache is None:
         packed = _pack_checked(fns, x)
         return _Aliasing(packed, x) if _holds_storage_of(packed, x) else packed
+    base = x._base if x._is_view() else None
+    if base is not None and _covers(x, base) and not _frees_nothing(base):
+        # relu's (B, T, C) output and the (B*T, C) view the next matmul saves: one payload
+        packed = _pack_cached(fns, base, cache)
+        return packed if isinstance(packed, _Aliasing) else _ViewOf(packed, x)
+    return _pack_cached(fns, x, cache)
+
+
+def _pack_cached(fns: _HookFunctions, x: torch.Tensor, cache: dict[int, tuple[Any, int, Any]]) -> Any:
     hit = cache.get(id(x))
     if hit is not None and hit[0]() is x and hit[1] == x._version:
         return hit[2]
@@ -300,7 +319,21 @@ def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
     return packed
 
 
+def _covers(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether a view reads all of a contiguous base (a reshape, a permutation)."""
+    return (
+        view.numel() == base.numel()
+        and base.is_contiguous()
+        and base.storage_offset() == 0
+        and view.storage_offset() == 0
+        and view.dtype == base.dtype
+    )
+
+
 def _unpack(fns: _HookFunctions, packed: Any) -> torch.Tensor:
+    if isinstance(packed, _ViewOf):
+        base = _unpack(fns, packed.packed).contiguous()  # contiguous, like the base it was packed from
+        return base.as_strided(packed.size, packed.stride, packed.offset)
     if isinstance(packed, (_Passthrough, _Aliasing)):
         _check_version(fns, packed.tensor, packed.version)
         if isinstance(packed, _Passthrough):

@@ -366,3 +366,23 @@ def test_statistics_are_recognised_in_plain_and_decomposed_graphs(backend):
     # layer norm mean/rstd (2, 32, 1) x >= 4, group norm mean/rstd (2, 2) x 2, sdpa logsumexp (2, 4, 32)
     assert kept.count((2, 32, 1)) >= 4 and kept.count((2, 2)) == 2 and (2, 4, 32) in kept
     assert not any(keep for shape, keep in decisions.values() if shape == (2, 32, 64))  # normalized outputs packed
+
+
+def test_eager_view_of_a_packed_tensor_shares_its_payload():
+    encoded: list[tuple[int, ...]] = []
+    spy = Float8.encode
+
+    def recording_encode(self, x):
+        encoded.append(tuple(x.shape))
+        return spy(self, x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    x = torch.randn(4, 5, 8)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Float8, "encode", recording_encode)
+        got = train_step_grads(model, model, x, sh.fp8())
+    # relu's (4, 5, 32) output is saved by relu and, as a (20, 32) view, by the next matmul
+    assert encoded.count((4, 5, 32)) == 1 and (20, 32) not in encoded
+    want = train_step_grads(model, torch.compile(model, backend="aot_eager"), x, sh.fp8())
+    for g, w in zip(got, want):
+        assert sh.sqnr(w, g) >= 25.0
