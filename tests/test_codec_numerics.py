@@ -223,3 +223,49 @@ def test_equal_configurations_give_the_same_pair():
     assert sh.fp8() is not sh.fp8(block_size=64)
     assert sh.offload(sh.fp8()) is sh.offload(sh.Float8())
     assert sh.policy() is sh.policy()
+
+
+# --- payload size and temporaries -------------------------------------------------------------
+
+
+def _payload_bytes(packed) -> int:
+    import torch.utils._pytree as pytree
+
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(packed) if isinstance(t, torch.Tensor))
+
+
+def test_broadcast_tensors_are_packed_once():
+    """Expanded K/V (grouped-query attention) hold 1/8 of their elements: so does the payload."""
+    base = torch.randn(2, 1, 64, 128)
+    x = base.expand(2, 8, 64, 128)
+    packed = pack_saved(sh.Float8(), x)
+    assert _payload_bytes(packed) == base.numel() * (1 + 4 / 128)
+    y = unpack_saved(sh.Float8(), packed)
+    assert y.shape == x.shape and y.stride() == x.stride()
+    torch.testing.assert_close(y, roundtrip(sh.Float8(), base.clone()).expand_as(x), rtol=0, atol=0)
+
+
+def test_narrow_inner_dims_cost_about_one_byte_per_element():
+    x = torch.randn(8, 3, 32, 32).to(memory_format=torch.channels_last)  # innermost dim in memory: C = 3
+    packed = pack_saved(sh.Float8(), x)
+    assert _payload_bytes(packed) / x.numel() < 1.05
+    y = unpack_saved(sh.Float8(), packed)
+    assert y.stride() == x.stride() and sh.sqnr(x, y) >= 28.0
+
+
+def test_columns_of_scalars_are_stored_as_they_are():
+    """(B, T, 1) statistics: a scale per value would cost 5 bytes for 4."""
+    for x in (torch.randn(64, 1), torch.randn(2, 16, 1), torch.tensor(1.5)):
+        packed = pack_saved(sh.Float8(), x)
+        assert packed[0] == -1 and packed[1] is x
+
+
+def test_wide_rows_keep_the_reference_temporaries_small():
+    from benchmarks.demo import cpu_memory_trace
+
+    x = torch.randn(1 << 21)  # 8 MiB in one row
+    outputs: list = []
+    trace = cpu_memory_trace(lambda: outputs.append(pack_saved(sh.Float8(), x)))
+    payload = _payload_bytes(outputs[0])
+    # q + scales, plus float32 temporaries of a few chunks of 2**18 elements (1 MiB each)
+    assert max(trace) <= payload + 4 * (1 << 20)

@@ -28,7 +28,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from savedhooks.hooks import HookPair, hook_context, make_hook_pair
 
-__all__ = ["Codec", "Layout", "as_codec", "to_rows", "from_rows"]
+__all__ = ["Codec", "Layout", "as_codec", "from_rows", "innermost_size", "memory_order", "to_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +38,23 @@ class Layout:
     Attributes:
         dims: the tensor's dims ordered outermost to innermost in memory.
         shape: the shape in that order (the shape of the contiguous permuted tensor).
+        expand: the saved tensor's shape when it had broadcast (stride-0) dims,
+            which were packed once and are expanded again; else ``()``.
     """
 
     dims: tuple[int, ...]
     shape: tuple[Any, ...]
+    expand: tuple[Any, ...] = ()
+
+    def as_constants(self) -> tuple[Any, ...]:
+        """Plain tuples, as a pack result may carry them (torch bakes them into the unpack graph)."""
+        return (self.dims, self.shape, self.expand)
+
+    @classmethod
+    def from_constants(cls, constants: tuple[Any, ...]) -> Layout:
+        """Invert :meth:`as_constants`."""
+        dims, shape, expand = constants
+        return cls(tuple(dims), tuple(shape), tuple(expand))
 
 
 def to_rows(x: torch.Tensor) -> tuple[torch.Tensor, Layout]:
@@ -58,20 +71,56 @@ def to_rows(x: torch.Tensor) -> tuple[torch.Tensor, Layout]:
     """
     if x.dim() == 0:
         return x.reshape(1, 1), Layout((), ())
-    if x.is_contiguous() or not is_non_overlapping_and_dense_or_false(x):
-        dims = tuple(range(x.dim()))
-    else:  # a dense permutation (transposed, channels_last): read it in memory order
-        dims = tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d], d)))
+    expand: tuple[Any, ...] = ()
+    if any(stride == 0 and size != 1 for size, stride in zip(x.shape, x.stride())):
+        # broadcast dims (expanded K/V in grouped-query attention): pack the data once
+        expand = tuple(x.shape)
+        x = x[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in x.stride())]
+    dims = memory_order(x)
     permuted = x if dims == tuple(range(x.dim())) else x.permute(dims)
     permuted = permuted.contiguous()  # a no-op for dense tensors
-    return permuted.view(-1, permuted.shape[-1]), Layout(dims, tuple(permuted.shape))
+    return permuted.view(-1, permuted.shape[-1]), Layout(dims, tuple(permuted.shape), expand)
+
+
+def memory_order(x: torch.Tensor) -> tuple[int, ...]:
+    """The dims of ``x`` from outermost to innermost in memory (logical order if x is not dense).
+
+    Args:
+        x: a tensor with at least one dim.
+
+    Returns:
+        A permutation of ``range(x.dim())``.
+
+    Raises:
+        Nothing.
+    """
+    if x.is_contiguous() or not is_non_overlapping_and_dense_or_false(x):
+        return tuple(range(x.dim()))
+    # a dense permutation (transposed, channels_last): read it in memory order
+    return tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d], d)))
+
+
+def innermost_size(x: torch.Tensor) -> int:
+    """Size of the innermost dim in memory (1 for 0-d tensors).
+
+    Args:
+        x: any tensor.
+
+    Returns:
+        The number of elements a row of :func:`to_rows` holds.
+
+    Raises:
+        Nothing.
+    """
+    return x.shape[memory_order(x)[-1]] if x.dim() else 1
 
 
 def from_rows(y: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Invert :func:`to_rows`: reshape ``(rows, cols)`` and permute back to the original strides.
 
     Args:
-        y: contiguous ``(rows, cols)`` tensor.
+        y: contiguous tensor with the original number of elements (any 2-D view of
+            the memory-order data, e.g. ``(rows, cols)`` or ``(-1, block)``).
         layout: what :func:`to_rows` returned for the original tensor.
 
     Returns:
@@ -83,11 +132,13 @@ def from_rows(y: torch.Tensor, layout: Layout) -> torch.Tensor:
     if not layout.dims:
         return y.reshape(())
     if layout.dims == tuple(range(len(layout.dims))):
-        return y.view(layout.shape)
-    inverse = [0] * len(layout.dims)
-    for position, dim in enumerate(layout.dims):
-        inverse[dim] = position
-    return y.view(layout.shape).permute(inverse)
+        out = y.view(layout.shape)
+    else:
+        inverse = [0] * len(layout.dims)
+        for position, dim in enumerate(layout.dims):
+            inverse[dim] = position
+        out = y.view(layout.shape).permute(inverse)
+    return out.expand(layout.expand) if layout.expand else out
 
 
 class Codec:

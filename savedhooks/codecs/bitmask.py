@@ -24,16 +24,17 @@ class Bitmask(Codec):
     def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
         """``(bits, layout)``: 8 bools per byte, in memory order."""
         rows, layout = to_rows(x)
-        return torch.ops.savedhooks.bitmask_pack(rows.view(-1)), layout.dims, layout.shape
+        return torch.ops.savedhooks.bitmask_pack(rows.view(-1)), layout.as_constants()
 
     def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
         """The bool tensor, bit for bit, with the saved tensor's shape and strides."""
-        bits, dims, shape = payload
+        bits, constants = payload
+        layout = Layout.from_constants(constants)
         numel = 1
-        for size in shape:
+        for size in layout.shape:
             numel *= size
         flat = torch.ops.savedhooks.bitmask_unpack(bits, numel)
-        return from_rows(flat.view(-1, shape[-1] if shape else 1), Layout(tuple(dims), tuple(shape)))
+        return from_rows(flat.view(1, -1), layout)
 
 
 def bitmask():
@@ -65,9 +66,9 @@ class SignBits(Codec):
     def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
         """``(bits of x > 0, dtype, layout)``."""
         rows, layout = to_rows(x)
-        return torch.ops.savedhooks.bitmask_pack((rows > 0).view(-1)), x.dtype, layout.dims, layout.shape
+        return torch.ops.savedhooks.bitmask_pack((rows > 0).view(-1)), x.dtype, layout.as_constants()
 
     def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
         """1.0 where the value was positive, else 0.0, in the saved dtype, shape and strides."""
-        bits, dtype, dims, shape = payload
-        return Bitmask().decode((bits, dims, shape)).to(dtype)
+        bits, dtype, constants = payload
+        return Bitmask().decode((bits, constants)).to(dtype)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import savedhooks.kernels.fp8  # noqa: F401 - registers torch.ops.savedhooks.fp8_*
-from savedhooks.codecs.base import Codec, Layout, from_rows, to_rows
+from savedhooks.codecs.base import Codec, Layout, from_rows, innermost_size, to_rows
 from savedhooks.kernels.fp8 import FP8_DTYPES, GRANULARITIES
 
 __all__ = ["Float8", "fp8"]
@@ -43,20 +43,39 @@ class Float8(Codec):
             raise ValueError(f"fp8: pow2_scale must be a bool, got {self.pow2_scale!r}")
 
     def accepts(self, x: torch.Tensor) -> bool:
-        """Non-empty fp32 / bf16 / fp16 tensors (float8 and float64 are left alone)."""
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.numel() > 0
+        """Non-empty fp32 / bf16 / fp16 tensors whose innermost dim is longer than 1.
+
+        Float8 and float64 are left alone. So are columns of scalars ((B, T, 1)
+        normalization statistics, 0-d tensors): a scale per value would cost more
+        than the value, and their precision matters most.
+        """
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.numel() > 0 and innermost_size(x) > 1
 
     def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
-        """Quantize ``x``: ``(q, scale, dtype, layout)``."""
+        """Quantize ``x``: ``(q, scale, dtype, layout constants)``."""
         rows, layout = to_rows(x)
-        q, scale = torch.ops.savedhooks.fp8_quantize(rows, self.dtype, self.granularity, self.block_size, self.pow2_scale)
-        return q, scale, x.dtype, layout.dims, layout.shape
+        q, scale = torch.ops.savedhooks.fp8_quantize(
+            self._groups_view(rows), self.dtype, self.granularity, self.block_size, self.pow2_scale
+        )
+        return q, scale, x.dtype, layout.as_constants()
 
     def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
         """Dequantize to the saved tensor's dtype, shape and strides."""
-        q, scale, dtype, dims, shape = payload
+        q, scale, dtype, layout = payload
         rows = torch.ops.savedhooks.fp8_dequantize(q, scale, dtype, self.block_size)
-        return from_rows(rows, Layout(tuple(dims), tuple(shape)))
+        return from_rows(rows, Layout.from_constants(layout))
+
+    def _groups_view(self, rows: torch.Tensor) -> torch.Tensor:
+        """The 2-D view the kernel quantizes; same values, blocks laid out for fewer scales and chunking."""
+        if self.granularity != "block":
+            return rows
+        # A narrow inner dim (C=3 channels_last) would pay a scale per few values:
+        # blocks run across rows instead. Moderately short rows keep their own scale.
+        if 8 * rows.shape[1] < self.block_size:
+            rows = rows.reshape(1, -1)
+        if rows.shape[1] % self.block_size == 0:  # one block per row: the reference chunks by rows
+            rows = rows.view(-1, self.block_size)
+        return rows
 
 
 def fp8(
