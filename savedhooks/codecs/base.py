@@ -28,7 +28,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from savedhooks.hooks import HookPair, hook_context, make_hook_pair
 
-__all__ = ["Codec", "Layout", "as_codec", "from_rows", "innermost_size", "memory_order", "to_rows"]
+__all__ = ["Codec", "Layout", "as_codec", "from_rows", "innermost_size", "memory_order", "narrow_broadcast", "to_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +75,29 @@ def to_rows(x: torch.Tensor) -> tuple[torch.Tensor, Layout]:
     if any(stride == 0 and size != 1 for size, stride in zip(x.shape, x.stride())):
         # broadcast dims (expanded K/V in grouped-query attention): pack the data once
         expand = tuple(x.shape)
-        x = x[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in x.stride())]
+        x = narrow_broadcast(x)
     dims = memory_order(x)
     permuted = x if dims == tuple(range(x.dim())) else x.permute(dims)
     permuted = permuted.contiguous()  # a no-op for dense tensors
     return permuted.view(-1, permuted.shape[-1]), Layout(dims, tuple(permuted.shape), expand)
+
+
+def narrow_broadcast(x: torch.Tensor) -> torch.Tensor:
+    """Narrow every broadcast (stride-0) dim of ``x`` to size 1: the data it really holds.
+
+    Args:
+        x: any tensor.
+
+    Returns:
+        A view of ``x``; ``.expand(x.shape)`` gives ``x`` back.
+
+    Raises:
+        Nothing.
+    """
+    for dim, stride in enumerate(x.stride()):
+        if stride == 0:  # narrow, not indexing: indexing sets a device guard (no CUDA on fake tensors)
+            x = x.narrow(dim, 0, 1)
+    return x
 
 
 def memory_order(x: torch.Tensor) -> tuple[int, ...]:

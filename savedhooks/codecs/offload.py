@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
-from savedhooks.codecs.base import Codec, as_codec
+from savedhooks.codecs.base import Codec, as_codec, narrow_broadcast
 
 __all__ = ["Offload", "offload"]
 
@@ -44,24 +45,40 @@ class Offload(Codec):
     def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
         """``(inner payload moved to device, inner index, source device)``."""
         use_inner = self.inner is not None and self.inner.accepts(x)
-        payload = self.inner.encode(x) if use_inner else x
+        expand: tuple[Any, ...] = ()
+        if use_inner:
+            payload = self.inner.encode(x)
+        else:
+            payload, expand = _unbroadcast(x)
         # Pinned host memory makes the device-to-host copy asynchronous.
         pin = self.pin_memory and self.device.type == "cpu" and x.device.type == "cuda"
         moved = pytree.tree_map_only(torch.Tensor, lambda t: _copy_to(t, self.device, pin), payload)
-        return moved, use_inner, x.device
+        return moved, use_inner, x.device, expand
 
     def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
         """Copy back to the saved tensor's device, then unpack the inner codec."""
-        moved, use_inner, device = payload
+        moved, use_inner, device, expand = payload
         back = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), moved)
-        return self.inner.decode(back) if use_inner else back
+        if use_inner:
+            return self.inner.decode(back)
+        return back.expand(expand) if expand else back
+
+
+def _unbroadcast(x: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """Drop broadcast (stride-0) dims so their data moves once; return the shape to expand back to."""
+    if not any(stride == 0 and size != 1 for size, stride in zip(x.shape, x.stride())):
+        return x, ()
+    return narrow_broadcast(x), tuple(x.shape)
 
 
 def _copy_to(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
     if not pin:
-        return t.to(device)
+        return t.to(device)  # keeps the strides of dense tensors
     # Not t.to(device, pin_memory=...): the _to_copy decomposition rejects pin_memory.
-    host = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=True)
+    if is_non_overlapping_and_dense_or_false(t):  # keep transposed / channels_last strides
+        host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device, pin_memory=True)
+    else:
+        host = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=True)
     return host.copy_(t, non_blocking=True)
 
 
