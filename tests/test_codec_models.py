@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import re
@@ -26,6 +27,21 @@ def _mlp4() -> torch.nn.Module:
 
 
 MODELS = {"mlp4": (_mlp4, (32, 64)), "transformer2": (transformer, (2, 32, 64))}
+
+
+@contextlib.contextmanager
+def encoded_shapes():
+    """Record the shape of every tensor the fp8 codec encodes inside the block."""
+    shapes: list[tuple[int, ...]] = []
+    encode = Float8.encode
+
+    def recording_encode(self, x):
+        shapes.append(tuple(x.shape))
+        return encode(self, x)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Float8, "encode", recording_encode)
+        yield shapes
 
 
 def _compiled(model, backend):
@@ -152,19 +168,11 @@ def test_policy_without_keep_ops_packs_the_attention_statistics():
 
 
 def test_policy_min_bytes_and_dtypes_in_eager():
-    seen: list[tuple[torch.dtype, int]] = []
-    spy = Float8.encode
-
-    def recording_encode(self, x):
-        seen.append((x.dtype, x.numel()))
-        return spy(self, x)
-
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 600), torch.nn.ReLU(), torch.nn.Linear(600, 1))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Float8, "encode", recording_encode)
+    with encoded_shapes() as seen:
         train_step_grads(model, model, torch.randn(2, 4), sh.policy(min_bytes=1024))
     # (2, 8) fp32 relu output = 64 bytes: kept; (2, 600) = 4800 bytes: packed once
-    assert seen == [(torch.float32, 1200)]
+    assert seen == [(2, 600)]
 
 
 def test_policy_leaves_int64_indices_alone_under_compile():
@@ -179,16 +187,8 @@ def test_policy_leaves_int64_indices_alone_under_compile():
 
 
 def test_eager_packs_each_activation_once_and_never_parameters():
-    encoded: list[tuple[int, ...]] = []
-    spy = Float8.encode
-
-    def recording_encode(self, x):
-        encoded.append(tuple(x.shape))
-        return spy(self, x)
-
     model = mlp(width=16)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Float8, "encode", recording_encode)
+    with encoded_shapes() as encoded:
         train_step_grads(model, model, torch.randn(4, 8), sh.fp8())
     # two relu outputs, each saved twice by autograd (relu and the next addmm), packed once;
     # y saved by square(); no weight (16x8, 16x16, 4x16) and no input.
@@ -290,17 +290,9 @@ def test_parameter_subclasses_are_not_packed_in_eager():
     class MyParameter(torch.nn.Parameter):
         pass
 
-    encoded: list[tuple[int, ...]] = []
-    spy = Float8.encode
-
-    def recording_encode(self, x):
-        encoded.append(tuple(x.shape))
-        return spy(self, x)
-
     w = MyParameter(torch.randn(8, 6))
     a = torch.randn(4, 8, requires_grad=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Float8, "encode", recording_encode)
+    with encoded_shapes() as encoded:
         with sh.saved_tensors_hooks(sh.fp8()):
             out = torch.tanh(a) @ w
         out.sum().backward()
@@ -370,17 +362,9 @@ def test_statistics_are_recognised_in_plain_and_decomposed_graphs(backend):
 
 
 def test_eager_view_of_a_packed_tensor_shares_its_payload():
-    encoded: list[tuple[int, ...]] = []
-    spy = Float8.encode
-
-    def recording_encode(self, x):
-        encoded.append(tuple(x.shape))
-        return spy(self, x)
-
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     x = torch.randn(4, 5, 8)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Float8, "encode", recording_encode)
+    with encoded_shapes() as encoded:
         got = train_step_grads(model, model, x, sh.fp8())
     # relu's (4, 5, 32) output is saved by relu and, as a (20, 32) view, by the next matmul
     assert encoded.count((4, 5, 32)) == 1 and (20, 32) not in encoded
