@@ -13,6 +13,7 @@ from savedhooks.codecs import (
     offload,
     policy,
 )
+from savedhooks import memory
 from savedhooks.metrics import sqnr
 from savedhooks.identity import UnfingerprintableError, fingerprint
 from savedhooks.hooks import (
@@ -53,6 +54,7 @@ __all__ = [
     "Offload",
     "Policy",
     # measuring
+    "memory",
     "sqnr",
     # errors
     "HookError",

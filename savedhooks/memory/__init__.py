@@ -1,0 +1,21 @@
+"""Memory of FX graphs: the buffer model, predicted and measured peaks."""
+
+from savedhooks.memory.estimate import PeakEstimate, estimate_peak, lower_bound, simulate
+from savedhooks.memory.graph import Buffer, GraphMemory, build_graph_memory
+from savedhooks.memory.measure import cpu_memory_trace, measure_peak, profile_graph
+
+__all__ = [
+    # predict
+    "estimate_peak",
+    "PeakEstimate",
+    "lower_bound",
+    "simulate",
+    # the model
+    "build_graph_memory",
+    "GraphMemory",
+    "Buffer",
+    # measure
+    "measure_peak",
+    "profile_graph",
+    "cpu_memory_trace",
+]

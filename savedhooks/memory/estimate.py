@@ -1,0 +1,187 @@
+"""Predicted live bytes per node, the peak, and a lower bound valid for any order.
+
+The model (as inductor's ``estimate_peak_memory_allocfree``): each node allocates
+its new buffers, runs with everything live (the "during" figure), then frees the
+buffers whose last use it was (the "after" figure).
+
+The lower bound: while node ``v`` runs, a buffer must be live if it already
+exists (an input, or made by ``v`` or an ancestor of ``v``) and is still needed
+(an output, or read by ``v`` or by a descendant of ``v``). That holds in every
+topological order, so no reordering can go below the largest such sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx
+
+from savedhooks.memory.graph import Buffer, GraphMemory, build_graph_memory
+
+__all__ = ["PeakEstimate", "estimate_peak", "lower_bound", "simulate"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakEstimate:
+    """The model's prediction for one device.
+
+    Attributes:
+        device: the device the figures are for.
+        peak_bytes: the largest "during" figure.
+        peak_node: the node running at the peak.
+        peak_step: its index in :attr:`node_names`.
+        node_names: the nodes, in order.
+        live_during: live bytes while each node runs (after its allocations).
+        live_after: live bytes after each node frees what died.
+        at_peak: buffers live at the peak, largest first.
+        lower_bound: bytes that any order of the graph must hold at some node.
+    """
+
+    device: torch.device
+    peak_bytes: int
+    peak_node: str
+    peak_step: int
+    node_names: tuple[str, ...]
+    live_during: tuple[int, ...]
+    live_after: tuple[int, ...]
+    at_peak: tuple[Buffer, ...]
+    lower_bound: int
+
+
+def simulate(memory: GraphMemory, device: torch.device) -> tuple[list[int], list[int], list[set[int]]]:
+    """Run the alloc/free model in the graph's order.
+
+    Args:
+        memory: the graph's buffers.
+        device: count only buffers on this device.
+
+    Returns:
+        ``(live_during, live_after, live_sets_during)`` per node.
+
+    Raises:
+        Nothing.
+    """
+    live, current = 0, set()
+    during, after, sets = [], [], []
+    for made, freed in zip(memory.allocs, memory.frees):
+        for b in made:
+            if memory.buffers[b].device == device:
+                live += memory.buffers[b].nbytes
+                current.add(b)
+        during.append(live)
+        sets.append(set(current))
+        for b in freed:
+            if memory.buffers[b].device == device:
+                live -= memory.buffers[b].nbytes
+                current.discard(b)
+        after.append(live)
+    return during, after, sets
+
+
+def lower_bound(memory: GraphMemory, device: torch.device) -> int:
+    """Bytes on ``device`` that every topological order holds while some node runs.
+
+    Args:
+        memory: the graph's buffers and dependencies.
+        device: count only buffers on this device.
+
+    Returns:
+        The bound (0 for an empty graph).
+
+    Raises:
+        Nothing.
+    """
+    n = len(memory.node_names)
+    if n == 0:
+        return 0
+    everyone = (1 << n) - 1
+    ancestors = [0] * n
+    for i, deps in enumerate(memory.inputs):
+        for j in deps:
+            ancestors[i] |= ancestors[j] | (1 << j)
+    descendants = [0] * n
+    users: list[list[int]] = [[] for _ in range(n)]
+    for i, deps in enumerate(memory.inputs):
+        for j in deps:
+            users[j].append(i)
+    for i in range(n - 1, -1, -1):
+        for u in users[i]:
+            descendants[i] |= descendants[u] | (1 << u)
+    producer = {b: i for i, made in enumerate(memory.allocs) for b in made}
+    readers: dict[int, list[int]] = {}
+    for i, read in enumerate(memory.reads):
+        for b in read:
+            readers.setdefault(b, []).append(i)
+    total = torch.zeros(n, dtype=torch.float64)
+    for buffer in memory.buffers:
+        if buffer.device != device:
+            continue
+        p = producer[buffer.index]
+        exists = everyone if buffer.is_input else descendants[p] | (1 << p)
+        needed = everyone if not buffer.freeable else (1 << p)
+        if buffer.freeable:
+            for r in readers.get(buffer.index, ()):
+                needed |= ancestors[r] | (1 << r)
+        total += buffer.nbytes * _bits(exists & needed, n)
+    return int(total.max().item())
+
+
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def _bits(mask: int, n: int) -> torch.Tensor:
+    raw = torch.frombuffer(bytearray(mask.to_bytes((n + 7) // 8, "little")), dtype=torch.uint8)
+    return ((raw.unsqueeze(1) & _BIT_WEIGHTS) != 0).view(-1)[:n].double()
+
+
+def estimate_peak(
+    gm: torch.fx.GraphModule, *example_inputs: Any, donated: tuple[str, ...] = (), device: Any = None
+) -> PeakEstimate:
+    """Predict the peak memory of running ``gm`` in its node order.
+
+    Args:
+        gm: an FX GraphModule (AOTAutograd, make_fx or dynamo output).
+        *example_inputs: optional inputs; when given, fake values are propagated
+            through the graph first (needed when nodes lack ``meta["val"]``).
+        donated: placeholder names whose storage the graph may free.
+        device: the device to report; default the first non-CPU device holding
+            a buffer, else CPU.
+
+    Returns:
+        A :class:`PeakEstimate`.
+
+    Raises:
+        ValueError: nodes lack ``meta["val"]`` and no example inputs were given,
+            or ``donated`` names a non-input.
+    """
+    if example_inputs:
+        _propagate_fake_values(gm, example_inputs)
+    memory = build_graph_memory(gm, donated)
+    devices = {b.device for b in memory.buffers}
+    if device is None:
+        device = next((d for d in sorted(devices, key=str) if d.type != "cpu"), torch.device("cpu"))
+    device = torch.device(device)
+    during, after, sets = simulate(memory, device)
+    step = max(range(len(during)), key=during.__getitem__) if during else 0
+    at_peak = sorted((memory.buffers[b] for b in (sets[step] if sets else ())), key=lambda b: -b.nbytes)
+    return PeakEstimate(
+        device=device,
+        peak_bytes=during[step] if during else 0,
+        peak_node=memory.node_names[step] if during else "",
+        peak_step=step,
+        node_names=memory.node_names,
+        live_during=tuple(during),
+        live_after=tuple(after),
+        at_peak=tuple(at_peak),
+        lower_bound=lower_bound(memory, device),
+    )
+
+
+def _propagate_fake_values(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...]) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate(*example_inputs)

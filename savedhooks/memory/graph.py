@@ -1,0 +1,166 @@
+"""Buffers of an FX graph: one per storage, with sizes, producers, users and frees.
+
+Design notes
+------------
+* Storage identity comes from ``node.meta["val"]``: FakeTensors keep their
+  storages, so views, ``detach`` and in-place results share the storage of their
+  base, and multi-output ops give one storage per output. This is the alias
+  information AOTAutograd's partitioner and inductor use as well.
+* A buffer is freed after the last node that reads any alias of it. Graph outputs
+  live to the end. Graph inputs are owned by the caller: freed only when donated.
+* Symbolic sizes use their hints. Devices are kept apart: host buffers of an
+  offload do not count against the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = ["Buffer", "GraphMemory", "build_graph_memory", "tensor_storages"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """One storage of the graph.
+
+    Attributes:
+        index: position in :attr:`GraphMemory.buffers`.
+        name: the node that first produced it (or the input placeholder).
+        nbytes: storage size in bytes (symbolic sizes at their hints).
+        device: where it lives.
+        is_input: a graph input (owned by the caller).
+        freeable: may be freed after its last use (not an output; not an input
+            unless donated).
+    """
+
+    index: int
+    name: str
+    nbytes: int
+    device: torch.device
+    is_input: bool
+    freeable: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphMemory:
+    """The memory-relevant view of a graph, in its node order.
+
+    Attributes:
+        node_names: non-output nodes, in order (placeholders included).
+        inputs: per node, the indices of the nodes it reads (data dependencies).
+        buffers: all buffers.
+        allocs: per node, the buffers it creates.
+        reads: per node, the buffers it reads (through any alias).
+        frees: per node, the buffers freed after it runs (their last use).
+    """
+
+    node_names: tuple[str, ...]
+    inputs: tuple[tuple[int, ...], ...]
+    buffers: tuple[Buffer, ...]
+    allocs: tuple[tuple[int, ...], ...]
+    reads: tuple[tuple[int, ...], ...]
+    frees: tuple[tuple[int, ...], ...]
+
+
+def tensor_storages(value: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) node value.
+
+    Args:
+        value: a tensor, a tuple/list/dict of them, or anything else.
+
+    Returns:
+        The tensor leaves, in pytree order.
+
+    Raises:
+        Nothing.
+    """
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    size = t.untyped_storage().nbytes()
+    if isinstance(size, int):
+        return size
+    hint = getattr(size.node, "hint", None)
+    return int(hint) if hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
+
+
+def build_graph_memory(gm: torch.fx.GraphModule, donated: tuple[str, ...] = ()) -> GraphMemory:
+    """Build the buffer model of a graph whose nodes carry ``meta["val"]``.
+
+    Args:
+        gm: a GraphModule from AOTAutograd, make_fx or dynamo (with fake values).
+        donated: names of placeholders whose storage may be freed after last use.
+
+    Returns:
+        A :class:`GraphMemory`.
+
+    Raises:
+        ValueError: a node that produces tensors has no ``meta["val"]``, or a
+            donated name is not a placeholder.
+    """
+    placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    unknown = set(donated) - placeholders
+    if unknown:
+        raise ValueError(f"donated names are not graph inputs: {sorted(unknown)}")
+    storage_to_buffer: dict[StorageWeakRef, int] = {}
+    buffers: list[dict[str, Any]] = []
+    node_names: list[str] = []
+    allocs: list[list[int]] = []
+    reads: list[set[int]] = []
+    node_buffers: dict[torch.fx.Node, set[int]] = {}
+    node_index: dict[torch.fx.Node, int] = {}
+    inputs: list[tuple[int, ...]] = []
+    output_buffers: set[int] = set()
+
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            for arg in node.all_input_nodes:
+                output_buffers |= node_buffers.get(arg, set())
+            continue
+        if "val" not in node.meta and node.users and node.op != "get_attr":
+            raise ValueError(f"node {node.name} has no meta['val']: pass example inputs to fill it")
+        tensors = tensor_storages(node.meta.get("val"))
+        mine: set[int] = set()
+        new: list[int] = []
+        for t in tensors:
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref not in storage_to_buffer:
+                storage_to_buffer[ref] = len(buffers)
+                buffers.append(
+                    dict(name=node.name, nbytes=_nbytes(t), device=t.device, is_input=node.op == "placeholder")
+                )
+                new.append(storage_to_buffer[ref])
+            mine.add(storage_to_buffer[ref])
+        node_buffers[node] = mine
+        inputs.append(tuple(sorted(node_index[a] for a in node.all_input_nodes if a in node_index)))
+        node_index[node] = len(node_names)
+        node_names.append(node.name)
+        allocs.append(new)
+        reads.append(set().union(*(node_buffers.get(a, set()) for a in node.all_input_nodes)))
+
+    last_use = {b: -1 for b in range(len(buffers))}
+    for i, (made, used) in enumerate(zip(allocs, reads)):
+        for b in set(made) | used:
+            last_use[b] = i
+    frees: list[list[int]] = [[] for _ in node_names]
+    built = []
+    for b, info in enumerate(buffers):
+        freeable = b not in output_buffers and (not info["is_input"] or info["name"] in donated)
+        built.append(Buffer(index=b, freeable=freeable, **info))
+        if freeable:
+            frees[last_use[b]].append(b)
+    return GraphMemory(
+        node_names=tuple(node_names),
+        inputs=tuple(inputs),
+        buffers=tuple(built),
+        allocs=tuple(tuple(a) for a in allocs),
+        reads=tuple(tuple(sorted(r)) for r in reads),
+        frees=tuple(tuple(f) for f in frees),
+    )

@@ -1,0 +1,146 @@
+"""Measured memory: the peak of a call, and live bytes after every node of a graph.
+
+``measure_peak`` uses the CUDA caching allocator's statistics on GPU and the
+profiler's allocation events, accumulated in time order, on CPU.
+``profile_graph`` runs a graph node by node, dropping each value after its last
+use as compiled wrappers do, and counts the bytes of the real storages still
+alive: what the model in ``estimate.py`` predicts, measured on real tensors
+(real kernels decide what is a view and what is a copy).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from savedhooks.memory.graph import tensor_storages
+
+__all__ = ["cpu_memory_trace", "measure_peak", "profile_graph"]
+
+
+def cpu_memory_trace(fn: Callable[[], Any]) -> list[int]:
+    """Run ``fn`` under the profiler; return CPU live bytes after each allocation event, in time order.
+
+    Reads the raw kineto events: ``prof.events()`` folds an op's allocations into
+    the op's own row, leaving only stray frees as ``[memory]`` rows.
+
+    Args:
+        fn: the call to trace.
+
+    Returns:
+        Live bytes relative to the start, one entry per allocation or free.
+
+    Raises:
+        Whatever ``fn`` raises.
+    """
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
+    live, trace = 0, []
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        trace.append(live)
+    return trace
+
+
+def measure_peak(fn: Callable[..., Any], *args: Any, device: Any = None, **kwargs: Any) -> int:
+    """Measured peak bytes of ``fn(*args, **kwargs)`` above what was live when it started.
+
+    Args:
+        fn: the call to measure (a training step, a compiled graph, ...).
+        *args: its positional arguments.
+        device: ``"cuda"`` (allocator statistics) or ``"cpu"`` (profiler events);
+            default CUDA when available, else CPU.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        The peak in bytes (0 if nothing was allocated).
+
+    Raises:
+        Whatever ``fn`` raises.
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn(*args, **kwargs)
+        torch.cuda.synchronize(device)
+        return max(torch.cuda.max_memory_allocated(device) - start, 0)
+    return max(cpu_memory_trace(lambda: fn(*args, **kwargs)), default=0)
+
+
+def profile_graph(gm: torch.fx.GraphModule, *args: Any, donated: tuple[str, ...] = (), device: Any = "cpu") -> list[int]:
+    """Run ``gm`` node by node and measure live bytes on ``device`` after each node.
+
+    Values are dropped after their last use; inputs stay referenced (the caller
+    owns them) unless named in ``donated``. The count is over unique storages of
+    the tensors still referenced, inputs included, so it lines up with
+    ``estimate_peak(...).live_after``.
+
+    Args:
+        gm: the graph to run.
+        *args: real inputs, one per placeholder.
+        donated: placeholder names to release after their last use.
+        device: the device to count.
+
+    Returns:
+        Live bytes after each non-output node, in graph order.
+
+    Raises:
+        ValueError: the number of inputs does not match the placeholders.
+    """
+    device = torch.device(device)
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    if len(placeholders) != len(args):
+        raise ValueError(f"profile_graph: {len(placeholders)} placeholders, {len(args)} inputs")
+    last_use: dict[torch.fx.Node, int] = {}
+    for i, node in enumerate(gm.graph.nodes):
+        for arg in node.all_input_nodes:
+            last_use[arg] = i
+    outputs = set(gm.graph.output_node().all_input_nodes)
+    feed = iter(args)
+    env: dict[torch.fx.Node, Any] = {}
+    kept: list[Any] = []  # the caller's references to inputs fed so far (not donated)
+    live_after = []
+    for i, node in enumerate(nodes):
+        if node.op == "placeholder":
+            env[node] = next(feed)
+            if node.name not in donated:
+                kept.append(env[node])
+        else:
+            env[node] = _run_node(gm, node, env)
+        for dead in [n for n in env if last_use.get(n, -1) <= i and n not in outputs]:
+            del env[dead]
+        live_after.append(_live_bytes(list(env.values()) + kept, device))
+    return live_after
+
+
+def _run_node(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
+    args = torch.fx.node.map_arg(node.args, env.__getitem__)
+    kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)(*args, **kwargs)
+    if node.op == "get_attr":
+        value = gm
+        for part in node.target.split("."):
+            value = getattr(value, part)
+        return value
+    raise ValueError(f"profile_graph: cannot run node {node.name} ({node.op})")
+
+
+def _live_bytes(values: list[Any], device: torch.device) -> int:
+    seen: dict[StorageWeakRef, int] = {}
+    for t in tensor_storages(values):
+        if t.device == device:
+            seen[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
+    return sum(seen.values())
