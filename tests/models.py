@@ -77,6 +77,31 @@ def transformer(layers: int = 2, dim: int = 64) -> torch.nn.Module:
     return torch.nn.Sequential(*blocks, torch.nn.LayerNorm(dim), torch.nn.Linear(dim, 16))
 
 
+class GraphRecorder:
+    """An aot_eager-equivalent backend that keeps each compiled graph and its real inputs.
+
+    Inputs are kept by reference (not cloned), so aliasing between them (a saved
+    tensor and its detach) is what the graph really sees.
+    """
+
+    def __init__(self) -> None:
+        self.graphs: list[tuple[torch.fx.GraphModule, list]] = []
+
+    def _keep(self, gm: torch.fx.GraphModule, example_inputs):
+        run_graph = make_boxed_func(gm.forward)
+
+        def run(args):
+            self.graphs.append((gm, list(args)))
+            return run_graph(args)
+
+        run._boxed_call = True
+        return run
+
+    @property
+    def backend(self):
+        return aot_autograd(fw_compiler=self._keep, bw_compiler=self._keep)
+
+
 class GraphCapture:
     """An aot_eager-equivalent backend that keeps the forward and backward graph code."""
 

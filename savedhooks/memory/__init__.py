@@ -1,6 +1,6 @@
 """Memory of FX graphs: the buffer model, predicted and measured peaks."""
 
-from savedhooks.memory.estimate import PeakEstimate, estimate_peak, lower_bound, simulate
+from savedhooks.memory.estimate import PeakEstimate, estimate_peak, lower_bound, simulate, simulate_order
 from savedhooks.memory.graph import Buffer, GraphMemory, build_graph_memory
 from savedhooks.memory.measure import cpu_memory_trace, measure_peak, profile_graph
 
@@ -10,6 +10,7 @@ __all__ = [
     "PeakEstimate",
     "lower_bound",
     "simulate",
+    "simulate_order",
     # the model
     "build_graph_memory",
     "GraphMemory",

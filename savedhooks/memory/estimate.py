@@ -20,7 +20,7 @@ import torch.fx
 
 from savedhooks.memory.graph import Buffer, GraphMemory, build_graph_memory
 
-__all__ = ["PeakEstimate", "estimate_peak", "lower_bound", "simulate"]
+__all__ = ["PeakEstimate", "estimate_peak", "lower_bound", "simulate", "simulate_order"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +78,44 @@ def simulate(memory: GraphMemory, device: torch.device) -> tuple[list[int], list
                 current.discard(b)
         after.append(live)
     return during, after, sets
+
+
+def simulate_order(memory: GraphMemory, order: list[int], device: torch.device) -> int:
+    """Peak bytes on ``device`` when the graph's nodes run in ``order`` (alloc, run, free).
+
+    Args:
+        memory: the graph's buffers.
+        order: a permutation of node indices (assumed topological).
+        device: count only buffers on this device.
+
+    Returns:
+        The peak of the "during" figures. Inputs count from the start, wherever
+        their placeholders sit in ``order``.
+
+    Raises:
+        ValueError: ``order`` is not a permutation of the nodes.
+    """
+    if sorted(order) != list(range(len(memory.node_names))):
+        raise ValueError("order must be a permutation of the graph's nodes")
+    last: dict[int, int] = {}
+    for position, i in enumerate(order):
+        for b in set(memory.allocs[i]) | set(memory.reads[i]):
+            last[b] = position
+    frees: dict[int, list[int]] = {}
+    for b, position in last.items():
+        if memory.buffers[b].freeable:
+            frees.setdefault(position, []).append(b)
+    # Inputs exist before the graph runs, wherever their placeholders sit in the order.
+    live = peak = sum(b.nbytes for b in memory.buffers if b.is_input and b.device == device)
+    for position, i in enumerate(order):
+        live += sum(
+            memory.buffers[b].nbytes
+            for b in memory.allocs[i]
+            if memory.buffers[b].device == device and not memory.buffers[b].is_input
+        )
+        peak = max(peak, live)
+        live -= sum(memory.buffers[b].nbytes for b in frees.get(position, ()) if memory.buffers[b].device == device)
+    return peak
 
 
 def lower_bound(memory: GraphMemory, device: torch.device) -> int:
