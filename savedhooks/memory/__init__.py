@@ -1,6 +1,14 @@
 """Memory of FX graphs: the buffer model, predicted and measured peaks."""
 
-from savedhooks.memory.estimate import PeakEstimate, estimate_peak, lower_bound, simulate, simulate_order
+from savedhooks.memory.estimate import (
+    PeakEstimate,
+    StepPrediction,
+    estimate_peak,
+    lower_bound,
+    predict_step,
+    simulate,
+    simulate_order,
+)
 from savedhooks.memory.graph import Buffer, GraphMemory, build_graph_memory
 from savedhooks.memory.measure import cpu_memory_trace, measure_peak, profile_graph
 
@@ -8,6 +16,8 @@ __all__ = [
     # predict
     "estimate_peak",
     "PeakEstimate",
+    "predict_step",
+    "StepPrediction",
     "lower_bound",
     "simulate",
     "simulate_order",
