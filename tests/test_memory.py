@@ -212,3 +212,36 @@ def test_measured_training_step_matches_the_prediction(name, hooks):
         largest = max(v.numel() for n in forward.graph.nodes for v in [n.meta.get("val")] if isinstance(v, torch.Tensor))
         workspace = 16 * min(largest, 1 << 18)
         assert predicted.step_peak <= measured <= predicted.step_peak + workspace
+
+
+def test_json_export_and_timeline_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    (forward, args), _ = _recorded(mlp, (16, 8), sh.fp8())
+    data = sh.memory.graph_to_json(forward, path=tmp_path / "graph.json")
+    assert (tmp_path / "graph.json").exists()
+    assert len(data["nodes"]) == len(sh.memory.estimate_peak(forward).node_names)
+    packed = [b for b in data["buffers"] if b["name"].endswith("_hook_1")]  # fp8 payloads: 1 byte per element
+    assert packed and all(b["nbytes"] < 16 * 16 * 4 for b in packed)
+    estimate = sh.memory.estimate_peak(forward)
+    png = sh.memory.plot_timeline(estimate, tmp_path / "timeline.png", sh.memory.profile_graph(forward, *args), "mlp fp8")
+    assert png.stat().st_size > 10_000
+
+
+@pytest.mark.gpu
+def test_measured_cuda_training_step_matches_the_prediction():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1)).cuda()
+    x = torch.randn(2048, 1024, device="cuda")
+    recorder = GraphRecorder()
+    compiled = torch.compile(model, backend=recorder.backend)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        compiled(x).square().mean().backward()
+
+    step()
+    (forward, _), (backward, _) = recorder.graphs[:2]
+    model.zero_grad(set_to_none=True)
+    measured = sh.memory.measure_peak(step, device="cuda")
+    predicted = sh.memory.predict_step(forward, backward, device="cuda")
+    assert predicted.step_peak == pytest.approx(measured, rel=0.05)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import savedhooks
+import savedhooks.codecs
+import savedhooks.memory
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -28,8 +30,8 @@ def test_kernels_resolve_to_this_repo_and_never_as_bare_kernels():
 
 def test_public_functions_document_args_returns_raises():
     missing = []
-    for name in savedhooks.__all__:
-        obj = getattr(savedhooks, name)
+    namespaces = [savedhooks, savedhooks.codecs, savedhooks.memory]
+    for name, obj in [(f"{ns.__name__}.{n}", getattr(ns, n)) for ns in namespaces for n in ns.__all__]:
         if inspect.isfunction(obj):
             doc = inspect.getdoc(obj) or ""
             missing += [f"{name}: {s}" for s in ("Args:", "Returns:", "Raises:") if s not in doc]

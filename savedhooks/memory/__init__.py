@@ -11,6 +11,7 @@ from savedhooks.memory.estimate import (
 )
 from savedhooks.memory.graph import Buffer, GraphMemory, build_graph_memory
 from savedhooks.memory.measure import cpu_memory_trace, measure_peak, profile_graph
+from savedhooks.memory.report import graph_to_json, plot_timeline
 
 __all__ = [
     # predict
@@ -29,4 +30,7 @@ __all__ = [
     "measure_peak",
     "profile_graph",
     "cpu_memory_trace",
+    # look
+    "graph_to_json",
+    "plot_timeline",
 ]
