@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from typing import Callable
 
 import torch
 
 import savedhooks as sh
+from savedhooks.memory import cpu_memory_trace
 
 
 @sh.hook
@@ -38,22 +38,6 @@ class Row:
     saved_mib: float  # bytes still held after forward (saved for backward + the loss)
     step_peak_mib: float  # peak of forward + backward above the memory live before it
     step_ms: float
-
-
-def cpu_memory_trace(fn: Callable[[], None]) -> list[int]:
-    """Run ``fn`` under the profiler; return live bytes after each allocation event, in time order.
-
-    Reads the raw kineto events: ``prof.events()`` folds an op's allocations into
-    the op's own row, leaving only stray frees as ``[memory]`` rows.
-    """
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
-    live, trace = 0, []
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        trace.append(live)
-    return trace
 
 
 def measure(config: str, model: torch.nn.Module, step_fn, x: torch.Tensor, hooks: sh.HookPair | None) -> Row:

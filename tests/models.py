@@ -121,8 +121,8 @@ class GraphCapture:
         return aot_autograd(fw_compiler=self._keep(self.fw), bw_compiler=self._keep(self.bw))
 
 
-def train_step_grads(model: torch.nn.Module, fn, x: torch.Tensor, hooks: sh.HookPair | None = None):
-    """Gradients of sum(fn(x)^2) w.r.t. model's parameters, optionally under hooks."""
+def train_step(model: torch.nn.Module, fn, x: torch.Tensor, hooks: sh.HookPair | None = None) -> None:
+    """One step of sum(fn(x)^2): grads cleared, forward (under hooks if given), backward."""
     model.zero_grad(set_to_none=True)
     if hooks is None:
         loss = fn(x).square().sum()
@@ -130,4 +130,9 @@ def train_step_grads(model: torch.nn.Module, fn, x: torch.Tensor, hooks: sh.Hook
         with sh.saved_tensors_hooks(hooks):
             loss = fn(x).square().sum()
     loss.backward()
+
+
+def train_step_grads(model: torch.nn.Module, fn, x: torch.Tensor, hooks: sh.HookPair | None = None):
+    """Gradients of sum(fn(x)^2) w.r.t. model's parameters, optionally under hooks."""
+    train_step(model, fn, x, hooks)
     return [p.grad.clone() for p in model.parameters()]

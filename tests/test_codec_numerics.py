@@ -261,7 +261,7 @@ def test_columns_of_scalars_are_stored_as_they_are():
 
 
 def test_wide_rows_keep_the_reference_temporaries_small():
-    from benchmarks.demo import cpu_memory_trace
+    from savedhooks.memory import cpu_memory_trace
 
     x = torch.randn(1 << 21)  # 8 MiB in one row
     outputs: list = []

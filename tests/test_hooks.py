@@ -392,7 +392,7 @@ def test_process_local_hooks_are_not_kept_alive():
     scale = torch.tensor(2.0)
     registered = len(hooks_module._FUNCTIONS)
     with pytest.warns(UserWarning, match="process-local identity"):
-        pair = sh.hook(lambda x: x * scale, unpack=lambda p: p / scale, name="scaled")
+        pair = sh.hook(lambda x: x * scale, unpack=lambda p: p / scale, name="scaled")  # noqa: F821 - scale is deleted below on purpose
     x = torch.randn(3, 5, requires_grad=True)
     with sh.saved_tensors_hooks(pair):
         (x * 1).sin().sum().backward()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
-from models import GraphRecorder, cnn, mlp, train_step_grads, transformer
+from models import GraphRecorder, mlp, train_step, train_step_grads, transformer
 from savedhooks.memory import build_graph_memory, simulate_order
 
 CPU = torch.device("cpu")
@@ -190,13 +190,7 @@ def test_measured_training_step_matches_the_prediction(name, hooks):
     compiled = torch.compile(model, backend=recorder.backend)
 
     def step():
-        model.zero_grad(set_to_none=True)
-        if hooks is None:
-            loss = compiled(x).square().mean()
-        else:
-            with sh.saved_tensors_hooks(hooks):
-                loss = compiled(x).square().mean()
-        loss.backward()
+        train_step(model, compiled, x, hooks)
 
     step()  # compile
     (forward, _), (backward, _) = recorder.graphs[:2]
@@ -236,8 +230,7 @@ def test_measured_cuda_training_step_matches_the_prediction():
     compiled = torch.compile(model, backend=recorder.backend)
 
     def step():
-        model.zero_grad(set_to_none=True)
-        compiled(x).square().mean().backward()
+        train_step(model, compiled, x)
 
     step()
     (forward, _), (backward, _) = recorder.graphs[:2]
