@@ -74,6 +74,7 @@ def run(width: int, depth: int, batch: int) -> list[Row]:
     model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
     x = torch.randn(batch, width)
     compiled = torch.compile(model, backend="aot_eager")
+    placed = torch.compile(model, backend=sh.backend("aot_eager"))
     return [
         measure("eager, no hooks", model, model, x, None),
         measure("eager, @sh.hook bf16", model, model, x, bf16),
@@ -81,6 +82,8 @@ def run(width: int, depth: int, batch: int) -> list[Row]:
         measure("aot_eager, no hooks", model, compiled, x, None),
         measure("aot_eager, @sh.hook bf16 (inlined)", model, compiled, x, bf16),
         measure("aot_eager, sh.fp8() (inlined)", model, compiled, x, sh.fp8()),
+        measure("sh.backend('aot_eager'), @sh.hook bf16 (placed)", model, placed, x, bf16),
+        measure("sh.backend('aot_eager'), sh.fp8() (placed)", model, placed, x, sh.fp8()),
     ]
 
 

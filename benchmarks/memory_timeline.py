@@ -10,8 +10,9 @@ from __future__ import annotations
 import pathlib
 
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
+import functools
+
+from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
 import savedhooks as sh
 
@@ -23,7 +24,7 @@ def main() -> None:
     graphs: list[tuple[torch.fx.GraphModule, list]] = []
 
     def keep(gm, example_inputs):
-        run = make_boxed_func(gm.forward)
+        run = boxed_nop(gm, example_inputs)
 
         def call(args):
             graphs.append((gm, list(args)))
@@ -36,7 +37,7 @@ def main() -> None:
     layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
     model = torch.nn.Sequential(layer, torch.nn.Linear(256, 16))
     with sh.saved_tensors_hooks(sh.fp8()):
-        loss = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))(torch.randn(8, 128, 256)).square().mean()
+        loss = torch.compile(model, backend=functools.partial(aot_eager, fw_compiler=keep, bw_compiler=keep))(torch.randn(8, 128, 256)).square().mean()
     loss.backward()
     for (gm, args), part in zip(graphs, ("forward", "backward")):
         estimate = sh.memory.estimate_peak(gm)

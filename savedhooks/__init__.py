@@ -15,6 +15,7 @@ from savedhooks.codecs import (
 )
 from savedhooks import memory
 from savedhooks.metrics import sqnr
+from savedhooks.passes import backend, reorder_pass
 from savedhooks.identity import UnfingerprintableError, fingerprint
 from savedhooks.hooks import (
     HookContext,
@@ -53,6 +54,9 @@ __all__ = [
     "Bitmask",
     "Offload",
     "Policy",
+    # placing hooks under torch.compile
+    "backend",
+    "reorder_pass",
     # measuring
     "memory",
     "sqnr",

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
 import savedhooks as sh
 
@@ -78,20 +79,26 @@ def transformer(layers: int = 2, dim: int = 64) -> torch.nn.Module:
 
 
 class GraphRecorder:
-    """An aot_eager-equivalent backend that keeps each compiled graph and its real inputs.
+    """torch's aot_eager backend, keeping each compiled graph and, optionally, its first real inputs.
 
-    Inputs are kept by reference (not cloned), so aliasing between them (a saved
-    tensor and its detach) is what the graph really sees.
+    Graphs run as aot_eager runs them (an Interpreter that drops inputs after last
+    use). With ``keep_inputs``, the first call's inputs are kept by reference (not
+    cloned, so aliasing between them is what the graph saw), which also keeps them
+    alive: leave it off when measuring memory.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep_inputs: bool = True) -> None:
+        self.keep_inputs = keep_inputs
         self.graphs: list[tuple[torch.fx.GraphModule, list]] = []
 
     def _keep(self, gm: torch.fx.GraphModule, example_inputs):
-        run_graph = make_boxed_func(gm.forward)
+        run_graph = boxed_nop(gm, example_inputs)
+        entry = (gm, [])
+        self.graphs.append(entry)
 
         def run(args):
-            self.graphs.append((gm, list(args)))
+            if self.keep_inputs and not entry[1]:
+                entry[1].extend(args)
             return run_graph(args)
 
         run._boxed_call = True
@@ -99,11 +106,11 @@ class GraphRecorder:
 
     @property
     def backend(self):
-        return aot_autograd(fw_compiler=self._keep, bw_compiler=self._keep)
+        return functools.partial(aot_eager, fw_compiler=self._keep, bw_compiler=self._keep)
 
 
 class GraphCapture:
-    """An aot_eager-equivalent backend that keeps the forward and backward graph code."""
+    """torch's aot_eager backend, keeping the forward and backward graph code."""
 
     def __init__(self) -> None:
         self.fw: list[str] = []
@@ -112,13 +119,13 @@ class GraphCapture:
     def _keep(self, store: list[str]):
         def compiler(gm: torch.fx.GraphModule, example_inputs):
             store.append(gm.code.strip())
-            return make_boxed_func(gm.forward)
+            return boxed_nop(gm, example_inputs)
 
         return compiler
 
     @property
     def backend(self):
-        return aot_autograd(fw_compiler=self._keep(self.fw), bw_compiler=self._keep(self.bw))
+        return functools.partial(aot_eager, fw_compiler=self._keep(self.fw), bw_compiler=self._keep(self.bw))
 
 
 def train_step(model: torch.nn.Module, fn, x: torch.Tensor, hooks: sh.HookPair | None = None) -> None:

@@ -28,25 +28,24 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5):
     t = torch.ops.aten.t.default(primals_1);  primals_1 = None
     addmm = torch.ops.aten.addmm.default(primals_2, primals_3, t);  primals_2 = t = None
     relu = torch.ops.aten.relu.default(addmm);  addmm = None
-    detach = torch.ops.aten.detach.default(relu)
-    t_1 = torch.ops.aten.t.default(primals_4);  primals_4 = None
-    addmm_1 = torch.ops.aten.addmm.default(primals_5, relu, t_1);  primals_5 = None
+    t_1 = torch.ops.aten.t.default(primals_4)
+    addmm_1 = torch.ops.aten.addmm.default(primals_5, relu, t_1);  primals_5 = t_1 = None
     relu_hook_0 = torch.ops.aten._to_copy.default(relu, dtype = torch.bfloat16);  relu = None
-    detach_hook_0 = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None
-    return (addmm_1, primals_3, relu_hook_0, detach_hook_0, t_1)""")
+    return (addmm_1, primals_3, primals_4, relu_hook_0)""")
         self.assertExpectedInline(capture.bw[0], """\
-def forward(self, primals_3, relu_hook_0, detach_hook_0, t_1, tangents_1):
-    _to_copy_1 = torch.ops.aten._to_copy.default(detach_hook_0, dtype = torch.float32);  detach_hook_0 = None
+def forward(self, primals_3, primals_4, relu_hook_0, tangents_1):
     _to_copy = torch.ops.aten._to_copy.default(relu_hook_0, dtype = torch.float32);  relu_hook_0 = None
+    t_1 = torch.ops.aten.t.default(primals_4);  primals_4 = None
     t_2 = torch.ops.aten.t.default(t_1);  t_1 = None
     mm = torch.ops.aten.mm.default(tangents_1, t_2);  t_2 = None
     t_3 = torch.ops.aten.t.default(tangents_1)
-    mm_1 = torch.ops.aten.mm.default(t_3, _to_copy);  t_3 = _to_copy = None
+    mm_1 = torch.ops.aten.mm.default(t_3, _to_copy);  t_3 = None
     t_4 = torch.ops.aten.t.default(mm_1);  mm_1 = None
     sum_1 = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True);  tangents_1 = None
     view = torch.ops.aten.view.default(sum_1, [4]);  sum_1 = None
     t_5 = torch.ops.aten.t.default(t_4);  t_4 = None
-    detach_1 = torch.ops.aten.detach.default(_to_copy_1);  _to_copy_1 = None
+    detach = torch.ops.aten.detach.default(_to_copy);  _to_copy = None
+    detach_1 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm, detach_1, 0);  mm = detach_1 = None
     t_6 = torch.ops.aten.t.default(threshold_backward)
     mm_2 = torch.ops.aten.mm.default(t_6, primals_3);  t_6 = primals_3 = None

@@ -26,4 +26,10 @@ def test_demo_saved_bytes_match_the_analytic_count():
     # aot_eager leaves the inlined packs at the forward's end: no lower step peak
     # (the reorder pass fixes that); eager hooks pack as they go and lower it.
     assert rows["eager, @sh.hook bf16"].step_peak_mib < rows["eager, no hooks"].step_peak_mib
+    # placement never makes a step worse (the halving at real sizes: tests/test_passes.py)
+    for hooks in ("@sh.hook bf16", "sh.fp8()"):
+        inlined = [r for c, r in rows.items() if c.startswith("aot_eager") and hooks in c][0]
+        placed = [r for c, r in rows.items() if c.startswith("sh.backend") and hooks in c][0]
+        assert placed.saved_mib == pytest.approx(inlined.saved_mib, abs=slack)
+        assert placed.step_peak_mib <= inlined.step_peak_mib
     assert "| eager, no hooks |" in table(list(rows.values()))

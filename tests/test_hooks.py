@@ -177,13 +177,16 @@ def test_policy_by_producing_op_under_compile():
     from models import GraphCapture
 
     capture = GraphCapture()
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2)
+    )
     with sh.saved_tensors_hooks(skip_relu):
         torch.compile(model, backend=capture.backend)(torch.randn(2, 8)).sum().backward()
     fw = capture.fw[0]
-    # relu's output is saved as is (torch renames the node), its detach alias is cast
+    # relu's output is saved as is (torch renames the node); gelu's input and output are cast
     assert "relu_hook_0 = torch.ops.aten.relu.default(addmm)" in fw
-    assert "detach_hook_0 = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16)" in fw
+    assert "_to_copy.default(relu" not in fw
+    assert "_to_copy.default(addmm_1, dtype = torch.bfloat16)" in fw
 
 
 # --- bad input --------------------------------------------------------------------------

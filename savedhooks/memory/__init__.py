@@ -6,6 +6,7 @@ from savedhooks.memory.estimate import (
     estimate_peak,
     lower_bound,
     predict_step,
+    saved_activations,
     simulate,
     simulate_order,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "PeakEstimate",
     "predict_step",
     "StepPrediction",
+    "saved_activations",
     "lower_bound",
     "simulate",
     "simulate_order",

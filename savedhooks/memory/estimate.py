@@ -17,10 +17,20 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from savedhooks.memory.graph import Buffer, GraphMemory, build_graph_memory
 
-__all__ = ["PeakEstimate", "StepPrediction", "estimate_peak", "lower_bound", "predict_step", "simulate", "simulate_order"]
+__all__ = [
+    "PeakEstimate",
+    "StepPrediction",
+    "estimate_peak",
+    "lower_bound",
+    "predict_step",
+    "saved_activations",
+    "simulate",
+    "simulate_order",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +162,11 @@ def lower_bound(memory: GraphMemory, device: torch.device) -> int:
     for i, read in enumerate(memory.reads):
         for b in read:
             readers.setdefault(b, []).append(i)
+    with unset_fake_temporarily():  # callable from a compiler, inside AOTAutograd's fake mode
+        return _largest_sum(memory, device, producer, readers, ancestors, descendants, everyone, n)
+
+
+def _largest_sum(memory, device, producer, readers, ancestors, descendants, everyone, n) -> int:
     total = torch.zeros(n, dtype=torch.float64)
     for buffer in memory.buffers:
         if buffer.device != device:
@@ -237,9 +252,10 @@ class StepPrediction:
 def predict_step(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, device: Any = None) -> StepPrediction:
     """Predict a training step from its AOTAutograd forward and backward graphs.
 
-    The backward graph's inputs (saved tensors, parameters, the incoming gradient)
-    stay alive while it runs: measured so for torch 2.13's compiled backward,
-    which holds its saved tensors until it returns.
+    The backward graph frees each saved activation after its last use, as torch's
+    backends run it (aot_eager's Interpreter and inductor's generated code both drop
+    their inputs); parameters (``primals_*``) and the incoming gradients
+    (``tangents_*``) are held by their owners.
 
     Args:
         forward: the forward graph (with ``meta["val"]``).
@@ -252,13 +268,35 @@ def predict_step(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
     Raises:
         ValueError: as for :func:`estimate_peak`.
     """
-    fw, bw = estimate_peak(forward, device=device), estimate_peak(backward, device=device)
+    fw = estimate_peak(forward, device=device)
+    bw = estimate_peak(backward, donated=saved_activations(backward), device=device)
     fw_inputs = _input_bytes(build_graph_memory(forward), fw.device)
     bw_inputs = _input_bytes(build_graph_memory(backward), bw.device)
     retained = fw.live_after[-1] - fw_inputs if fw.live_after else 0
     forward_peak = fw.peak_bytes - fw_inputs
     backward_peak = retained + bw.peak_bytes - bw_inputs
     return StepPrediction(forward_peak, retained, backward_peak, max(forward_peak, backward_peak))
+
+
+def saved_activations(backward: torch.fx.GraphModule) -> tuple[str, ...]:
+    """Inputs of an AOTAutograd backward graph that the graph may free: the saved activations.
+
+    Parameters (``primals_*``) and incoming gradients (``tangents_*``) are held by
+    their owners; everything else was saved by the forward for this backward only,
+    and torch's backends drop it after its last use.
+
+    Args:
+        backward: an AOTAutograd backward graph.
+
+    Returns:
+        Placeholder names, to pass as ``donated``.
+
+    Raises:
+        Nothing.
+    """
+    return tuple(
+        n.name for n in backward.graph.nodes if n.op == "placeholder" and not n.name.startswith(("primals", "tangents"))
+    )
 
 
 def _input_bytes(memory: GraphMemory, device: torch.device) -> int:
