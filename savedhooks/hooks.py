@@ -297,9 +297,8 @@ def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
     if _frees_nothing(x):
         return _Passthrough(x)
     cache = _eager_cache(fns)
-    if cache is None:
-        packed = _pack_checked(fns, x)
-        return _Aliasing(packed, x) if _holds_storage_of(packed, x) else packed
+    if cache is None:  # torch's own hooks entered directly: no sharing within the forward
+        return _pack_cached(fns, x, None)
     base = x._base if x._is_view() else None
     if base is not None and _covers(x, base) and not _frees_nothing(base):
         # relu's (B, T, C) output and the (B*T, C) view the next matmul saves: one payload
@@ -308,13 +307,15 @@ def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
     return _pack_cached(fns, x, cache)
 
 
-def _pack_cached(fns: _HookFunctions, x: torch.Tensor, cache: dict[int, tuple[Any, int, Any]]) -> Any:
-    hit = cache.get(id(x))
+def _pack_cached(fns: _HookFunctions, x: torch.Tensor, cache: dict[int, tuple[Any, int, Any]] | None) -> Any:
+    hit = cache.get(id(x)) if cache is not None else None
     if hit is not None and hit[0]() is x and hit[1] == x._version:
         return hit[2]
     packed = _pack_checked(fns, x)
     if _holds_storage_of(packed, x):  # not cached: the cache would keep x alive
         return _Aliasing(packed, x)
+    if cache is None:
+        return packed
     cache[id(x)] = (weakref.ref(x, lambda _, k=id(x): cache.pop(k, None)), x._version, packed)
     return packed
 

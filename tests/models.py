@@ -84,48 +84,58 @@ class GraphRecorder:
     Graphs run as aot_eager runs them (an Interpreter that drops inputs after last
     use). With ``keep_inputs``, the first call's inputs are kept by reference (not
     cloned, so aliasing between them is what the graph saw), which also keeps them
-    alive: leave it off when measuring memory.
+    alive: leave it off when measuring memory. ``transform(gm, is_backward)``, if
+    given, runs on each graph before it is kept (e.g. hook placement).
     """
 
-    def __init__(self, keep_inputs: bool = True) -> None:
+    def __init__(self, keep_inputs: bool = True, transform=None) -> None:
         self.keep_inputs = keep_inputs
+        self.transform = transform
         self.graphs: list[tuple[torch.fx.GraphModule, list]] = []
+        self.is_backward: list[bool] = []
+        self.codes: list[str] = []  # as compiled (boxed_nop switches the graph to boxed calling code)
 
-    def _keep(self, gm: torch.fx.GraphModule, example_inputs):
-        run_graph = boxed_nop(gm, example_inputs)
-        entry = (gm, [])
-        self.graphs.append(entry)
+    def _compiler(self, is_backward: bool):
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+            if self.transform is not None:
+                self.transform(gm, is_backward)
+            self.codes.append(gm.code.strip())
+            run_graph = boxed_nop(gm, example_inputs)
+            entry = (gm, [])
+            self.graphs.append(entry)
+            self.is_backward.append(is_backward)
 
-        def run(args):
-            if self.keep_inputs and not entry[1]:
-                entry[1].extend(args)
-            return run_graph(args)
+            def run(args):
+                if self.keep_inputs and not entry[1]:
+                    entry[1].extend(args)
+                return run_graph(args)
 
-        run._boxed_call = True
-        return run
+            run._boxed_call = True
+            return run
 
-    @property
-    def backend(self):
-        return functools.partial(aot_eager, fw_compiler=self._keep, bw_compiler=self._keep)
-
-
-class GraphCapture:
-    """torch's aot_eager backend, keeping the forward and backward graph code."""
-
-    def __init__(self) -> None:
-        self.fw: list[str] = []
-        self.bw: list[str] = []
-
-    def _keep(self, store: list[str]):
-        def compiler(gm: torch.fx.GraphModule, example_inputs):
-            store.append(gm.code.strip())
-            return boxed_nop(gm, example_inputs)
-
-        return compiler
+        return compile_graph
 
     @property
     def backend(self):
-        return functools.partial(aot_eager, fw_compiler=self._keep(self.fw), bw_compiler=self._keep(self.bw))
+        return functools.partial(aot_eager, fw_compiler=self._compiler(False), bw_compiler=self._compiler(True))
+
+
+class GraphCapture(GraphRecorder):
+    """A :class:`GraphRecorder` for graph shapes: the forward and backward graph code, no inputs."""
+
+    def __init__(self, transform=None) -> None:
+        super().__init__(keep_inputs=False, transform=transform)
+
+    def _code(self, backward: bool) -> list[str]:
+        return [code for code, b in zip(self.codes, self.is_backward) if b == backward]
+
+    @property
+    def fw(self) -> list[str]:
+        return self._code(False)
+
+    @property
+    def bw(self) -> list[str]:
+        return self._code(True)
 
 
 def train_step(model: torch.nn.Module, fn, x: torch.Tensor, hooks: sh.HookPair | None = None) -> None:

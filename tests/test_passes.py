@@ -7,7 +7,7 @@ import torch
 
 import savedhooks as sh
 from models import GraphCapture, bf16, train_step_grads, transformer
-from savedhooks.passes import ReorderPass, is_backward_graph, reorder_pass
+from savedhooks.passes import ReorderPass, is_backward_graph, place_hooks, reorder_pass
 
 
 def _mlp8() -> torch.nn.Module:
@@ -73,24 +73,8 @@ def test_user_hooks_are_placed_too():
     train_step_grads(model, torch.compile(model, backend=capture.backend), x, bf16)
     epilogue = capture.fw[0].splitlines()
     torch._dynamo.reset()
-    placed_capture = GraphCapture()
-    import functools
-
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.debugging import aot_eager
-
-    from savedhooks.passes import place_hooks
-
-    def keep(is_backward, store):
-        def compiler(gm, example_inputs):
-            place_hooks(gm, is_backward)
-            store.append(gm.code.strip())
-            return make_boxed_func(gm.forward)
-
-        return compiler
-
-    backend = functools.partial(aot_eager, fw_compiler=keep(False, placed_capture.fw), bw_compiler=keep(True, placed_capture.bw))
-    train_step_grads(model, torch.compile(model, backend=backend), x, bf16)
+    placed_capture = GraphCapture(transform=place_hooks)
+    train_step_grads(model, torch.compile(model, backend=placed_capture.backend), x, bf16)
     placed = placed_capture.fw[0].splitlines()
 
     def first_cast(lines):

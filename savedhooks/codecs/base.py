@@ -28,7 +28,18 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from savedhooks.hooks import HookPair, hook_context, make_hook_pair
 
-__all__ = ["Codec", "Layout", "as_codec", "from_rows", "innermost_size", "memory_order", "narrow_broadcast", "to_rows"]
+__all__ = [
+    "ALIAS_OPS",
+    "Codec",
+    "Layout",
+    "as_codec",
+    "from_rows",
+    "innermost_size",
+    "is_broadcast",
+    "memory_order",
+    "narrow_broadcast",
+    "to_rows",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +83,7 @@ def to_rows(x: torch.Tensor) -> tuple[torch.Tensor, Layout]:
     if x.dim() == 0:
         return x.reshape(1, 1), Layout((), ())
     expand: tuple[Any, ...] = ()
-    if any(stride == 0 and size != 1 for size, stride in zip(x.shape, x.stride())):
+    if is_broadcast(x):
         # broadcast dims (expanded K/V in grouped-query attention): pack the data once
         expand = tuple(x.shape)
         x = narrow_broadcast(x)
@@ -80,6 +91,21 @@ def to_rows(x: torch.Tensor) -> tuple[torch.Tensor, Layout]:
     permuted = x if dims == tuple(range(x.dim())) else x.permute(dims)
     permuted = permuted.contiguous()  # a no-op for dense tensors
     return permuted.view(-1, permuted.shape[-1]), Layout(dims, tuple(permuted.shape), expand)
+
+
+def is_broadcast(x: torch.Tensor) -> bool:
+    """Whether ``x`` has a broadcast dim (stride 0, size above 1), e.g. from ``expand``.
+
+    Args:
+        x: any tensor.
+
+    Returns:
+        True when some elements of ``x`` share memory.
+
+    Raises:
+        Nothing.
+    """
+    return any(stride == 0 and size != 1 for size, stride in zip(x.shape, x.stride()))
 
 
 def narrow_broadcast(x: torch.Tensor) -> torch.Tensor:
@@ -199,7 +225,7 @@ def _hooks_for(codec: Codec) -> HookPair:
 _AS_IS = -1
 _SIGN_ONLY = -2
 # Ops through which a saved value reaches its real backward users unchanged.
-_ALIAS_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+ALIAS_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 
 def pack_saved(codec: Codec, x: torch.Tensor) -> tuple[int, Any]:
@@ -255,7 +281,7 @@ def sign_only_in_backward() -> bool:
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if user.target in _ALIAS_OPS:
+            if user.target in ALIAS_OPS:
                 frontier.append(user)
             else:
                 uses.append((user, node))

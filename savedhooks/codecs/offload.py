@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
-from savedhooks.codecs.base import Codec, as_codec, narrow_broadcast
+from savedhooks.codecs.base import Codec, as_codec, is_broadcast, narrow_broadcast
 
 __all__ = ["Offload", "offload"]
 
@@ -66,7 +66,7 @@ class Offload(Codec):
 
 def _unbroadcast(x: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
     """Drop broadcast (stride-0) dims so their data moves once; return the shape to expand back to."""
-    if not any(stride == 0 and size != 1 for size, stride in zip(x.shape, x.stride())):
+    if not is_broadcast(x):
         return x, ()
     return narrow_broadcast(x), tuple(x.shape)
 

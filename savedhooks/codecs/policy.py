@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from savedhooks.codecs.base import Codec, as_codec
+from savedhooks.codecs.base import ALIAS_OPS, Codec, as_codec
 from savedhooks.codecs.bitmask import Bitmask
 from savedhooks.codecs.fp8 import Float8
 from savedhooks.hooks import hook_context
@@ -38,11 +38,8 @@ DEFAULT_KEEP_OPS = (
 )
 
 
-_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
-
-
 def _through_aliases(node: torch.fx.Node) -> torch.fx.Node:
-    while node.op == "call_function" and node.target in _ALIASES:
+    while node.op == "call_function" and node.target in ALIAS_OPS:
         node = node.args[0]
     return node
 
