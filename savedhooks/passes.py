@@ -1,17 +1,19 @@
-"""Place inlined saved-tensor hooks where they free memory soonest.
+"""Reorder compiled graphs for memory: place inlined hooks, then the lowest-peak order.
 
 torch 2.13 inlines pack into the forward graph's epilogue and unpack into the
 backward graph's prologue, so every full-size saved tensor stays alive to the end
 of the forward, and every unpacked one from the start of the backward.
 
-Placement (this file):
-* forward: a node used only by graph outputs (a pack chain: the ops turning a
-  saved tensor into its payload) moves to right after the last *other* use of its
-  inputs, so the full-size tensor dies there;
-* backward: a node computed only from graph inputs (an unpack chain: payload to
-  full-size tensor) moves to right before its first user.
-Both are found by dataflow, so user hooks (``@savedhooks.hook``) are placed as
-well as codecs. Neither changes what is computed: only the order.
+* Placement: forward nodes used only by outputs (a pack chain: the ops turning a
+  saved tensor into its payload) go right after the last use of what they read,
+  so the full-size tensor dies there; backward nodes computed only from inputs
+  (an unpack chain) go right before their first user. Both are found by dataflow,
+  so user hooks (``@savedhooks.hook``) are placed as well as codecs.
+* Ordering: :mod:`savedhooks.schedule`'s portfolio (each strategy followed by
+  placement) and exact search, judged by :mod:`savedhooks.memory`; the graph's
+  own order wins ties, so the result is never worse than torch's.
+* Only the order changes, never what is computed. Beyond dataflow, in-place
+  writes, RNG and side effects keep their order (:func:`ordering_edges`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import operator
 import pathlib
 
 import torch
@@ -26,13 +29,17 @@ import torch.fx
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from savedhooks.schedule import STRATEGIES, Problem, Schedule, build_problem, schedule
+
 __all__ = [
     "ReorderPass",
     "backend",
+    "graph_problem",
     "is_backward_graph",
+    "ordering_edges",
     "place_hooks",
-    "place_packs",
-    "place_unpacks",
+    "reorder_for_memory",
+    "reorder_graph",
     "reorder_pass",
 ]
 
@@ -40,128 +47,177 @@ _OUTPUT = "output"
 log = logging.getLogger(__name__)
 
 
-def _output_only(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """Nodes whose every use leads only to the graph's outputs, in graph order."""
-    only: set[torch.fx.Node] = set()
-    for node in reversed(graph.nodes):
-        if node.op in ("placeholder", _OUTPUT) or not node.users:
-            continue
-        if all(user.op == _OUTPUT or user in only for user in node.users):
-            only.add(node)
-    return [n for n in graph.nodes if n in only]
+def ordering_edges(gm: torch.fx.GraphModule, memory) -> list[tuple[int, int]]:
+    """Order constraints beyond dataflow: in-place writes, RNG and side effects.
 
-
-def _input_only(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """Non-placeholder nodes computed only from graph inputs (and constants), in graph order."""
-    only: set[torch.fx.Node] = set()
-    for node in graph.nodes:
-        if node.op in ("placeholder", _OUTPUT, "get_attr"):
-            continue
-        inputs = node.all_input_nodes
-        if inputs and all(a.op == "placeholder" or a in only for a in inputs) and not node.is_impure():
-            only.add(node)
-    return [n for n in graph.nodes if n in only]
-
-
-def place_packs(gm: torch.fx.GraphModule) -> int:
-    """Move output-only chains to right after the last other use of their inputs.
+    A node writing a buffer (any alias of it) stays after every earlier node that
+    touches the buffer and before every later one; nodes with side effects (RNG
+    included, as reordering two random ops changes their draws) keep their order
+    among themselves. A call whose writes cannot be read from an operator schema
+    is taken to write everything it reads.
 
     Args:
-        gm: a forward graph.
+        gm: the graph.
+        memory: its :func:`savedhooks.memory.build_graph_memory`.
 
     Returns:
-        How many nodes moved.
+        ``(before, after)`` pairs of node indices (``memory.node_names`` order).
 
     Raises:
         Nothing.
     """
-    graph = gm.graph
-    chain = _output_only(graph)
-    members = set(chain)
-    moved = 0
-    for node in chain:  # graph order: a chain's first op moves before the ops that read it
-        position = {n: i for i, n in enumerate(graph.nodes)}
-        anchor = None
-        for arg in node.all_input_nodes:
-            candidates = [arg] + [u for u in arg.users if u not in members and u.op != _OUTPUT]
-            last = max(candidates, key=position.__getitem__)
-            if anchor is None or position[last] > position[anchor]:
-                anchor = last
-        if anchor is not None and anchor.next is not node and position[anchor] < position[node]:
-            anchor.append(node)
-            moved += 1
-    graph.lint()
-    gm.recompile()
-    return moved
+    index = {name: i for i, name in enumerate(memory.node_names)}
+    node_buffers: dict[torch.fx.Node, set[int]] = {}
+    edges: list[tuple[int, int]] = []
+    accesses: dict[int, list[tuple[int, bool]]] = {}
+    previous_impure = None
+    for node in gm.graph.nodes:
+        if node.name not in index:
+            continue
+        i = index[node.name]
+        node_buffers[node] = set(memory.allocs[i]) | set(memory.reads[i])
+        written = _written_buffers(node, node_buffers)
+        for b in node_buffers[node]:
+            accesses.setdefault(b, []).append((i, b in written))
+        if node.op == "call_function" and node.is_impure():
+            if previous_impure is not None:
+                edges.append((previous_impure, i))
+            previous_impure = i
+    for seq in accesses.values():
+        for k, (i, writes) in enumerate(seq):
+            if writes:
+                edges += [(j, i) for j, _ in seq[:k]] + [(i, j) for j, _ in seq[k + 1 :]]
+    return edges
 
 
-def place_unpacks(gm: torch.fx.GraphModule) -> int:
-    """Move input-only chains to right before their first user.
+def _written_buffers(node: torch.fx.Node, node_buffers) -> set[int]:
+    if node.op in ("placeholder", "get_attr"):
+        return set()
+    target = node.target
+    if target is operator.getitem:
+        return set()
+    if not isinstance(target, torch._ops.OpOverload):
+        return set().union(*(node_buffers.get(a, set()) for a in node.all_input_nodes))
+    written: set[int] = set()
+    schema = target._schema
+    for k, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = node.args[k] if k < len(node.args) else node.kwargs.get(argument.name)
+        for arg in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(arg, torch.fx.Node):
+                written |= node_buffers.get(arg, set())
+    return written
+
+
+def graph_problem(gm: torch.fx.GraphModule, donated: tuple[str, ...] = ()) -> tuple[Problem, int]:
+    """The scheduling problem of ``gm`` and the lower bound on any order's peak.
 
     Args:
-        gm: a backward graph.
+        gm: a graph whose nodes carry ``meta["val"]``.
+        donated: placeholders the graph may free after their last use.
 
     Returns:
-        How many nodes moved.
+        ``(problem, lower bound in bytes)``; node ``i`` of the problem is the
+        graph's ``i``-th non-output node. Placeholders are fixed first.
 
     Raises:
-        Nothing.
+        ValueError: nodes lack ``meta["val"]``.
     """
-    graph = gm.graph
-    moved = 0
-    for node in reversed(_input_only(graph)):  # last first: a chain is pulled down link by link
-        position = {n: i for i, n in enumerate(graph.nodes)}
-        first_user = min(node.users, key=position.__getitem__, default=None)
-        if first_user is not None and first_user.prev is not node and position[first_user] > position[node]:
-            first_user.prepend(node)
-            moved += 1
-    graph.lint()
-    gm.recompile()
-    return moved
+    from savedhooks.memory import build_graph_memory, lower_bound
+    from savedhooks.memory.estimate import _report_device
+
+    memory = build_graph_memory(gm, donated)
+    device = _report_device(memory)
+    nodes = [n for n in gm.graph.nodes if n.op != _OUTPUT]
+    fixed = [i for i, n in enumerate(nodes) if n.op in ("placeholder", "get_attr")]
+    return build_problem(memory, device, ordering_edges(gm, memory), fixed), lower_bound(memory, device)
 
 
-def place_hooks(gm: torch.fx.GraphModule, is_backward: bool) -> int:
-    """Apply :func:`place_packs` (forward) or :func:`place_unpacks` (backward), if it helps.
+def reorder_graph(
+    gm: torch.fx.GraphModule,
+    donated: tuple[str, ...] = (),
+    strategies: tuple[str, ...] = tuple(STRATEGIES),
+    exact_budget: int = 2_000,
+) -> Schedule:
+    """Reorder ``gm`` in place to the lowest modelled peak the portfolio finds.
 
-    The memory model judges: when the new order's modelled peak is not lower than
-    the input order's, the input order is restored (never worse than torch's).
+    Placeholders keep their order (the signature) and the output stays last.
+
+    Args:
+        gm: a graph whose nodes carry ``meta["val"]``.
+        donated: placeholders the graph may free after their last use.
+        strategies: names from :data:`savedhooks.schedule.STRATEGIES`.
+        exact_budget: state budget of the exact search (0 to skip it).
+
+    Returns:
+        The :class:`savedhooks.schedule.Schedule` applied (its ``order`` indexes
+        the nodes as they were).
+
+    Raises:
+        ValueError: nodes lack ``meta["val"]``, or an unknown strategy.
+    """
+    problem, bound = graph_problem(gm, donated)
+    result = schedule(problem, bound, strategies, exact_budget)
+    nodes = [n for n in gm.graph.nodes if n.op != _OUTPUT]
+    if result.order != list(range(len(nodes))):
+        output = gm.graph.output_node()
+        for i in result.order:
+            output.prepend(nodes[i])
+        gm.graph.lint()
+        gm.recompile()
+    return result
+
+
+def place_hooks(gm: torch.fx.GraphModule, is_backward: bool) -> Schedule | None:
+    """Hook placement alone: packs right after last use, unpacks right before first use.
+
+    The graph's own order plus :func:`savedhooks.schedule.place`, kept only when
+    the memory model finds it lower (never worse than torch's order).
 
     Args:
         gm: an AOTAutograd forward or backward graph (with ``meta["val"]``).
-        is_backward: which one it is.
+        is_backward: which one it is (a backward frees its saved activations).
 
     Returns:
-        How many nodes moved (0 when the input order was kept).
+        The :class:`savedhooks.schedule.Schedule`, or None when the graph has no
+        fake values to judge by (left as it is).
 
     Raises:
         Nothing.
     """
-    from savedhooks.memory import estimate_peak, saved_activations
+    return _reorder(gm, is_backward, strategies=("input",), exact_budget=0)
 
-    # judged as torch runs it: a backward drops its saved activations after their last use
+
+def reorder_for_memory(gm: torch.fx.GraphModule, is_backward: bool) -> Schedule | None:
+    """The full pass: every portfolio strategy with placement, then the exact search.
+
+    Args:
+        gm: an AOTAutograd forward or backward graph (with ``meta["val"]``).
+        is_backward: which one it is (a backward frees its saved activations).
+
+    Returns:
+        The :class:`savedhooks.schedule.Schedule`, or None when the graph has no
+        fake values to judge by (left as it is).
+
+    Raises:
+        Nothing.
+    """
+    return _reorder(gm, is_backward)
+
+
+def _reorder(gm: torch.fx.GraphModule, is_backward: bool, **options) -> Schedule | None:
+    from savedhooks.memory import saved_activations
+
     donated = saved_activations(gm) if is_backward else ()
-    original = list(gm.graph.nodes)
     try:
-        before = estimate_peak(gm, donated=donated).peak_bytes
-    except ValueError:  # no fake values to judge by: leave the graph as it is
-        return 0
-    moved = place_unpacks(gm) if is_backward else place_packs(gm)
-    after = estimate_peak(gm, donated=donated).peak_bytes
-    log.info("savedhooks placement (%s): moved %d nodes, modelled peak %d -> %d bytes",
-             "backward" if is_backward else "forward", moved, before, after)
-    if moved and after >= before:
-        _restore(gm, original)
-        return 0
-    return moved
-
-
-def _restore(gm: torch.fx.GraphModule, order: list[torch.fx.Node]) -> None:
-    output = gm.graph.output_node()
-    for node in order:
-        if node is not output:
-            output.prepend(node)
-    gm.graph.lint()
-    gm.recompile()
+        result = reorder_graph(gm, donated, **options)
+    except ValueError as error:  # no fake values to judge by: leave the graph as it is
+        log.info("savedhooks reorder skipped: %s", error)
+        return None
+    log.info("savedhooks reorder (%s): %s, modelled peak %d -> %d bytes",
+             "backward" if is_backward else "forward", result.method, result.input_peak, result.peak)
+    return result
 
 
 def is_backward_graph(graph: torch.fx.Graph) -> bool:
@@ -190,7 +246,7 @@ class ReorderPass(CustomGraphPass):
         gm = graph.owning_module
         if gm is None:  # inductor hands over the graph of a GraphModule; keep it that way
             gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-        place_hooks(gm, is_backward_graph(graph))
+        reorder_for_memory(gm, is_backward_graph(graph))
 
     def uuid(self) -> str:
         return _SOURCE_DIGEST
@@ -232,7 +288,7 @@ def backend(base: str = "aot_eager"):
 
 def _placing(is_backward: bool):
     def compiler(gm: torch.fx.GraphModule, example_inputs):
-        place_hooks(gm, is_backward)
+        reorder_for_memory(gm, is_backward)
         # run as aot_eager does: an Interpreter that drops inputs and values after their last use
         return boxed_nop(gm, example_inputs)
 

@@ -10,6 +10,8 @@ import sys
 import savedhooks
 import savedhooks.codecs
 import savedhooks.memory
+import savedhooks.passes
+import savedhooks.schedule
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -30,7 +32,7 @@ def test_kernels_resolve_to_this_repo_and_never_as_bare_kernels():
 
 def test_public_functions_document_args_returns_raises():
     missing = []
-    namespaces = [savedhooks, savedhooks.codecs, savedhooks.memory]
+    namespaces = [savedhooks, savedhooks.codecs, savedhooks.memory, savedhooks.passes, savedhooks.schedule]
     for name, obj in [(f"{ns.__name__}.{n}", getattr(ns, n)) for ns in namespaces for n in ns.__all__]:
         if inspect.isfunction(obj):
             doc = inspect.getdoc(obj) or ""

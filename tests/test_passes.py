@@ -4,26 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import GraphCapture, bf16, train_step_grads
 
 import savedhooks as sh
-from models import GraphCapture, bf16, train_step_grads, transformer
+from benchmarks.acceptance import MODELS
+from benchmarks.reorder_inductor import measured_peaks
 from savedhooks.passes import ReorderPass, is_backward_graph, place_hooks, reorder_pass
 
-
-def _mlp8() -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(8):
-        layers += [torch.nn.Linear(256, 256), torch.nn.GELU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(256, 1))
-
-
-def _transformer4() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return transformer(layers=4, dim=64)
-
-
-CASES = {"mlp8": (_mlp8, (2048, 256)), "transformer4": (_transformer4, (8, 128, 64))}
+CASES = {name.replace(" ", "_"): case for name, case in MODELS.items()}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -38,29 +26,13 @@ def test_placement_changes_no_result(name):
         assert torch.equal(p, q)
 
 
-def _measured_peaks(model, backend, x):
-    compiled = torch.compile(model, backend=backend)
-
-    def forward():
-        with sh.saved_tensors_hooks(sh.fp8()):
-            return compiled(x).square().mean()
-
-    forward().backward()  # compile
-    model.zero_grad(set_to_none=True)
-    held = []
-    fw = sh.memory.measure_peak(lambda: held.append(forward()), device="cpu")
-    bw = sh.memory.measure_peak(lambda: held.pop().backward(), device="cpu")
-    model.zero_grad(set_to_none=True)
-    return fw, bw
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_placement_halves_the_measured_forward_peak_under_aot_eager(name):
     make, shape = CASES[name]
     x = torch.randn(*shape)
-    fw_plain, bw_plain = _measured_peaks(make(), "aot_eager", x)
+    fw_plain, bw_plain = measured_peaks(make(), "aot_eager", None, x)
     torch._dynamo.reset()
-    fw_placed, bw_placed = _measured_peaks(make(), sh.backend("aot_eager"), x)
+    fw_placed, bw_placed = measured_peaks(make(), sh.backend("aot_eager"), None, x)
     assert fw_placed <= 0.5 * fw_plain
     assert bw_placed < bw_plain
 

@@ -212,10 +212,7 @@ def estimate_peak(
     if example_inputs:
         _propagate_fake_values(gm, example_inputs)
     memory = build_graph_memory(gm, donated)
-    devices = {b.device for b in memory.buffers}
-    if device is None:
-        device = next((d for d in sorted(devices, key=str) if d.type != "cpu"), torch.device("cpu"))
-    device = torch.device(device)
+    device = _report_device(memory) if device is None else torch.device(device)
     during, after, sets = simulate(memory, device)
     step = max(range(len(during)), key=during.__getitem__) if during else 0
     at_peak = sorted((memory.buffers[b] for b in (sets[step] if sets else ())), key=lambda b: -b.nbytes)
@@ -297,6 +294,12 @@ def saved_activations(backward: torch.fx.GraphModule) -> tuple[str, ...]:
     return tuple(
         n.name for n in backward.graph.nodes if n.op == "placeholder" and not n.name.startswith(("primals", "tangents"))
     )
+
+
+def _report_device(memory: GraphMemory) -> torch.device:
+    """The first non-CPU device holding a buffer, else CPU."""
+    devices = {b.device for b in memory.buffers}
+    return next((d for d in sorted(devices, key=str) if d.type != "cpu"), torch.device("cpu"))
 
 
 def _input_bytes(memory: GraphMemory, device: torch.device) -> int:

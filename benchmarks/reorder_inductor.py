@@ -1,0 +1,86 @@
+"""Measured peaks of inductor with and without the reorder pass: ``python -m benchmarks.reorder_inductor``.
+
+One training step of the acceptance models (8-layer MLP, 4-layer transformer;
+fp32, CPU) under ``sh.fp8()``, forward and backward peaks measured separately
+(above what was live before each), for:
+
+* ``inductor``: torch's default (its ``reorder_for_peak_memory`` on);
+* ``sh.backend("inductor")``: the same with :func:`savedhooks.reorder_pass`;
+* both again with inductor's own reordering off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import savedhooks as sh
+from benchmarks.acceptance import MODELS
+
+__all__ = ["CONFIGS", "measured_peaks"]
+
+
+_OFF = {"reorder_for_peak_memory": False}
+CONFIGS = {
+    "inductor": lambda: ("inductor", None),
+    "inductor + savedhooks pass": lambda: (sh.backend("inductor"), None),
+    "inductor, its reorder off": lambda: ("inductor", _OFF),
+    "inductor, its reorder off + savedhooks pass": lambda: (
+        "inductor", {**_OFF, "post_grad_custom_post_pass": sh.reorder_pass()}),
+}
+
+
+def measured_peaks(model: torch.nn.Module, backend, options, x: torch.Tensor) -> tuple[int, int]:
+    """Measured forward and backward peak bytes of one compiled step under ``sh.fp8()`` (CPU).
+
+    Args:
+        model: the model (its gradients are cleared).
+        backend: a ``torch.compile`` backend.
+        options: inductor options, or None.
+        x: the input.
+
+    Returns:
+        ``(forward peak, backward peak)`` above what was live before each.
+
+    Raises:
+        Whatever compiling or running the model raises.
+    """
+    compiled = torch.compile(model, backend=backend, options=options) if options else torch.compile(
+        model, backend=backend)
+
+    def forward():
+        with sh.saved_tensors_hooks(sh.fp8()):
+            return compiled(x).square().mean()
+
+    forward().backward()  # compile
+    model.zero_grad(set_to_none=True)
+    held = []
+    fw = sh.memory.measure_peak(lambda: held.append(forward()), device="cpu")
+    bw = sh.memory.measure_peak(lambda: held.pop().backward(), device="cpu")
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    return fw, bw
+
+
+def main() -> None:
+    """Print a markdown table of measured peaks (MiB)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.reorder_inductor")
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    args = parser.parse_args()
+    print("| model | configuration | forward peak MiB | backward peak MiB | compile + steps s |")
+    print("|---|---|---:|---:|---:|")
+    for name in args.models:
+        make, shape = MODELS[name]
+        x = torch.randn(*shape)
+        for label, config in CONFIGS.items():
+            start = time.perf_counter()
+            backend, options = config()
+            fw, bw = measured_peaks(make(), backend, options, x)
+            print(f"| {name} | {label} | {fw / 2**20:.2f} | {bw / 2**20:.2f} | {time.perf_counter() - start:.0f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

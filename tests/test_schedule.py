@@ -1,0 +1,233 @@
+"""Ordering for peak memory: valid orders, unchanged results, never worse, exact = brute force."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import savedhooks as sh
+from benchmarks.schedule_gap import random_problem
+from savedhooks.memory import build_graph_memory, simulate_order
+from savedhooks.passes import ordering_edges, reorder_graph
+from savedhooks.schedule import (
+    STRATEGIES,
+    Problem,
+    beam,
+    check_order,
+    exact_search,
+    peak_of,
+    place,
+    schedule,
+)
+
+CPU = torch.device("cpu")
+
+
+# --- brute force ---------------------------------------------------------------------------------
+
+
+def _live(problem: Problem, mask: int) -> int:
+    """Live bytes after the nodes in ``mask`` ran, from scratch (no incremental state)."""
+    live = problem.base + sum(problem.alloc[v] for v in range(problem.size) if mask >> v & 1)
+    for b, nodes in enumerate(problem.touchers):
+        if problem.freeable[b] and nodes and all(mask >> v & 1 for v in nodes):
+            live -= problem.sizes[b]
+    return live
+
+
+def _optimum(problem: Problem) -> int:
+    """The lowest peak over all topological orders: exhaustive DP over the sets of scheduled nodes."""
+    n, full = problem.size, (1 << problem.size) - 1
+
+    @functools.cache
+    def rest(mask: int) -> int:
+        if mask == full:
+            return 0
+        ready = [v for v in range(n) if not mask >> v & 1 and all(mask >> p & 1 for p in problem.preds[v])]
+        return min(max(_live(problem, mask) + problem.alloc[v], rest(mask | 1 << v)) for v in ready)
+
+    peak, mask = problem.base, 0
+    for v in problem.fixed:
+        peak = max(peak, _live(problem, mask) + problem.alloc[v])
+        mask |= 1 << v
+    return max(peak, rest(mask))
+
+
+def _all_orders(problem: Problem):
+    free = [v for v in range(problem.size) if v not in problem.fixed]
+    for perm in itertools.permutations(free):
+        order = list(problem.fixed) + list(perm)
+        try:
+            check_order(problem, order)
+        except ValueError:
+            continue
+        yield order
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(3, 8), st.integers(0, 10_000))
+def test_brute_force_dp_equals_every_order(nodes, seed):
+    """The DP used as brute force below agrees with enumerating every permutation."""
+    problem = random_problem(nodes, seed, window=3)
+    assert _optimum(problem) == min(peak_of(problem, order) for order in _all_orders(problem))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(3, 40), st.integers(0, 10_000), st.integers(2, 4))
+def test_exact_search_matches_brute_force(nodes, seed, window):
+    problem = random_problem(nodes, seed, window=window)
+    best = schedule(problem, exact_budget=1_000_000)
+    assert best.optimal
+    assert best.peak == _optimum(problem) == peak_of(problem, best.order)
+    assert best.lower_bound == best.peak and best.gap == 0.0
+
+
+def test_exact_search_out_of_budget_reports_a_valid_bound():
+    problem = random_problem(150, seed=2)
+    portfolio = schedule(problem, exact_budget=0)
+    found = exact_search(problem, portfolio.peak, budget=10)
+    assert not found.optimal and found.order is None
+    full = exact_search(problem, portfolio.peak, budget=1_000_000)
+    optimum = full.peak if full.optimal else None
+    assert found.lower_bound <= (optimum if optimum is not None else portfolio.peak)
+    assert found.lower_bound > 0
+
+
+# --- the portfolio ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(3, 120), st.integers(0, 10_000), st.integers(2, 8))
+def test_every_strategy_gives_a_valid_order_and_the_best_is_never_worse(nodes, seed, window):
+    problem = random_problem(nodes, seed, window=window)
+    for strategy in STRATEGIES.values():
+        order = strategy(problem)
+        check_order(problem, order)
+        check_order(problem, place(problem, order))
+    result = schedule(problem, exact_budget=200)
+    assert result.peak <= result.input_peak == peak_of(problem, list(range(problem.size)))
+    assert result.peak == peak_of(problem, result.order) == min(result.scores.values())
+    assert result == schedule(problem, exact_budget=200)  # deterministic
+
+
+def test_place_moves_a_pack_after_the_last_use_and_an_unpack_before_the_first():
+    # 0: input; 1 = f(0), 2 = g(1), 3 = pack(1) [output only], 4 = h(2)
+    problem = Problem(
+        preds=((), (0,), (1,), (1,), (2,)),
+        fixed=(0,),
+        alloc=(0, 100, 100, 10, 100),
+        sizes=(8, 100, 100, 10, 100),
+        touchers=((0, 1), (1, 2, 3), (2, 4), (3,), (4,)),
+        freeable=(False, True, True, False, False),
+        base=8,
+        early=frozenset({3}),
+        late=frozenset(),
+    )
+    assert peak_of(problem, [0, 1, 2, 4, 3]) == 8 + 100 + 100 + 100  # 1 lives on until its pack
+    assert place(problem, [0, 1, 2, 4, 3]) == [0, 1, 2, 3, 4]
+    assert peak_of(problem, [0, 1, 2, 3, 4]) == 8 + 100 + 10 + 100  # 1 died at its pack
+    late = Problem(
+        preds=((), (0,), (), (2,), (1, 3)),
+        fixed=(0,),
+        alloc=(0, 100, 50, 50, 10),
+        sizes=(8, 100, 50, 50, 10),
+        touchers=((0, 1), (1, 4), (2, 3), (3, 4), (4,)),
+        freeable=(False, True, True, True, False),
+        base=8,
+        early=frozenset(),
+        late=frozenset({1}),
+    )
+    assert place(late, [0, 1, 2, 3, 4]) == [0, 2, 3, 1, 4]
+
+
+def test_bad_input_raises():
+    problem = random_problem(10, 0)
+    with pytest.raises(ValueError, match="unknown strategies"):
+        schedule(problem, strategies=("input", "magic"))
+    with pytest.raises(ValueError, match="permutation"):
+        peak_of(problem, [0, 1])
+    with pytest.raises(ValueError, match="fixed nodes"):
+        check_order(problem, list(range(1, 10)) + [0])
+    with pytest.raises(ValueError, match="out of range"):
+        Problem(preds=((5,),), fixed=(), alloc=(0,), sizes=(), touchers=(), freeable=(), base=0,
+                early=frozenset(), late=frozenset())
+    assert beam(problem, width=1) and len(beam(problem)) == 10
+
+
+# --- FX graphs: views, in-place writes and RNG ---------------------------------------------------
+
+
+def _random_program(draw_ints, n_ops: int) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """Random 1-D programs of cats, scalings, slices (views), in-place adds on them, and rand_like."""
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    inputs = [torch.randn(draw_ints(1, 16)) for _ in range(2)]
+    values = [(graph.placeholder(f"x{i}"), False) for i in range(len(inputs))]  # (node, owns a fresh buffer)
+    for _ in range(n_ops):
+        op = draw_ints(0, 4)
+        pick = values[draw_ints(0, len(values) - 1)]
+        if op == 0:
+            chosen = sorted({draw_ints(0, len(values) - 1) for _ in range(draw_ints(1, 3))})
+            node = graph.call_function(aten.cat.default, ([values[i][0] for i in chosen],)), True
+        elif op == 1:
+            node = graph.call_function(aten.mul.Tensor, (pick[0], 1.5)), True
+        elif op == 2:
+            node = graph.call_function(aten.slice.Tensor, (pick[0], 0, 0, draw_ints(1, 8))), pick[1]
+        elif op == 3 and pick[1]:  # write in place, through a view or not, never into an input
+            node = graph.call_function(aten.add_.Scalar, (pick[0], 1.0)), True
+        else:
+            node = graph.call_function(aten.rand_like.default, (pick[0],)), True
+        values.append(node)
+    outputs = [values[-1][0]] + [v for v, _ in values[2:-1] if draw_ints(0, 3) == 0]
+    graph.output(tuple(outputs))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    sh.memory.estimate_peak(gm, *inputs)  # fills meta["val"]
+    return gm, inputs
+
+
+def _run(gm, inputs):
+    torch.manual_seed(0)
+    return [t.clone() for t in gm(*[x.clone() for x in inputs])]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_reordering_random_programs_keeps_results_and_never_raises_the_peak(data):
+    gm, inputs = _random_program(lambda lo, hi: data.draw(st.integers(lo, hi)), data.draw(st.integers(1, 25)))
+    expected = _run(gm, inputs)
+    before = sh.memory.estimate_peak(gm).peak_bytes
+    memory = build_graph_memory(gm)
+    result = reorder_graph(gm, exact_budget=500)
+    gm.graph.lint()  # every node after its arguments: a topological order
+    assert result.input_peak == before >= result.peak
+    assert sh.memory.estimate_peak(gm).peak_bytes == result.peak  # the model agrees with the schedule
+    assert simulate_order(memory, result.order, CPU) == result.peak
+    for got, want in zip(_run(gm, inputs), expected):
+        assert torch.equal(got, want)
+
+
+def test_writes_and_rng_keep_their_order():
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    fresh = graph.call_function(aten.mul.Tensor, (x, 2.0))
+    view = graph.call_function(aten.slice.Tensor, (fresh, 0, 0, 4))
+    read_before = graph.call_function(aten.mul.Tensor, (view, 3.0))
+    write = graph.call_function(aten.add_.Scalar, (fresh, 1.0))
+    read_after = graph.call_function(aten.mul.Tensor, (view, 5.0))
+    rand_a = graph.call_function(aten.rand_like.default, (x,))
+    rand_b = graph.call_function(aten.rand_like.default, (x,))
+    graph.output((read_before, write, read_after, rand_a, rand_b))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    sh.memory.estimate_peak(gm, torch.randn(8))
+    memory = build_graph_memory(gm)
+    index = {name: i for i, name in enumerate(memory.node_names)}
+    edges = set(ordering_edges(gm, memory))
+    assert (index[read_before.name], index[write.name]) in edges  # read the old value first
+    assert (index[write.name], index[read_after.name]) in edges  # through a view made before the write
+    assert (index[rand_a.name], index[rand_b.name]) in edges  # the RNG stream's order
