@@ -6,7 +6,8 @@ fp32, CPU) under ``sh.fp8()``, forward and backward peaks measured separately
 
 * ``inductor``: torch's default (its ``reorder_for_peak_memory`` on);
 * ``sh.backend("inductor")``: the same with :func:`savedhooks.reorder_pass`;
-* both again with inductor's own reordering off.
+* both again with inductor's own reordering off;
+* the pass applied to forward graphs as well (``sh.reorder_pass(forward=True)``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ CONFIGS = {
     "inductor, its reorder off": lambda: ("inductor", _OFF),
     "inductor, its reorder off + savedhooks pass": lambda: (
         "inductor", {**_OFF, "post_grad_custom_post_pass": sh.reorder_pass()}),
+    "inductor + savedhooks pass, forward too": lambda: (
+        "inductor", {"post_grad_custom_post_pass": sh.reorder_pass(forward=True)}),
 }
 
 

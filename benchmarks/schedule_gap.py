@@ -26,7 +26,8 @@ def random_problem(nodes: int, seed: int, window: int = 6, fixed: int = 2) -> Pr
 
     Each node makes one buffer (1 to 64 KiB, a tenth of them views of size 0) and
     reads one to three of the last ``window`` nodes' buffers; about a tenth of the
-    buffers are graph outputs (kept). The first ``fixed`` nodes are inputs.
+    buffers are graph outputs (kept), and a fifth of the nodes use scratch (up to
+    32 KiB, as a pack's temporaries). The first ``fixed`` nodes are inputs.
 
     Args:
         nodes: how many nodes (``> fixed``).
@@ -76,6 +77,7 @@ def random_problem(nodes: int, seed: int, window: int = 6, fixed: int = 2) -> Pr
         base=sum(sizes[:fixed]),
         early=frozenset(early),
         late=frozenset(late),
+        scratch=tuple(0 if v < fixed or rng.random() >= 0.2 else rng.randint(1, 32) * 1024 for v in range(nodes)),
     )
 
 

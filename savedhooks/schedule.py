@@ -67,6 +67,7 @@ class Problem:
         base: bytes live before the first node (the inputs).
         early: nodes used only by outputs or by other such nodes (pack chains).
         late: nodes computed only from fixed nodes or other such nodes (unpack chains).
+        scratch: per node, bytes it allocates and frees while it runs (empty: none).
     """
 
     preds: tuple[tuple[int, ...], ...]
@@ -78,11 +79,14 @@ class Problem:
     base: int
     early: frozenset[int]
     late: frozenset[int]
+    scratch: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.preds)
         if len(self.alloc) != n or not (len(self.sizes) == len(self.touchers) == len(self.freeable)):
             raise ValueError("Problem: per-node and per-buffer tables must have matching lengths")
+        if self.scratch and len(self.scratch) != n:
+            raise ValueError("Problem: scratch must have one entry per node")
         if any(not 0 <= p < n for ps in self.preds for p in ps):
             raise ValueError("Problem: a predecessor index is out of range")
 
@@ -99,6 +103,11 @@ class Problem:
             for p in ps:
                 out[p].append(v)
         return tuple(tuple(s) for s in out)
+
+    @functools.cached_property
+    def peak_alloc(self) -> tuple[int, ...]:
+        """Per node, what it adds to the live bytes while it runs: its outputs plus its scratch."""
+        return tuple(a + (self.scratch[v] if self.scratch else 0) for v, a in enumerate(self.alloc))
 
     @functools.cached_property
     def descendants(self) -> tuple[int, ...]:
@@ -192,6 +201,7 @@ def build_problem(memory, device, extra_edges: Iterable[tuple[int, int]] = (), f
         base=sum(memory.buffers[b].nbytes for b in kept if memory.buffers[b].is_input),
         early=frozenset(early),
         late=frozenset(late),
+        scratch=tuple(memory.scratch_on(v, device) for v in range(n)),
     )
 
 
@@ -216,9 +226,8 @@ def peak_of(problem: Problem, order: list[int]) -> int:
             frees[max(position[v] for v in nodes)] += problem.sizes[b]
     live = peak = problem.base
     for i, v in enumerate(order):
-        live += problem.alloc[v]
-        peak = max(peak, live)
-        live -= frees[i]
+        peak = max(peak, live + problem.peak_alloc[v])
+        live += problem.alloc[v] - frees[i]
     return peak
 
 
@@ -324,7 +333,7 @@ def lpmf(problem: Problem) -> list[int]:
     Raises:
         ValueError: the constraints have a cycle.
     """
-    return _list_schedule(problem, lambda v, freed: (problem.alloc[v], -freed, v))
+    return _list_schedule(problem, lambda v, freed: (problem.peak_alloc[v], -freed, v))
 
 
 def bytes_freed(problem: Problem) -> list[int]:
@@ -339,7 +348,7 @@ def bytes_freed(problem: Problem) -> list[int]:
     Raises:
         ValueError: the constraints have a cycle.
     """
-    return _list_schedule(problem, lambda v, freed: (problem.alloc[v] - freed, problem.alloc[v], v))
+    return _list_schedule(problem, lambda v, freed: (problem.alloc[v] - freed, problem.peak_alloc[v], v))
 
 
 def bfs(problem: Problem) -> list[int]:
@@ -489,8 +498,8 @@ class _Moves:
         self.touch_mask = [sum(1 << v for v in nodes) for nodes in problem.touchers]
         self.start = sum(1 << v for v in problem.fixed)
         self.full = (1 << problem.size) - 1
-        self.peak0 = problem.base + sum(problem.alloc[v] for v in problem.fixed)
-        self.live0 = self.peak0 - sum(
+        self.peak0 = problem.base + sum(problem.peak_alloc[v] for v in problem.fixed)
+        self.live0 = problem.base + sum(problem.alloc[v] for v in problem.fixed) - sum(
             problem.sizes[b]
             for b, nodes in enumerate(problem.touchers)
             if problem.freeable[b] and nodes and self.touch_mask[b] & ~self.start == 0
@@ -510,9 +519,9 @@ class _Moves:
                 for b in problem.touched[v]
                 if problem.freeable[b] and self.touch_mask[b] & ~child == 0
             )
-            during = live + problem.alloc[v]
+            during = live + problem.peak_alloc[v]
             newly = tuple(s for s in problem.succs[v] if self._free(child, s))
-            move = (v, child, max(peak, during), during - freed, tuple(u for u in ready if u != v) + newly)
+            move = (v, child, max(peak, during), live + problem.alloc[v] - freed, tuple(u for u in ready if u != v) + newly)
             if problem.alloc[v] <= freed and during <= peak:  # safe: some optimal completion starts here
                 return [move]
             moves.append(move)

@@ -49,11 +49,11 @@ def _optimum(problem: Problem) -> int:
         if mask == full:
             return 0
         ready = [v for v in range(n) if not mask >> v & 1 and all(mask >> p & 1 for p in problem.preds[v])]
-        return min(max(_live(problem, mask) + problem.alloc[v], rest(mask | 1 << v)) for v in ready)
+        return min(max(_live(problem, mask) + problem.peak_alloc[v], rest(mask | 1 << v)) for v in ready)
 
     peak, mask = problem.base, 0
     for v in problem.fixed:
-        peak = max(peak, _live(problem, mask) + problem.alloc[v])
+        peak = max(peak, _live(problem, mask) + problem.peak_alloc[v])
         mask |= 1 << v
     return max(peak, rest(mask))
 

@@ -13,6 +13,7 @@ from savedhooks.memory.estimate import (
 from savedhooks.memory.graph import Buffer, GraphMemory, build_graph_memory
 from savedhooks.memory.measure import cpu_memory_trace, measure_peak, profile_graph
 from savedhooks.memory.report import graph_to_json, plot_timeline
+from savedhooks.memory.scratch import op_scratch_bytes
 
 __all__ = [
     # predict
@@ -28,6 +29,7 @@ __all__ = [
     "build_graph_memory",
     "GraphMemory",
     "Buffer",
+    "op_scratch_bytes",
     # measure
     "measure_peak",
     "profile_graph",

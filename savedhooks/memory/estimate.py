@@ -1,8 +1,10 @@
 """Predicted live bytes per node, the peak, and a lower bound valid for any order.
 
 The model (as inductor's ``estimate_peak_memory_allocfree``): each node allocates
-its new buffers, runs with everything live (the "during" figure), then frees the
-buffers whose last use it was (the "after" figure).
+its new buffers, runs with everything live plus the scratch it allocates inside
+itself (known for our own ops only, :mod:`savedhooks.memory.scratch`; the
+"during" figure), then frees the buffers whose last use it was (the "after"
+figure).
 
 The lower bound: while node ``v`` runs, a buffer must be live if it already
 exists (an input, or made by ``v`` or an ancestor of ``v``) and is still needed
@@ -75,12 +77,12 @@ def simulate(memory: GraphMemory, device: torch.device) -> tuple[list[int], list
     """
     live, current = 0, set()
     during, after, sets = [], [], []
-    for made, freed in zip(memory.allocs, memory.frees):
+    for i, (made, freed) in enumerate(zip(memory.allocs, memory.frees)):
         for b in made:
             if memory.buffers[b].device == device:
                 live += memory.buffers[b].nbytes
                 current.add(b)
-        during.append(live)
+        during.append(live + memory.scratch_on(i, device))
         sets.append(set(current))
         for b in freed:
             if memory.buffers[b].device == device:
@@ -123,7 +125,7 @@ def simulate_order(memory: GraphMemory, order: list[int], device: torch.device) 
             for b in memory.allocs[i]
             if memory.buffers[b].device == device and not memory.buffers[b].is_input
         )
-        peak = max(peak, live)
+        peak = max(peak, live + memory.scratch_on(i, device))
         live -= sum(memory.buffers[b].nbytes for b in frees.get(position, ()) if memory.buffers[b].device == device)
     return peak
 
@@ -178,6 +180,7 @@ def _largest_sum(memory, device, producer, readers, ancestors, descendants, ever
             for r in readers.get(buffer.index, ()):
                 needed |= ancestors[r] | (1 << r)
         total += buffer.nbytes * _bits(exists & needed, n)
+    total += torch.tensor([float(memory.scratch_on(i, device)) for i in range(n)], dtype=torch.float64)
     return int(total.max().item())
 
 

@@ -22,6 +22,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from savedhooks.memory.scratch import op_scratch_bytes
+
 __all__ = ["Buffer", "GraphMemory", "build_graph_memory", "tensor_storages"]
 
 
@@ -58,6 +60,8 @@ class GraphMemory:
         allocs: per node, the buffers it creates.
         reads: per node, the buffers it reads (through any alias).
         frees: per node, the buffers freed after it runs (their last use).
+        scratch: per node, ``(device, bytes)`` it allocates and frees inside
+            itself (:func:`savedhooks.memory.scratch.op_scratch_bytes`), or None.
     """
 
     node_names: tuple[str, ...]
@@ -66,6 +70,12 @@ class GraphMemory:
     allocs: tuple[tuple[int, ...], ...]
     reads: tuple[tuple[int, ...], ...]
     frees: tuple[tuple[int, ...], ...]
+    scratch: tuple[tuple[torch.device, int] | None, ...] = ()
+
+    def scratch_on(self, node: int, device: torch.device) -> int:
+        """Scratch bytes of ``node`` on ``device`` (0 if none there)."""
+        entry = self.scratch[node] if self.scratch else None
+        return entry[1] if entry is not None and entry[0] == device else 0
 
 
 def tensor_storages(value: Any) -> list[torch.Tensor]:
@@ -117,6 +127,7 @@ def build_graph_memory(gm: torch.fx.GraphModule, donated: tuple[str, ...] = ()) 
     node_buffers: dict[torch.fx.Node, set[int]] = {}
     node_index: dict[torch.fx.Node, int] = {}
     inputs: list[tuple[int, ...]] = []
+    scratch: list[tuple[torch.device, int] | None] = []
     output_buffers: set[int] = set()
 
     for node in gm.graph.nodes:
@@ -143,6 +154,8 @@ def build_graph_memory(gm: torch.fx.GraphModule, donated: tuple[str, ...] = ()) 
         node_index[node] = len(node_names)
         node_names.append(node.name)
         allocs.append(new)
+        extra = op_scratch_bytes(node)
+        scratch.append((tensors[0].device, extra) if extra and tensors else None)
         reads.append(set().union(*(node_buffers.get(a, set()) for a in node.all_input_nodes)))
 
     last_use = {b: -1 for b in range(len(buffers))}
@@ -163,4 +176,5 @@ def build_graph_memory(gm: torch.fx.GraphModule, donated: tuple[str, ...] = ()) 
         allocs=tuple(tuple(a) for a in allocs),
         reads=tuple(tuple(sorted(r)) for r in reads),
         frees=tuple(tuple(f) for f in frees),
+        scratch=tuple(scratch),
     )

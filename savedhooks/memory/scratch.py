@@ -1,0 +1,102 @@
+"""Temporaries an op allocates and frees while it runs, for the ops whose code we own.
+
+A graph model sees an op's inputs and outputs, not what the op allocates inside.
+For aten ops that is inductor's and AOTAutograd's view too. Our codecs' ops run
+the aten reference in ``savedhooks.kernels`` on CPU, whose float32 temporaries
+are bounded by one chunk of rows but reach a few MiB: enough to decide where a
+pack is best placed. So each ``savedhooks::fp8_*`` node's scratch is measured
+once per shape class and cached: the reference runs on one chunk of rows of
+zeros under the CPU memory profiler (:func:`savedhooks.memory.measure_peak`),
+and its peak above the op's own outputs is the scratch. One chunk is enough:
+the chunk loop frees everything between chunks. A dispatch mode counting the
+tensors the reference creates was tried first and saw only half of it (aten
+kernels allocate inside, e.g. in copies between layouts).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+__all__ = ["op_scratch_bytes"]
+
+
+def _chunk_rows(rows: int, cols: int) -> int:
+    from savedhooks.kernels.fp8 import _row_chunks
+
+    return min(rows, _row_chunks(rows, cols).step)
+
+
+def _scratch(run) -> int:
+    """Peak bytes ``run()`` allocates on CPU above its own outputs (measured)."""
+    from savedhooks.memory.measure import measure_peak
+
+    held = []
+    peak = measure_peak(lambda: held.append(run()), device="cpu")
+    outputs = [t for t in torch.utils._pytree.tree_leaves(held) if isinstance(t, torch.Tensor)]
+    return max(0, peak - sum(t.untyped_storage().nbytes() for t in outputs))
+
+
+@functools.lru_cache(maxsize=256)
+def _fp8_quantize_scratch(dtype: torch.dtype, rows: int, cols: int, args: tuple) -> int:
+    from savedhooks.kernels.fp8 import torch_fp8_quantize
+
+    with unset_fake_temporarily():  # called by compilers, inside AOTAutograd's fake mode
+        x = torch.zeros(rows, cols, dtype=dtype)
+        return _scratch(lambda: torch_fp8_quantize(x, *args))
+
+
+@functools.lru_cache(maxsize=256)
+def _fp8_dequantize_scratch(q_dtype: torch.dtype, rows: int, cols: int, scale_rows: int, scale_cols: int,
+                            args: tuple) -> int:
+    from savedhooks.kernels.fp8 import torch_fp8_dequantize
+
+    with unset_fake_temporarily():
+        q = torch.zeros(rows, cols, dtype=q_dtype)
+        scale = torch.ones(scale_rows, scale_cols)
+        return _scratch(lambda: torch_fp8_dequantize(q, scale, *args))
+
+
+def _hint(size) -> int:
+    if isinstance(size, int):
+        return size
+    node = size.node
+    hint = getattr(node, "hint", None)
+    return int(hint) if hint is not None else int(node.shape_env.size_hint(node.expr))
+
+
+def op_scratch_bytes(node: torch.fx.Node) -> int:
+    """Bytes an op allocates and frees inside itself (0 for ops we do not own).
+
+    Args:
+        node: an FX node; its arguments carry ``meta["val"]``.
+
+    Returns:
+        The scratch bytes of ``savedhooks::fp8_quantize`` / ``fp8_dequantize``
+        nodes (their aten reference), else 0.
+
+    Raises:
+        Nothing: a node whose arguments lack fake values counts 0.
+    """
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return 0
+    name = node.target.name()
+    if name not in ("savedhooks::fp8_quantize", "savedhooks::fp8_dequantize"):
+        return 0
+    first = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    if not isinstance(first, torch.Tensor) or first.dim() != 2:
+        return 0
+    rows, cols = (_hint(s) for s in first.shape)
+    if rows * cols == 0:
+        return 0
+    chunk = _chunk_rows(rows, cols)
+    if name == "savedhooks::fp8_quantize":
+        return _fp8_quantize_scratch(first.dtype, chunk, cols, tuple(node.args[1:]))
+    scale = node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
+    if not isinstance(scale, torch.Tensor):
+        return 0
+    scale_rows = chunk if _hint(scale.shape[0]) != 1 else 1
+    return _fp8_dequantize_scratch(first.dtype, chunk, cols, scale_rows, _hint(scale.shape[1]), tuple(node.args[2:]))
