@@ -126,6 +126,14 @@ def _to_16_bits(y, MB: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
+def _load_f32(ptrs, mask, BF16_BITS: tl.constexpr):
+    """Load as float32; bf16 given as int16 bits is widened exactly (the interpreter flushes its subnormals)."""
+    if BF16_BITS:
+        return (tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _finite_abs(x):
     a = tl.abs(x)
     return tl.where(a < float("inf"), a, 0.0)  # NaN and inf count as 0, as in the reference
@@ -159,7 +167,7 @@ def _group_tile(pid, step, n_groups, cols, groups_per_row, group_size, GROUPS: t
 @triton.jit
 def fp8_quantize_kernel(
     x_ptr, q_ptr, scale_ptr, n_groups, cols, groups_per_row, group_size, stride_r, stride_c,
-    FMAX: tl.constexpr, IS_E4M3: tl.constexpr, POW2: tl.constexpr, MODE: tl.constexpr,
+    FMAX: tl.constexpr, IS_E4M3: tl.constexpr, POW2: tl.constexpr, MODE: tl.constexpr, BF16_BITS: tl.constexpr,
     GROUPS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Quantize GROUPS groups. MODE 0: own scales (row / block), stored at ``scale_ptr[g]``;
@@ -169,7 +177,7 @@ def fp8_quantize_kernel(
         amax = tl.zeros([GROUPS], dtype=tl.float32)
         for step in range(0, group_size, BLOCK):
             g, row, col, mask = _group_tile(pid, step, n_groups, cols, groups_per_row, group_size, GROUPS, BLOCK)
-            x = tl.load(x_ptr + row * stride_r + col * stride_c, mask=mask, other=0.0).to(tl.float32)
+            x = _load_f32(x_ptr + row * stride_r + col * stride_c, mask, BF16_BITS)
             amax = tl.maximum(amax, tl.max(_finite_abs(x), axis=1))
     if MODE == 1:
         tl.store(scale_ptr + pid, tl.max(amax, axis=0))
@@ -183,7 +191,7 @@ def fp8_quantize_kernel(
             scale = tl.load(scale_ptr)
         for step in range(0, group_size, BLOCK):
             g, row, col, mask = _group_tile(pid, step, n_groups, cols, groups_per_row, group_size, GROUPS, BLOCK)
-            x = tl.load(x_ptr + row * stride_r + col * stride_c, mask=mask, other=0.0).to(tl.float32)
+            x = _load_f32(x_ptr + row * stride_r + col * stride_c, mask, BF16_BITS)
             code = _fp8_code(tl.div_rn(x, scale + tl.zeros_like(x)), IS_E4M3)
             tl.store(q_ptr + row * cols + col, code.to(tl.uint8), mask=mask)
 
@@ -275,8 +283,10 @@ def triton_fp8_quantize(
     if x.numel() == 0:
         return q, torch.ones(_scale_shape(rows, cols, granularity, block_size), dtype=torch.float32, device=x.device)
     scale = torch.empty(_scale_shape(rows, cols, granularity, block_size), dtype=torch.float32, device=x.device)
-    consts = dict(FMAX=torch.finfo(dtype).max, IS_E4M3=dtype == torch.float8_e4m3fn, POW2=pow2_scale)
-    args = (x, q.view(torch.uint8))
+    bf16_bits = x.dtype == torch.bfloat16
+    consts = {"FMAX": torch.finfo(dtype).max, "IS_E4M3": dtype == torch.float8_e4m3fn, "POW2": pow2_scale,
+              "BF16_BITS": bf16_bits}  # fmt: skip
+    args = (x.view(torch.int16) if bf16_bits else x, q.view(torch.uint8))
     if granularity != "tensor":
         n_groups, per_row, size = _groups(rows, cols, block_size if granularity == "block" else cols)
         groups, block = _tile(size)
