@@ -20,7 +20,8 @@ Design notes
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -110,7 +111,7 @@ def trace_into_on_gpu_only(op: Any, kernel: Any) -> None:
     """
     decompose: Callable[..., Any] = op._torch_dispatch_fns[FunctionalTensorMode]  # torch's own rule
 
-    def rule(mode, func, types, args, kwargs):  # noqa: ANN001, ANN202 - torch's rule signature
+    def rule(mode, func, types, args, kwargs):
         first = next(a for a in args if isinstance(a, torch.Tensor))
         if _compiles(kernel, first):
             return decompose(mode, func, types, args, kwargs)

@@ -1,24 +1,27 @@
 """Checks of the Triton kernels on CPU under the Triton interpreter; run by tests/test_kernels.py.
 
-``python tests/interpret_kernels.py numerics|compile`` sets ``TRITON_INTERPRET=1``
-before anything imports triton (so it runs in its own process), runs every case
-and prints one JSON object ``{case: null | "what differs"}`` as the last line.
-Each case compares the Triton op with the aten reference bit for bit.
+``python tests/interpret_kernels.py numerics|compile [case ...]`` sets
+``TRITON_INTERPRET=1`` before anything imports triton (so it runs in its own
+process), runs the cases and prints one JSON object ``{case: null | "what
+differs"}`` as the last line. Each case compares the Triton op with the aten
+reference bit for bit. Imported (by the tests, for case names and the CUDA runs)
+it changes no environment and imports no triton until a case runs.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"
 
-import itertools  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import traceback  # noqa: E402
-from typing import Callable, Iterator  # noqa: E402
+import itertools
+import json
+import sys
+import traceback
+from collections.abc import Callable, Iterator
 
-import torch  # noqa: E402
+import torch
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -68,10 +71,10 @@ def _all(checks: Iterator[str | None]) -> str | None:
     return "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "") if problems else None
 
 
-def sweep_case(shape: tuple[int, int], in_dtype: torch.dtype) -> str | None:
-    gen = torch.Generator().manual_seed(hash((shape, str(in_dtype))) % 2**31)
+def sweep_case(shape: tuple[int, int], in_dtype: torch.dtype, device: str = "cpu") -> str | None:
+    gen = torch.Generator().manual_seed(shape[0] * 10007 + shape[1])
     x = torch.randn(shape, generator=gen) * torch.exp(2 * torch.randn(shape[0], 1, generator=gen))  # rows 1e-3..1e3
-    x = x.to(in_dtype)
+    x = x.to(device, in_dtype)
     blocks = (128, 16, 100, 7) if shape == (3, 300) else (128 if shape[1] >= 128 else 16,)
     return _all(
         compare_fp8(x, dtype, g, b, pow2)
@@ -108,8 +111,8 @@ def edge_inputs() -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
                                       [nan, nan, nan, nan, inf, inf, -inf, -inf]]), (8, 4, 2)  # fmt: skip
 
 
-def edge_case(name: str, x: torch.Tensor, blocks: tuple[int, ...], in_dtype: torch.dtype) -> str | None:
-    x = x.to(in_dtype)
+def edge_case(x: torch.Tensor, blocks: tuple[int, ...], in_dtype: torch.dtype, device: str = "cpu") -> str | None:
+    x = x.to(device, in_dtype)
     return _all(
         compare_fp8(x, dtype, g, b, pow2)
         for dtype, g, b, pow2 in itertools.product((E4M3, E5M2), GRANULARITIES, blocks, (False, True))
@@ -117,8 +120,9 @@ def edge_case(name: str, x: torch.Tensor, blocks: tuple[int, ...], in_dtype: tor
     )
 
 
-def non_contiguous_case(kind: str) -> str | None:
-    base = torch.randn(40, 66) * torch.exp(torch.randn(40, 1))
+def non_contiguous_case(kind: str, device: str = "cpu") -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    base = (torch.randn(40, 66, generator=gen) * torch.exp(torch.randn(40, 1, generator=gen))).to(device)
     x = {"transposed": base.t(), "column slice": base[:, ::3], "offset window": base[3:, 5:]}[kind]
     assert not x.is_contiguous()
     return _all(
@@ -126,11 +130,11 @@ def non_contiguous_case(kind: str) -> str | None:
     )
 
 
-def bitmask_case(n: int, step: int) -> str | None:
+def bitmask_case(n: int, step: int, device: str = "cpu") -> str | None:
     from savedhooks.kernels.bitmask import torch_bitmask_pack, torch_bitmask_unpack
     from savedhooks.kernels.bitmask_triton import triton_bitmask_pack, triton_bitmask_unpack
 
-    x = (torch.rand(n * step, generator=torch.Generator().manual_seed(n)) > 0.4)[::step]
+    x = (torch.rand(n * step, generator=torch.Generator().manual_seed(n)) > 0.4).to(device)[::step]
     want = torch_bitmask_pack(x.contiguous())
     return (
         _same_bits("pack", want, triton_bitmask_pack(x))
@@ -165,57 +169,71 @@ def codec_case(codec_name: str, x: torch.Tensor) -> str | None:
     return _same_bits("unpacked", want, got, False)
 
 
-def codec_inputs() -> Iterator[tuple[str, torch.Tensor]]:
-    base = torch.randn(2, 3, 8, 10)
-    yield "4-D", base
-    yield "channels_last", base.to(memory_format=torch.channels_last)
-    yield "transposed", torch.randn(24, 40).t()
-    yield "broadcast", torch.randn(2, 1, 5, 40).expand(2, 3, 5, 40)
-    yield "bf16 3-D", torch.randn(3, 7, 50).bfloat16()
-    yield "bool 3-D", torch.rand(3, 7, 50) > 0.5
+def codec_inputs() -> Iterator[tuple[str, Callable[[str], torch.Tensor]]]:
+    """(name, device -> input): layouts the codecs restore (``.to(device)`` would not keep them all)."""
+    gen = torch.Generator().manual_seed(0)
+    base, wide, small = torch.randn(2, 3, 8, 10, generator=gen), torch.randn(24, 40, generator=gen), torch.randn(2, 1, 5, 40, generator=gen)
+    yield "4-D", lambda d: base.to(d)
+    yield "channels_last", lambda d: base.to(d).to(memory_format=torch.channels_last)
+    yield "transposed", lambda d: wide.to(d).t()
+    yield "broadcast", lambda d: small.to(d).expand(2, 3, 5, 40)
+    yield "bf16 3-D", lambda d: torch.randn(3, 7, 50, generator=gen).to(d, torch.bfloat16)
+    yield "bool 3-D", lambda d: (torch.rand(3, 7, 50, generator=gen) > 0.5).to(d)
 
 
-def numerics_cases() -> dict[str, Callable[[], str | None]]:
+def numerics_cases(device: str = "cpu") -> dict[str, Callable[[], str | None]]:
+    """Case name -> check; ``device`` is where the tensors live (CUDA runs the compiled kernels)."""
     cases: dict[str, Callable[[], str | None]] = {}
     for shape, dt in itertools.product(SHAPES, FLOATS):
-        cases[f"sweep {shape} {dt}"] = lambda s=shape, d=dt: sweep_case(s, d)
+        cases[f"sweep {shape} {dt}"] = lambda s=shape, d=dt: sweep_case(s, d, device)
     for (name, x, blocks), dt in itertools.product(list(edge_inputs()), FLOATS):
-        cases[f"edge {name} {dt}"] = lambda n=name, x=x, b=blocks, d=dt: edge_case(n, x, b, d)
+        cases[f"edge {name} {dt}"] = lambda x=x, b=blocks, d=dt: edge_case(x, b, d, device)
     for kind in ("transposed", "column slice", "offset window"):
-        cases[f"non-contiguous {kind}"] = lambda k=kind: non_contiguous_case(k)
+        cases[f"non-contiguous {kind}"] = lambda k=kind: non_contiguous_case(k, device)
     for n, step in ((1, 1), (7, 1), (8, 1), (9, 3), (100, 1), (16385, 1), (40001, 2)):
-        cases[f"bitmask {n} step {step}"] = lambda n=n, s=step: bitmask_case(n, s)
-    for (input_name, x), codec in itertools.product(list(codec_inputs()), ("fp8 block", "fp8 e5m2 row pow2", "fp8 tensor", "bitmask", "sign bits")):
-        if (x.dtype == torch.bool) == (codec == "bitmask"):
-            cases[f"codec {codec} {input_name}"] = lambda c=codec, x=x: codec_case(c, x)
+        cases[f"bitmask {n} step {step}"] = lambda n=n, s=step: bitmask_case(n, s, device)
+    codecs = ("fp8 block", "fp8 e5m2 row pow2", "fp8 tensor", "bitmask", "sign bits")
+    for (input_name, make), codec in itertools.product(list(codec_inputs()), codecs):
+        if input_name.startswith("bool") == (codec == "bitmask"):
+            cases[f"codec {codec} {input_name}"] = lambda c=codec, m=make: codec_case(c, m(device))
     return cases
 
 
-def compile_cases() -> dict[str, Callable[[], str | None]]:
-    import savedhooks as sh
+def compile_cases(device: str = "cpu") -> dict[str, Callable[[], str | None]]:
+    """Case name -> check that a compiled training step gives the same gradients with both backends."""
     from models import GraphCapture, mlp, train_step_grads, transformer
 
-    def grads_match(make_model, shape, backend: str) -> str | None:
+    import savedhooks as sh
+
+    def dropout_mlp() -> torch.nn.Module:  # saves a bool mask: the bitmask codec's kernels
+        return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Dropout(0.3), torch.nn.Linear(64, 4))
+
+    def grads_match(make_model, shape, backend: str, codec: str) -> str | None:
         torch.manual_seed(0)
-        model, x = make_model(), torch.randn(*shape)
+        model, x = make_model().to(device), torch.randn(*shape, device=device)
         grads = {}
         for kernels in ("aten", "triton"):
             torch._dynamo.reset()
+            torch.manual_seed(1)  # same dropout masks
             capture = GraphCapture()
             fn = torch.compile(model, backend=capture.backend if backend == "capture" else backend)
-            grads[kernels] = train_step_grads(model, fn, x, sh.fp8(backend=kernels))
-            if backend == "capture":  # the Triton ops stay one opaque node each on CPU
-                fw = "\n".join(capture.fw)
-                if kernels == "triton" and ("triton_fp8_quantize" not in fw or "triton_bitmask_pack" not in fw or "savedhooks.fp8_quantize" in fw):
-                    return f"forward graph lacks the Triton op:\n{fw}"
+            hooks = sh.fp8(backend=kernels) if codec == "fp8" else sh.bitmask(backend=kernels)
+            grads[kernels] = train_step_grads(model, fn, x, hooks)
+            fw = "\n".join(capture.fw)
+            # CPU: the Triton op is one opaque node; CUDA: AOTAutograd traced into its kernels
+            want = f"savedhooks.triton_{codec}_" if device == "cpu" else "triton_kernel_wrapper_functional"
+            if backend == "capture" and kernels == "triton" and (want not in fw or f"savedhooks.{codec}_" in fw):
+                return f"the forward graph should call {want}, not savedhooks.{codec}_*:\n{fw}"
         for i, (a, t) in enumerate(zip(grads["aten"], grads["triton"])):
             if not torch.equal(a, t):
                 return f"gradient {i} differs: max |diff| {(a - t).abs().max().item()}"
         return None
 
+    models = [("mlp", lambda: mlp(32), (16, 8), "fp8"), ("transformer", lambda: transformer(1, 32), (2, 8, 32), "fp8"),
+              ("dropout mlp", dropout_mlp, (16, 8), "bitmask")]  # fmt: skip
     return {
-        f"{name} {backend}": (lambda m=m, s=s, b=backend: grads_match(m, s, b))
-        for name, m, s in (("mlp", lambda: mlp(32), (8, 32)), ("transformer", lambda: transformer(1, 32), (2, 8, 32)))
+        f"{name} {codec} {backend}": (lambda m=m, s=s, b=backend, c=codec: grads_match(m, s, b, c))
+        for name, m, s, codec in models
         for backend in ("capture", "aot_eager", "inductor")
     }
 
