@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op
 
 from savedhooks.kernels.bitmask import bitmask_pack, bitmask_unpack
-from savedhooks.kernels.triton_support import launch, runs_triton, trace_into_on_gpu_only
+from savedhooks.kernels.triton_support import as_triton_op, launch, runs_triton
 
 __all__ = ["triton_bitmask_pack", "triton_bitmask_unpack"]
 
@@ -47,7 +46,6 @@ def bitmask_unpack_kernel(packed_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + index, ((byte >> (index % 8).to(tl.int32)) & 1).to(tl.uint8), mask=mask)
 
 
-@triton_op("savedhooks::triton_bitmask_pack", mutates_args=())
 def triton_bitmask_pack(x: torch.Tensor) -> torch.Tensor:
     """Pack a 1-D bool tensor into bytes (Triton; ``torch.ops.savedhooks.triton_bitmask_pack``).
 
@@ -75,10 +73,9 @@ def triton_bitmask_pack(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-trace_into_on_gpu_only(triton_bitmask_pack, bitmask_pack_kernel)
+triton_bitmask_pack = as_triton_op("savedhooks::triton_bitmask_pack", triton_bitmask_pack, bitmask_pack_kernel)
 
 
-@triton_op("savedhooks::triton_bitmask_unpack", mutates_args=())
 def triton_bitmask_unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of :func:`triton_bitmask_pack` (``torch.ops.savedhooks.triton_bitmask_unpack``).
 
@@ -103,4 +100,4 @@ def triton_bitmask_unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return out
 
 
-trace_into_on_gpu_only(triton_bitmask_unpack, bitmask_unpack_kernel)
+triton_bitmask_unpack = as_triton_op("savedhooks::triton_bitmask_unpack", triton_bitmask_unpack, bitmask_unpack_kernel)

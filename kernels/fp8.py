@@ -65,7 +65,9 @@ def _finite_amax(x3: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_from_amax(amax: torch.Tensor, fmax: float, pow2_scale: bool) -> torch.Tensor:
-    scale = torch.where(amax > 0, amax / fmax, 1.0).clamp_min(_MIN_SCALE)
+    # A tensor divisor, not a Python scalar: CUDA divides by a CPU scalar as a multiply by
+    # its reciprocal (not correctly rounded); the Triton kernels divide exactly everywhere.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, fmax), 1.0).clamp_min(_MIN_SCALE)
     return _pow2_ceil(scale) if pow2_scale else scale
 
 

@@ -30,10 +30,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op
 
 from savedhooks.kernels.fp8 import FP8_DTYPES, _check_quantize_args, _scale_shape, fp8_dequantize, fp8_quantize
-from savedhooks.kernels.triton_support import launch, runs_triton, trace_into_on_gpu_only
+from savedhooks.kernels.triton_support import as_triton_op, launch, runs_triton
 
 __all__ = ["triton_fp8_dequantize", "triton_fp8_quantize"]
 
@@ -251,7 +250,6 @@ def _groups(rows: int, cols: int, group_size: int) -> tuple[int, int, int]:
     return rows * per_row, per_row, group_size
 
 
-@triton_op("savedhooks::triton_fp8_quantize", mutates_args=())
 def triton_fp8_quantize(
     x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: int, pow2_scale: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,13 +306,12 @@ def triton_fp8_quantize(
 
 
 
-trace_into_on_gpu_only(triton_fp8_quantize, fp8_quantize_kernel)
+triton_fp8_quantize = as_triton_op("savedhooks::triton_fp8_quantize", triton_fp8_quantize, fp8_quantize_kernel)
 
 # float8 / output dtype -> (IS_E4M3) and (OUT_MB, OUT_BIAS) of the output's bits
 _OUT_FORMATS = {torch.float32: (23, 127), torch.bfloat16: (7, 127), torch.float16: (10, 15)}
 
 
-@triton_op("savedhooks::triton_fp8_dequantize", mutates_args=())
 def triton_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, block_size: int) -> torch.Tensor:
     """Inverse of :func:`triton_fp8_quantize` (``torch.ops.savedhooks.triton_fp8_dequantize``).
 
@@ -366,4 +363,4 @@ def triton_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch
     return out
 
 
-trace_into_on_gpu_only(triton_fp8_dequantize, fp8_dequantize_kernel)
+triton_fp8_dequantize = as_triton_op("savedhooks::triton_fp8_dequantize", triton_fp8_dequantize, fp8_dequantize_kernel)

@@ -12,7 +12,7 @@ Design notes
     ``TRITON_INTERPRET=1`` (``triton.jit`` then returns ``InterpretedFunction``s,
     which ``wrap_triton`` cannot trace: they only run on real tensors);
   - otherwise the aten reference (``savedhooks::fp8_quantize`` etc.).
-  :func:`trace_into_on_gpu_only` installs that rule for FunctionalTensorMode.
+  :func:`as_triton_op` installs that rule for FunctionalTensorMode.
 * A triton_op's body is also its fake implementation. On fake tensors, an
   interpreted kernel is not launched (:func:`launch` skips it): the outputs'
   shapes and dtypes are all a fake run needs.
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
-from torch.library import wrap_triton
+from torch.library import triton_op, wrap_triton
 
-__all__ = ["is_interpreted", "launch", "runs_triton", "trace_into_on_gpu_only"]
+__all__ = ["as_triton_op", "is_interpreted", "launch", "runs_triton"]
 
 
 def is_interpreted(kernel: Any) -> bool:
@@ -92,23 +92,26 @@ def launch(kernel: Any, grid: tuple[Any, ...], *args: Any, **kwargs: Any) -> Non
     wrap_triton(kernel)[grid](*args, **kwargs)
 
 
-def trace_into_on_gpu_only(op: Any, kernel: Any) -> None:
-    """Let AOTAutograd decompose ``op`` into its Triton kernels only where Triton compiles them.
+def as_triton_op(name: str, fn: Callable[..., Any], kernel: Any) -> Any:
+    """Register ``fn`` as ``torch.library.triton_op(name)``, decomposed by AOTAutograd only on a GPU.
 
     ``triton_op`` decomposes under every FunctionalTensorMode; on CPU that would
     trace the aten fallback (or an interpreted kernel, which cannot be traced)
     into the graph. Elsewhere than a compiling GPU the op stays one node.
 
     Args:
-        op: the ``CustomOpDef`` returned by ``torch.library.triton_op``.
+        name: ``"savedhooks::triton_<op>"``.
+        fn: the op's body (allocates, launches through :func:`launch`); also its fake.
         kernel: one of its kernels (tells whether Triton interprets).
 
     Returns:
-        None.
+        The ``CustomOpDef``, carrying ``fn``'s docstring.
 
     Raises:
-        Nothing.
+        Whatever ``torch.library.triton_op`` raises (e.g. a name already taken).
     """
+    op = triton_op(name, fn, mutates_args=())
+    op.__doc__ = fn.__doc__
     decompose: Callable[..., Any] = op._torch_dispatch_fns[FunctionalTensorMode]  # torch's own rule
 
     def rule(mode, func, types, args, kwargs):
@@ -118,3 +121,4 @@ def trace_into_on_gpu_only(op: Any, kernel: Any) -> None:
         return mode.__torch_dispatch__(func, types, args, kwargs)
 
     op.register_torch_dispatch(FunctionalTensorMode, rule)
+    return op
