@@ -15,11 +15,11 @@ import pathlib
 import subprocess
 import sys
 
+import interpret_kernels as ik
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import interpret_kernels as ik
 import savedhooks as sh
 from savedhooks.codecs.base import uses_triton
 from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
@@ -33,7 +33,8 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs the triton packa
 def _interpret(mode: str) -> dict[str, str | None]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     script = REPO / "tests" / "interpret_kernels.py"
-    out = subprocess.run([sys.executable, str(script), mode], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    cmd = [sys.executable, str(script), mode]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -78,7 +79,8 @@ def test_the_edge_cases_are_the_hard_ones():
 
 
 def _ops():
-    import savedhooks.kernels.bitmask_triton  # noqa: F401 - registers the ops
+    # importing registers the ops
+    import savedhooks.kernels.bitmask_triton
     import savedhooks.kernels.fp8_triton  # noqa: F401
 
     return torch.ops.savedhooks
@@ -189,7 +191,7 @@ def test_backend_is_validated_and_part_of_the_hook_identity():
 
 
 def test_triton_backend_needs_triton(monkeypatch):
-    import savedhooks.codecs.base as base
+    from savedhooks.codecs import base
 
     monkeypatch.setattr(base, "triton_available", lambda: False)
     with pytest.raises(ValueError, match="needs the triton package"):
@@ -247,9 +249,8 @@ def test_large_inputs_bit_exact_on_cuda(shape):
 
 @pytest.mark.gpu
 def test_inductor_compiles_the_kernels_as_user_defined_triton():
-    from torch._inductor.utils import run_and_get_code
-
     from models import mlp, train_step
+    from torch._inductor.utils import run_and_get_code
 
     model = mlp(64).cuda()
     fn = torch.compile(model)
