@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from savedhooks.kernels.bitmask import bitmask_pack, bitmask_unpack
+from savedhooks.kernels.bitmask import bitmask_pack, bitmask_unpack, check_pack_args, check_unpack_args
 from savedhooks.kernels.triton_support import as_triton_op, launch, runs_triton
 
 __all__ = ["triton_bitmask_pack", "triton_bitmask_unpack"]
@@ -61,8 +61,7 @@ def triton_bitmask_pack(x: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: x is not a 1-D bool tensor.
     """
-    if x.dtype != torch.bool or x.dim() != 1:
-        raise ValueError(f"bitmask_pack expects a 1-D bool tensor, got {x.dtype}{tuple(x.shape)}")
+    check_pack_args(x)
     if not runs_triton(bitmask_pack_kernel, x):
         return bitmask_pack(x)
     n = x.numel()
@@ -80,17 +79,15 @@ def triton_bitmask_unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of :func:`triton_bitmask_pack` (``torch.ops.savedhooks.triton_bitmask_unpack``).
 
     Args:
-        packed: 1-D uint8 tensor.
-        numel: number of bools to return (at most ``8 * packed.numel()``).
+        packed, numel: as :func:`savedhooks.kernels.bitmask.torch_bitmask_unpack`.
 
     Returns:
-        1-D bool tensor of ``numel`` elements.
+        The same bools as the reference.
 
     Raises:
-        ValueError: packed is not 1-D uint8 or too short for ``numel``.
+        ValueError: as the reference.
     """
-    if packed.dtype != torch.uint8 or packed.dim() != 1 or numel > 8 * packed.numel() or numel < 0:
-        raise ValueError(f"bitmask_unpack: cannot unpack {numel} bools from {packed.dtype}{tuple(packed.shape)}")
+    check_unpack_args(packed, numel)
     if not runs_triton(bitmask_unpack_kernel, packed):
         return bitmask_unpack(packed, numel)
     out = torch.empty(numel, dtype=torch.bool, device=packed.device)

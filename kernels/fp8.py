@@ -137,11 +137,7 @@ def torch_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.
     Raises:
         ValueError: shapes or dtypes of q and scale do not fit together.
     """
-    if q.dim() != 2 or q.dtype not in FP8_DTYPES or scale.dtype != torch.float32 or scale.dim() != 2:
-        raise ValueError(
-            "fp8_dequantize expects 2-D float8 q and 2-D float32 scale, got "
-            f"{q.dtype}{tuple(q.shape)}, {scale.dtype}{tuple(scale.shape)}"
-        )
+    _check_dequantize_args(q, scale)
     rows, cols = q.shape
     out = torch.empty((rows, cols), dtype=out_dtype, device=q.device)
     per_block = scale.shape[1] > 1
@@ -176,6 +172,14 @@ def _check_quantize_args(x: torch.Tensor, dtype: torch.dtype, granularity: str, 
         raise ValueError(f"fp8_quantize: granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if block_size < 1:
         raise ValueError(f"fp8_quantize: block_size must be >= 1, got {block_size}")
+
+
+def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor) -> None:
+    if q.dim() != 2 or q.dtype not in FP8_DTYPES or scale.dtype != torch.float32 or scale.dim() != 2:
+        raise ValueError(
+            "fp8_dequantize expects 2-D float8 q and 2-D float32 scale, got "
+            f"{q.dtype}{tuple(q.shape)}, {scale.dtype}{tuple(scale.shape)}"
+        )
 
 
 def _scale_shape(rows: int, cols: int, granularity: str, block_size: int) -> tuple[int, int]:

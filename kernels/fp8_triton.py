@@ -31,7 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from savedhooks.kernels.fp8 import FP8_DTYPES, _check_quantize_args, _scale_shape, fp8_dequantize, fp8_quantize
+from savedhooks.kernels.fp8 import (
+    _check_dequantize_args,
+    _check_quantize_args,
+    _scale_shape,
+    fp8_dequantize,
+    fp8_quantize,
+)
 from savedhooks.kernels.triton_support import as_triton_op, launch, runs_triton
 
 __all__ = ["triton_fp8_dequantize", "triton_fp8_quantize"]
@@ -332,11 +338,7 @@ def triton_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch
         ValueError: shapes or dtypes of q and scale do not fit together, or
             ``out_dtype`` is not float32 / bfloat16 / float16.
     """
-    if q.dim() != 2 or q.dtype not in FP8_DTYPES or scale.dtype != torch.float32 or scale.dim() != 2:
-        raise ValueError(
-            "fp8_dequantize expects 2-D float8 q and 2-D float32 scale, got "
-            f"{q.dtype}{tuple(q.shape)}, {scale.dtype}{tuple(scale.shape)}"
-        )
+    _check_dequantize_args(q, scale)
     if out_dtype not in _OUT_FORMATS:
         raise ValueError(f"fp8_dequantize: out_dtype must be one of {tuple(_OUT_FORMATS)}, got {out_dtype}")
     if not runs_triton(fp8_dequantize_kernel, q):
