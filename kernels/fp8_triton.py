@@ -124,7 +124,7 @@ def _to_16_bits(y, MB: tl.constexpr, BIAS: tl.constexpr):
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 16) & 0x8000
     a = bits & 0x7FFFFFFF
-    inf_code: tl.constexpr = ((1 << (15 - MB)) - 1) << MB
+    inf_code = ((1 << (15 - MB)) - 1) << MB  # constexpr arithmetic: MB is one
     code = tl.where(a >= 0x7F800000, inf_code, _round_bits(a, MB, BIAS))
     code = tl.where(a > 0x7F800000, inf_code | (1 << (MB - 1)), code)  # a quiet NaN
     return (code | sign).to(tl.int16)

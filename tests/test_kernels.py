@@ -257,3 +257,46 @@ def test_inductor_compiles_the_kernels_as_user_defined_triton():
     _, codes = run_and_get_code(lambda: train_step(model, fn, torch.randn(32, 8, device="cuda"), sh.fp8(backend="triton")))
     code = "\n".join(codes)
     assert "fp8_quantize_kernel" in code and "fp8_dequantize_kernel" in code
+
+
+# --- CUDA code generation without a GPU --------------------------------------------------------
+
+
+def _compile_for_sm90(fn, signature: dict[str, str], constexprs: dict[str, object]) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for name in constexprs:
+        signature[name] = "constexpr"
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+@needs_triton
+def test_kernels_compile_for_a_cuda_target_and_divide_exactly():
+    """Triton compiles every kernel variant to PTX (and a cubin) for sm_90 with no GPU; divisions are div.rn."""
+    from savedhooks.kernels.bitmask_triton import bitmask_pack_kernel, bitmask_unpack_kernel
+    from savedhooks.kernels.fp8_triton import fp8_dequantize_kernel, fp8_quantize_kernel, fp8_tensor_scale_kernel
+
+    groups = {name: "i32" for name in ("n_groups", "cols", "groups_per_row", "group_size", "stride_r", "stride_c")}
+    ptx = []
+    for mode, e4m3, bf16 in ((0, True, False), (0, False, True), (1, True, False), (2, False, False)):
+        signature = {"x_ptr": "*i16" if bf16 else "*fp32", "q_ptr": "*u8", "scale_ptr": "*fp32", **groups}
+        consts = {"FMAX": 448.0 if e4m3 else 57344.0, "IS_E4M3": e4m3, "POW2": mode == 0, "MODE": mode,
+                  "BF16_BITS": bf16, "GROUPS": 32, "BLOCK": 128}  # fmt: skip
+        ptx.append(_compile_for_sm90(fp8_quantize_kernel, signature, consts))
+    signature = {"partial_ptr": "*fp32", "scale_ptr": "*fp32", "n": "i32"}
+    ptx.append(_compile_for_sm90(fp8_tensor_scale_kernel, signature, {"FMAX": 448.0, "POW2": True, "BLOCK": 1024}))
+    for out_mb, out_bias, one_scale in ((23, 127, True), (7, 127, False), (10, 15, False)):
+        signature = {"q_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*fp32" if out_mb == 23 else "*i16", **groups,
+                     "scale_div": "i32"}  # fmt: skip
+        consts = {"TOP": 65504.0, "IS_E4M3": out_mb != 7, "OUT_MB": out_mb, "OUT_BIAS": out_bias,
+                  "ONE_SCALE": one_scale, "GROUPS": 1, "BLOCK": 4096}  # fmt: skip
+        ptx.append(_compile_for_sm90(fp8_dequantize_kernel, signature, consts))
+    signature = {"x_ptr": "*u8", "out_ptr": "*u8", "n": "i32", "n_bytes": "i32"}
+    ptx.append(_compile_for_sm90(bitmask_pack_kernel, signature, {"BYTES": 2048}))
+    signature = {"packed_ptr": "*u8", "out_ptr": "*u8", "n": "i32"}
+    ptx.append(_compile_for_sm90(bitmask_unpack_kernel, signature, {"BLOCK": 16384}))
+    quantize = "\n".join(ptx[:5])
+    assert "div.rn.f32" in quantize and "div.full.f32" not in quantize and "div.approx.f32" not in quantize
