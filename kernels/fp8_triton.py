@@ -311,10 +311,9 @@ def triton_fp8_quantize(
     return q, scale
 
 
-
 triton_fp8_quantize = as_triton_op("savedhooks::triton_fp8_quantize", triton_fp8_quantize, fp8_quantize_kernel)
 
-# float8 / output dtype -> (IS_E4M3) and (OUT_MB, OUT_BIAS) of the output's bits
+# output dtype -> (OUT_MB, OUT_BIAS): mantissa bits and exponent bias of its bits (23: stored as float32)
 _OUT_FORMATS = {torch.float32: (23, 127), torch.bfloat16: (7, 127), torch.float16: (10, 15)}
 
 
