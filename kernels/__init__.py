@@ -3,4 +3,68 @@
 The folder sits at the repository's top level but is never importable as a bare
 ``kernels``: PyPI has an unrelated distribution of that name. pyproject maps this
 folder to ``savedhooks.kernels`` (setuptools ``package-dir``).
+
+Modules: ``fp8`` and ``bitmask`` hold the aten references (the spec) and their
+opaque ops ``savedhooks::fp8_quantize`` etc.; ``fp8_triton`` and
+``bitmask_triton`` the Triton kernels and their ``triton_op``s
+``savedhooks::triton_fp8_quantize`` etc. (imported on demand: Triton is optional).
 """
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+__all__ = ["OPS", "kernel_op", "triton_available"]
+
+# Op family -> the module registering its Triton op (``savedhooks::triton_<name>``).
+OPS = {
+    "fp8_quantize": "savedhooks.kernels.fp8_triton",
+    "fp8_dequantize": "savedhooks.kernels.fp8_triton",
+    "bitmask_pack": "savedhooks.kernels.bitmask_triton",
+    "bitmask_unpack": "savedhooks.kernels.bitmask_triton",
+}
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether the ``triton`` package imports here.
+
+    Args:
+        None.
+
+    Returns:
+        True when ``import triton`` succeeds.
+
+    Raises:
+        Nothing.
+    """
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def kernel_op(name: str, use_triton: bool):
+    """The op of family ``name``: ``torch.ops.savedhooks.<name>`` (aten) or ``triton_<name>``.
+
+    Args:
+        name: one of :data:`OPS` (``"fp8_quantize"``, ...).
+        use_triton: pick the Triton op (registering it on first use).
+
+    Returns:
+        The ``torch.ops.savedhooks`` op packet.
+
+    Raises:
+        KeyError: ``name`` is not a known op family.
+        ImportError: ``use_triton`` without the triton package.
+    """
+    module = OPS[name]
+    if not use_triton:
+        importlib.import_module(module.removesuffix("_triton"))
+        return getattr(torch.ops.savedhooks, name)
+    importlib.import_module(module)
+    return getattr(torch.ops.savedhooks, "triton_" + name)

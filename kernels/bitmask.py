@@ -11,6 +11,18 @@ import torch
 __all__ = ["torch_bitmask_pack", "torch_bitmask_unpack"]
 
 
+def check_pack_args(x: torch.Tensor) -> None:
+    """Raise ValueError unless ``x`` is a 1-D bool tensor (shared with the Triton op)."""
+    if x.dtype != torch.bool or x.dim() != 1:
+        raise ValueError(f"bitmask_pack expects a 1-D bool tensor, got {x.dtype}{tuple(x.shape)}")
+
+
+def check_unpack_args(packed: torch.Tensor, numel: int) -> None:
+    """Raise ValueError unless ``numel`` bools fit in the 1-D uint8 ``packed`` (shared with the Triton op)."""
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or numel > 8 * packed.numel() or numel < 0:
+        raise ValueError(f"bitmask_unpack: cannot unpack {numel} bools from {packed.dtype}{tuple(packed.shape)}")
+
+
 def _bit_weights(device: torch.device) -> torch.Tensor:
     return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
 
@@ -27,8 +39,7 @@ def torch_bitmask_pack(x: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: x is not a 1-D bool tensor.
     """
-    if x.dtype != torch.bool or x.dim() != 1:
-        raise ValueError(f"bitmask_pack expects a 1-D bool tensor, got {x.dtype}{tuple(x.shape)}")
+    check_pack_args(x)
     n = x.numel()
     padded = torch.nn.functional.pad(x.to(torch.uint8), (0, -n % 8))
     # Distinct bits never carry, so a sum of weighted bits is an OR; uint8 sum stays uint8.
@@ -48,8 +59,7 @@ def torch_bitmask_unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
     Raises:
         ValueError: packed is not 1-D uint8 or too short for ``numel``.
     """
-    if packed.dtype != torch.uint8 or packed.dim() != 1 or numel > 8 * packed.numel() or numel < 0:
-        raise ValueError(f"bitmask_unpack: cannot unpack {numel} bools from {packed.dtype}{tuple(packed.shape)}")
+    check_unpack_args(packed, numel)
     bits = (packed.unsqueeze(1) & _bit_weights(packed.device)) != 0
     return bits.view(-1)[:numel]
 

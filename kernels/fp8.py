@@ -65,7 +65,9 @@ def _finite_amax(x3: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_from_amax(amax: torch.Tensor, fmax: float, pow2_scale: bool) -> torch.Tensor:
-    scale = torch.where(amax > 0, amax / fmax, 1.0).clamp_min(_MIN_SCALE)
+    # A tensor divisor, not a Python scalar: CUDA divides by a CPU scalar as a multiply by
+    # its reciprocal (not correctly rounded); the Triton kernels divide exactly everywhere.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, fmax), 1.0).clamp_min(_MIN_SCALE)
     return _pow2_ceil(scale) if pow2_scale else scale
 
 
@@ -135,11 +137,7 @@ def torch_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.
     Raises:
         ValueError: shapes or dtypes of q and scale do not fit together.
     """
-    if q.dim() != 2 or q.dtype not in FP8_DTYPES or scale.dtype != torch.float32 or scale.dim() != 2:
-        raise ValueError(
-            "fp8_dequantize expects 2-D float8 q and 2-D float32 scale, got "
-            f"{q.dtype}{tuple(q.shape)}, {scale.dtype}{tuple(scale.shape)}"
-        )
+    _check_dequantize_args(q, scale)
     rows, cols = q.shape
     out = torch.empty((rows, cols), dtype=out_dtype, device=q.device)
     per_block = scale.shape[1] > 1
@@ -176,6 +174,14 @@ def _check_quantize_args(x: torch.Tensor, dtype: torch.dtype, granularity: str, 
         raise ValueError(f"fp8_quantize: block_size must be >= 1, got {block_size}")
 
 
+def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor) -> None:
+    if q.dim() != 2 or q.dtype not in FP8_DTYPES or scale.dtype != torch.float32 or scale.dim() != 2:
+        raise ValueError(
+            "fp8_dequantize expects 2-D float8 q and 2-D float32 scale, got "
+            f"{q.dtype}{tuple(q.shape)}, {scale.dtype}{tuple(scale.shape)}"
+        )
+
+
 def _scale_shape(rows: int, cols: int, granularity: str, block_size: int) -> tuple[int, int]:
     if granularity == "tensor":
         return (1, 1)
@@ -200,7 +206,7 @@ def _(x, dtype, granularity, block_size, pow2_scale):
     _check_quantize_args(x, dtype, granularity, block_size)
     rows, cols = x.shape
     scale = x.new_empty(_scale_shape(rows, cols, granularity, block_size), dtype=torch.float32)
-    return torch.empty_like(x, dtype=dtype), scale
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format), scale  # as the real op: contiguous
 
 
 @torch.library.custom_op("savedhooks::fp8_dequantize", mutates_args=())

@@ -241,13 +241,14 @@ class TestOffloadGraph(expecttest.TestCase):
             x = torch.empty(4, 256, device="cuda")
             pack = make_fx(functools.partial(pack_saved, codec))(x)
             unpack = make_fx(functools.partial(unpack_saved, codec))(pack_saved(codec, x))
+        # backend="auto" picks the Triton ops on CUDA; make_fx (no functionalization) keeps each one node
         self.assertExpectedInline(pack.code.strip(), """\
 def forward(self, arg0_1):
     view = torch.ops.aten.view.default(arg0_1, [-1, 256]);  arg0_1 = None
     view_1 = torch.ops.aten.view.default(view, [-1, 128]);  view = None
-    fp8_quantize = torch.ops.savedhooks.fp8_quantize.default(view_1, torch.float8_e4m3fn, 'block', 128, False);  view_1 = None
-    getitem = fp8_quantize[0]
-    getitem_1 = fp8_quantize[1];  fp8_quantize = None
+    triton_fp8_quantize = torch.ops.savedhooks.triton_fp8_quantize.default(view_1, torch.float8_e4m3fn, 'block', 128, False);  view_1 = None
+    getitem = triton_fp8_quantize[0]
+    getitem_1 = triton_fp8_quantize[1];  triton_fp8_quantize = None
     empty_strided = torch.ops.aten.empty_strided.default([8, 128], [128, 1], dtype = torch.float8_e4m3fn, device = device(type='cpu'), pin_memory = True)
     copy_ = torch.ops.aten.copy_.default(empty_strided, getitem, True);  empty_strided = getitem = None
     empty_strided_1 = torch.ops.aten.empty_strided.default([8, 1], [1, 1], dtype = torch.float32, device = device(type='cpu'), pin_memory = True)
@@ -258,8 +259,8 @@ def forward(self, arg0):
     arg0_1, arg0_2, arg0_3, arg0_4, arg0_5, arg0_6, arg0_7, arg0_8, arg0_9, arg0_10, = fx_pytree.tree_flatten_spec([arg0], self._in_spec)
     _to_copy = torch.ops.aten._to_copy.default(arg0_2, dtype = torch.float8_e4m3fn, layout = torch.strided, device = device(type='cuda', index=0), non_blocking = True);  arg0_2 = None
     _to_copy_1 = torch.ops.aten._to_copy.default(arg0_3, dtype = torch.float32, layout = torch.strided, device = device(type='cuda', index=0), non_blocking = True);  arg0_3 = None
-    fp8_dequantize = torch.ops.savedhooks.fp8_dequantize.default(_to_copy, _to_copy_1, torch.float32, 128);  _to_copy = _to_copy_1 = None
-    view = torch.ops.aten.view.default(fp8_dequantize, [4, 256]);  fp8_dequantize = None
+    triton_fp8_dequantize = torch.ops.savedhooks.triton_fp8_dequantize.default(_to_copy, _to_copy_1, torch.float32, 128);  _to_copy = _to_copy_1 = None
+    view = torch.ops.aten.view.default(triton_fp8_dequantize, [4, 256]);  triton_fp8_dequantize = None
     return pytree.tree_unflatten([view], self._out_spec)""")
 
 

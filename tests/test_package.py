@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
 import pathlib
 import subprocess
 import sys
 
+import torch
+
 import savedhooks
 import savedhooks.codecs
+import savedhooks.kernels
 import savedhooks.memory
 import savedhooks.passes
 import savedhooks.schedule
@@ -33,8 +38,12 @@ def test_kernels_resolve_to_this_repo_and_never_as_bare_kernels():
 def test_public_functions_document_args_returns_raises():
     missing = []
     namespaces = [savedhooks, savedhooks.codecs, savedhooks.memory, savedhooks.passes, savedhooks.schedule]
+    namespaces += [savedhooks.kernels] + [importlib.import_module(f"savedhooks.kernels.{m}") for m in ("fp8", "bitmask")]
+    if importlib.util.find_spec("triton") is not None:
+        names = ("triton_support", "fp8_triton", "bitmask_triton")
+        namespaces += [importlib.import_module(f"savedhooks.kernels.{m}") for m in names]
     for name, obj in [(f"{ns.__name__}.{n}", getattr(ns, n)) for ns in namespaces for n in ns.__all__]:
-        if inspect.isfunction(obj):
+        if inspect.isfunction(obj) or isinstance(obj, torch.library.CustomOpDef):
             doc = inspect.getdoc(obj) or ""
             missing += [f"{name}: {s}" for s in ("Args:", "Returns:", "Raises:") if s not in doc]
         elif not (inspect.getdoc(obj) or "").strip():

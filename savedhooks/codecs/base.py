@@ -27,19 +27,28 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from savedhooks.hooks import HookPair, hook_context, make_hook_pair
+from savedhooks.kernels import triton_available
 
 __all__ = [
     "ALIAS_OPS",
+    "BACKENDS",
     "Codec",
     "Layout",
     "as_codec",
+    "check_backend",
     "from_rows",
     "innermost_size",
     "is_broadcast",
     "memory_order",
     "narrow_broadcast",
     "to_rows",
+    "uses_triton",
 ]
+
+# Where a codec's kernels come from: Triton on CUDA when it imports ("auto"), always
+# the Triton ops ("triton"; on CPU they run the aten reference unless Triton
+# interprets), or always the aten reference ("aten"). Same bytes either way.
+BACKENDS = ("auto", "triton", "aten")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +194,42 @@ def from_rows(y: torch.Tensor, layout: Layout) -> torch.Tensor:
     return out.expand(layout.expand) if layout.expand else out
 
 
+def check_backend(what: str, backend: Any) -> None:
+    """Validate a codec's ``backend`` field.
+
+    Args:
+        what: the codec's name, for the message.
+        backend: the value given.
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: ``backend`` is not one of :data:`BACKENDS`, or is ``"triton"``
+            without the triton package.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" and not triton_available():
+        raise ValueError(f"{what}: backend='triton' needs the triton package; use 'auto' or 'aten'")
+
+
+def uses_triton(backend: str, x: torch.Tensor) -> bool:
+    """Whether a codec with ``backend`` runs the Triton ops for tensors like ``x``.
+
+    Args:
+        backend: one of :data:`BACKENDS`.
+        x: the tensor to encode, or the payload to decode (its device decides "auto").
+
+    Returns:
+        True for ``"triton"``, and for ``"auto"`` on CUDA when triton imports.
+
+    Raises:
+        Nothing.
+    """
+    return backend == "triton" or (backend == "auto" and x.device.type == "cuda" and triton_available())
+
+
 class Codec:
     """Base of all codecs: a frozen-dataclass configuration plus encode / decode.
 
@@ -239,7 +284,7 @@ def pack_saved(codec: Codec, x: torch.Tensor) -> tuple[int, Any]:
     if x.is_floating_point() and sign_only_in_backward():
         from savedhooks.codecs.bitmask import SignBits
 
-        return _SIGN_ONLY, SignBits().encode(x)
+        return _SIGN_ONLY, SignBits(getattr(codec, "backend", "auto")).encode(x)
     return index, codec.codecs()[index].encode(x)
 
 
@@ -251,7 +296,7 @@ def unpack_saved(codec: Codec, packed: tuple[int, Any]) -> torch.Tensor:
     if index == _SIGN_ONLY:
         from savedhooks.codecs.bitmask import SignBits
 
-        return SignBits().decode(payload)
+        return SignBits(getattr(codec, "backend", "auto")).decode(payload)
     return codec.codecs()[index].decode(payload)
 
 

@@ -7,15 +7,20 @@ from typing import Any
 
 import torch
 
-import savedhooks.kernels.bitmask  # noqa: F401 - registers torch.ops.savedhooks.bitmask_*
-from savedhooks.codecs.base import Codec, Layout, from_rows, to_rows
+from savedhooks.codecs.base import Codec, Layout, check_backend, from_rows, to_rows, uses_triton
+from savedhooks.kernels import kernel_op
 
 __all__ = ["Bitmask", "bitmask"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Bitmask(Codec):
-    """Configuration of the bitmask codec (see :func:`bitmask`); it has none."""
+    """Configuration of the bitmask codec (see :func:`bitmask`): only where its kernels come from."""
+
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_backend("bitmask", self.backend)
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Non-empty bool tensors."""
@@ -24,7 +29,7 @@ class Bitmask(Codec):
     def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
         """``(bits, layout)``: 8 bools per byte, in memory order."""
         rows, layout = to_rows(x)
-        return torch.ops.savedhooks.bitmask_pack(rows.view(-1)), layout.as_constants()
+        return kernel_op("bitmask_pack", uses_triton(self.backend, x))(rows.view(-1)), layout.as_constants()
 
     def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
         """The bool tensor, bit for bit, with the saved tensor's shape and strides."""
@@ -33,24 +38,25 @@ class Bitmask(Codec):
         numel = 1
         for size in layout.shape:
             numel *= size
-        flat = torch.ops.savedhooks.bitmask_unpack(bits, numel)
+        flat = kernel_op("bitmask_unpack", uses_triton(self.backend, bits))(bits, numel)
         return from_rows(flat.view(1, -1), layout)
 
 
-def bitmask():
+def bitmask(backend: str = "auto"):
     """Hooks that keep saved bool tensors at 1 bit per element (lossless).
 
     Args:
-        None.
+        backend: ``"auto"`` (Triton kernels on CUDA when triton imports, else the
+            aten reference), ``"triton"`` or ``"aten"``; the bytes are identical.
 
     Returns:
         The cached :class:`~savedhooks.HookPair`. Non-bool tensors are stored as
         they are.
 
     Raises:
-        Nothing.
+        ValueError: ``backend`` is invalid, or ``"triton"`` without triton.
     """
-    return Bitmask().hooks()
+    return Bitmask(backend).hooks()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +69,18 @@ class SignBits(Codec):
     ``threshold_backward``; packing the alias this way removes the second copy.
     """
 
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_backend("sign bits", self.backend)
+
     def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
         """``(bits of x > 0, dtype, layout)``."""
         rows, layout = to_rows(x)
-        return torch.ops.savedhooks.bitmask_pack((rows > 0).view(-1)), x.dtype, layout.as_constants()
+        pack = kernel_op("bitmask_pack", uses_triton(self.backend, x))
+        return pack((rows > 0).view(-1)), x.dtype, layout.as_constants()
 
     def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
         """1.0 where the value was positive, else 0.0, in the saved dtype, shape and strides."""
         bits, dtype, constants = payload
-        return Bitmask().decode((bits, constants)).to(dtype)
+        return Bitmask(self.backend).decode((bits, constants)).to(dtype)

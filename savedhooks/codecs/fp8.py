@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-import savedhooks.kernels.fp8  # noqa: F401 - registers torch.ops.savedhooks.fp8_*
-from savedhooks.codecs.base import Codec, Layout, from_rows, innermost_size, to_rows
+from savedhooks.codecs.base import Codec, Layout, check_backend, from_rows, innermost_size, to_rows, uses_triton
+from savedhooks.kernels import kernel_op
 from savedhooks.kernels.fp8 import FP8_DTYPES, GRANULARITIES
 
 __all__ = ["Float8", "fp8"]
@@ -31,6 +31,7 @@ class Float8(Codec):
     granularity: str = "block"
     block_size: int = 128
     pow2_scale: bool = False
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in FP8_DTYPES:
@@ -41,6 +42,7 @@ class Float8(Codec):
             raise ValueError(f"fp8: block_size must be a positive int, got {self.block_size!r}")
         if not isinstance(self.pow2_scale, bool):
             raise ValueError(f"fp8: pow2_scale must be a bool, got {self.pow2_scale!r}")
+        check_backend("fp8", self.backend)
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Non-empty fp32 / bf16 / fp16 tensors whose innermost dim is longer than 1.
@@ -54,15 +56,14 @@ class Float8(Codec):
     def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
         """Quantize ``x``: ``(q, scale, dtype, layout constants)``."""
         rows, layout = to_rows(x)
-        q, scale = torch.ops.savedhooks.fp8_quantize(
-            self._groups_view(rows), self.dtype, self.granularity, self.block_size, self.pow2_scale
-        )
+        quantize = kernel_op("fp8_quantize", uses_triton(self.backend, x))
+        q, scale = quantize(self._groups_view(rows), self.dtype, self.granularity, self.block_size, self.pow2_scale)
         return q, scale, x.dtype, layout.as_constants()
 
     def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
         """Dequantize to the saved tensor's dtype, shape and strides."""
         q, scale, dtype, layout = payload
-        rows = torch.ops.savedhooks.fp8_dequantize(q, scale, dtype, self.block_size)
+        rows = kernel_op("fp8_dequantize", uses_triton(self.backend, q))(q, scale, dtype, self.block_size)
         return from_rows(rows, Layout.from_constants(layout))
 
     def _groups_view(self, rows: torch.Tensor) -> torch.Tensor:
@@ -83,6 +84,7 @@ def fp8(
     granularity: str = "block",
     block_size: int = 128,
     pow2_scale: bool = False,
+    backend: str = "auto",
 ):
     """Hooks that keep saved floating tensors in float8 with float32 scales.
 
@@ -95,12 +97,14 @@ def fp8(
         block_size: elements per block for ``"block"``.
         pow2_scale: round scales up to powers of two (re-quantizing an unpacked
             tensor then gives it back exactly).
+        backend: ``"auto"`` (Triton kernels on CUDA when triton imports, else the
+            aten reference), ``"triton"`` or ``"aten"``; the bytes are identical.
 
     Returns:
         The cached :class:`~savedhooks.HookPair` (equal arguments, same object).
         Integer, bool and float64 tensors are stored as they are.
 
     Raises:
-        ValueError: an argument is out of range.
+        ValueError: an argument is out of range, or ``backend="triton"`` without triton.
     """
-    return Float8(dtype, granularity, block_size, pow2_scale).hooks()
+    return Float8(dtype, granularity, block_size, pow2_scale, backend).hooks()
