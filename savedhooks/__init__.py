@@ -13,7 +13,7 @@ from savedhooks.codecs import (
     offload,
     policy,
 )
-from savedhooks import memory
+from savedhooks import memory, schedule
 from savedhooks.metrics import sqnr
 from savedhooks.passes import backend, reorder_pass
 from savedhooks.identity import UnfingerprintableError, fingerprint
@@ -59,6 +59,7 @@ __all__ = [
     "reorder_pass",
     # measuring
     "memory",
+    "schedule",
     "sqnr",
     # errors
     "HookError",
