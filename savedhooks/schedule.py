@@ -258,6 +258,25 @@ def check_order(problem: Problem, order: list[int]) -> None:
 # --- list scheduling --------------------------------------------------------------------------
 
 
+_STRATEGY_DOC = """
+
+    Args:
+        problem: the problem.
+
+    Returns:
+        A topological order starting with ``problem.fixed``.
+
+    Raises:
+        ValueError: the constraints have a cycle.
+"""
+
+
+def _strategy(fn: Callable[[Problem], list[int]]) -> Callable[[Problem], list[int]]:
+    """Give a strategy the shared Args/Returns/Raises of every strategy's docstring."""
+    fn.__doc__ = (fn.__doc__ or "").rstrip() + _STRATEGY_DOC
+    return fn
+
+
 def _list_schedule(problem: Problem, key: Callable[[int, int], tuple]) -> list[int]:
     """Schedule the ready node with the smallest ``key(node, bytes it would free now)``.
 
@@ -306,81 +325,41 @@ def _list_schedule(problem: Problem, key: Callable[[int, int], tuple]) -> list[i
     return order
 
 
+@_strategy
 def input_order(problem: Problem) -> list[int]:
     """The graph's own order (fixed nodes first).
-
-    Args:
-        problem: the problem.
-
-    Returns:
-        A topological order starting with ``problem.fixed``.
-
-    Raises:
-        ValueError: the constraints have a cycle.
-    """
+"""
     return _list_schedule(problem, lambda v, freed: (v,))
 
 
+@_strategy
 def lpmf(problem: Problem) -> list[int]:
     """Least peak memory first: the ready node that allocates least, then frees most.
-
-    Args:
-        problem: the problem.
-
-    Returns:
-        A topological order starting with ``problem.fixed``.
-
-    Raises:
-        ValueError: the constraints have a cycle.
-    """
+"""
     return _list_schedule(problem, lambda v, freed: (problem.peak_alloc[v], -freed, v))
 
 
+@_strategy
 def bytes_freed(problem: Problem) -> list[int]:
     """Bytes-freed list scheduling: the ready node with the lowest net allocation.
-
-    Args:
-        problem: the problem.
-
-    Returns:
-        A topological order starting with ``problem.fixed``.
-
-    Raises:
-        ValueError: the constraints have a cycle.
-    """
+"""
     return _list_schedule(problem, lambda v, freed: (problem.alloc[v] - freed, problem.peak_alloc[v], v))
 
 
+@_strategy
 def bfs(problem: Problem) -> list[int]:
     """Breadth first: by depth (longest path from a source), then input order.
-
-    Args:
-        problem: the problem.
-
-    Returns:
-        A topological order starting with ``problem.fixed``.
-
-    Raises:
-        ValueError: the constraints have a cycle.
-    """
+"""
     depth = [0] * problem.size
     for v in input_order(problem):
         depth[v] = max((depth[p] + 1 for p in problem.preds[v]), default=0)
     return _list_schedule(problem, lambda v, freed: (depth[v], v))
 
 
+@_strategy
 def dfs(problem: Problem) -> list[int]:
     """Depth first from the sinks: each node right after its unscheduled ancestors, largest branch first.
-
-    Args:
-        problem: the problem.
-
-    Returns:
-        A topological order starting with ``problem.fixed``.
-
-    Raises:
-        ValueError: the constraints have a cycle.
-    """
+"""
     done = set(problem.fixed)
     order = list(problem.fixed)
     sinks = [v for v in range(problem.size) if not problem.succs[v]]

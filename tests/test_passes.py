@@ -76,3 +76,14 @@ def test_inductor_with_the_pass_is_never_above_inductors_own_order():
     fw_ours, bw_ours = measured_peaks(make(), sh.backend("inductor"), None, x)
     assert fw_ours <= fw_inductor
     assert bw_ours < 0.5 * bw_inductor
+
+
+def test_inductor_gradients_are_identical_with_the_pass():
+    make, shape = MODELS["4-layer transformer"]
+    x = torch.randn(*shape)
+    model = make()
+    plain = train_step_grads(model, torch.compile(model, backend="inductor"), x, sh.fp8())
+    torch._dynamo.reset()
+    ours = train_step_grads(model, torch.compile(model, backend=sh.backend("inductor")), x, sh.fp8())
+    for p, q in zip(plain, ours):
+        assert torch.equal(p, q)
