@@ -318,7 +318,8 @@ def _inductor_backend(gm: torch.fx.GraphModule, example_inputs):
 # The pass's behaviour lives in this file, the scheduler and the memory model: all in the digest.
 _HERE = pathlib.Path(__file__).parent
 _SOURCE_DIGEST = hashlib.sha256(
-    b"".join(p.read_bytes() for p in [_HERE / "passes.py", _HERE / "schedule.py", *sorted((_HERE / "memory").glob("*.py"))])
+    b"".join(p.read_bytes() for p in [_HERE / "passes.py", *sorted((_HERE / "schedule").glob("*.py")),
+                                      *sorted((_HERE / "memory").glob("*.py"))])
 ).hexdigest()
 _REORDER_PASSES = {False: ReorderPass(), True: ReorderPass(forward=True)}
 # torch's own aot_eager (its min-cut partitioner, its input-mutation handling) with

@@ -1,0 +1,211 @@
+"""One graph's scheduling problem, reduced to integers, and the peak of an order."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterable
+
+__all__ = ["Problem", "build_problem", "check_order", "peak_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One graph's scheduling problem.
+
+    Attributes:
+        preds: per node, the nodes that must run before it.
+        fixed: nodes that run first, in this order (placeholders: the signature).
+        alloc: per node, bytes it allocates.
+        sizes: per buffer, bytes.
+        touchers: per buffer, the nodes that make or read it (it is freed after the last).
+        freeable: per buffer, whether it may be freed (not an output, not a kept input).
+        base: bytes live before the first node (the inputs).
+        early: nodes used only by outputs or by other such nodes (pack chains).
+        late: nodes computed only from fixed nodes or other such nodes (unpack chains).
+        scratch: per node, bytes it allocates and frees while it runs (empty: none).
+    """
+
+    preds: tuple[tuple[int, ...], ...]
+    fixed: tuple[int, ...]
+    alloc: tuple[int, ...]
+    sizes: tuple[int, ...]
+    touchers: tuple[tuple[int, ...], ...]
+    freeable: tuple[bool, ...]
+    base: int
+    early: frozenset[int]
+    late: frozenset[int]
+    scratch: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.preds)
+        if len(self.alloc) != n or not (len(self.sizes) == len(self.touchers) == len(self.freeable)):
+            raise ValueError("Problem: per-node and per-buffer tables must have matching lengths")
+        if self.scratch and len(self.scratch) != n:
+            raise ValueError("Problem: scratch must have one entry per node")
+        if any(not 0 <= p < n for ps in self.preds for p in ps):
+            raise ValueError("Problem: a predecessor index is out of range")
+
+    @property
+    def size(self) -> int:
+        """Number of nodes."""
+        return len(self.preds)
+
+    @functools.cached_property
+    def succs(self) -> tuple[tuple[int, ...], ...]:
+        """Per node, the nodes that must run after it."""
+        out: list[list[int]] = [[] for _ in self.preds]
+        for v, ps in enumerate(self.preds):
+            for p in ps:
+                out[p].append(v)
+        return tuple(tuple(s) for s in out)
+
+    @functools.cached_property
+    def peak_alloc(self) -> tuple[int, ...]:
+        """Per node, what it adds to the live bytes while it runs: its outputs plus its scratch."""
+        return tuple(a + (self.scratch[v] if self.scratch else 0) for v, a in enumerate(self.alloc))
+
+    @functools.cached_property
+    def descendants(self) -> tuple[int, ...]:
+        """Per node, a bitset (int) of the nodes that depend on it."""
+        out = [0] * self.size
+        for v in reversed(_topological(self)):
+            for succ in self.succs[v]:
+                out[v] |= out[succ] | (1 << succ)
+        return tuple(out)
+
+    @functools.cached_property
+    def touched(self) -> tuple[tuple[int, ...], ...]:
+        """Per node, the buffers it makes or reads."""
+        out: list[list[int]] = [[] for _ in self.preds]
+        for b, nodes in enumerate(self.touchers):
+            for v in nodes:
+                out[v].append(b)
+        return tuple(tuple(t) for t in out)
+
+
+def _topological(problem: Problem) -> list[int]:
+    waiting = [len(ps) for ps in problem.preds]
+    ready = [v for v in range(problem.size) if not waiting[v]]
+    order = []
+    while ready:
+        v = ready.pop()
+        order.append(v)
+        for succ in problem.succs[v]:
+            waiting[succ] -= 1
+            if not waiting[succ]:
+                ready.append(succ)
+    if len(order) != problem.size:
+        raise ValueError("the problem's constraints have a cycle")
+    return order
+
+
+def build_problem(memory, device, extra_edges: Iterable[tuple[int, int]] = (), fixed: Iterable[int] = ()) -> Problem:
+    """Reduce a graph's memory model to a :class:`Problem`.
+
+    Args:
+        memory: a :class:`savedhooks.memory.GraphMemory`.
+        device: count only buffers on this device.
+        extra_edges: ``(before, after)`` node pairs to keep in order beyond the data
+            dependencies (in-place writes, RNG, side effects).
+        fixed: nodes that stay first, in this order (placeholders).
+
+    Returns:
+        The problem; node ``i`` is ``memory.node_names[i]``.
+
+    Raises:
+        ValueError: an edge names a node out of range.
+    """
+    n = len(memory.node_names)
+    preds = [set(d) for d in memory.inputs]
+    for a, b in extra_edges:
+        if not (0 <= a < n and 0 <= b < n):
+            raise ValueError(f"edge {(a, b)} names a node out of range")
+        if a != b:
+            preds[b].add(a)
+    on_device = [b.device == device for b in memory.buffers]
+    alloc = [
+        sum(memory.buffers[b].nbytes for b in made if on_device[b] and not memory.buffers[b].is_input)
+        for made in memory.allocs
+    ]
+    touchers: list[set[int]] = [set() for _ in memory.buffers]
+    for v, (made, read) in enumerate(zip(memory.allocs, memory.reads)):
+        for b in (*made, *read):
+            touchers[b].add(v)
+    kept = [b for b in range(len(memory.buffers)) if on_device[b]]
+    fixed = tuple(fixed)
+    users: list[set[int]] = [set() for _ in range(n)]
+    for v, ps in enumerate(preds):
+        for p in ps:
+            users[p].add(v)
+    is_fixed = set(fixed)
+    early: set[int] = set()
+    for v in range(n - 1, -1, -1):
+        if v not in is_fixed and all(u in early for u in users[v]):
+            early.add(v)
+    late: set[int] = set()
+    for v in range(n):
+        if v not in is_fixed and preds[v] and all(p in is_fixed or p in late for p in preds[v]):
+            late.add(v)
+    return Problem(
+        preds=tuple(tuple(sorted(p)) for p in preds),
+        fixed=fixed,
+        alloc=tuple(alloc),
+        sizes=tuple(memory.buffers[b].nbytes for b in kept),
+        touchers=tuple(tuple(sorted(touchers[b])) for b in kept),
+        freeable=tuple(memory.buffers[b].freeable for b in kept),
+        base=sum(memory.buffers[b].nbytes for b in kept if memory.buffers[b].is_input),
+        early=frozenset(early),
+        late=frozenset(late),
+        scratch=tuple(memory.scratch_on(v, device) for v in range(n)),
+    )
+
+
+def peak_of(problem: Problem, order: list[int]) -> int:
+    """Modelled peak bytes of running ``problem`` in ``order`` (alloc, run, free).
+
+    Args:
+        problem: the problem.
+        order: a permutation of its nodes.
+
+    Returns:
+        The peak; equal to :func:`savedhooks.memory.simulate_order` on the same graph.
+
+    Raises:
+        ValueError: ``order`` is not a topological order of ``problem``.
+    """
+    check_order(problem, order)
+    position = {v: i for i, v in enumerate(order)}
+    frees = [0] * len(order)
+    for b, nodes in enumerate(problem.touchers):
+        if problem.freeable[b] and nodes:
+            frees[max(position[v] for v in nodes)] += problem.sizes[b]
+    live = peak = problem.base
+    for i, v in enumerate(order):
+        peak = max(peak, live + problem.peak_alloc[v])
+        live += problem.alloc[v] - frees[i]
+    return peak
+
+
+def check_order(problem: Problem, order: list[int]) -> None:
+    """Check that ``order`` is a topological order starting with the fixed nodes.
+
+    Args:
+        problem: the problem.
+        order: the order to check.
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: ``order`` is not a permutation, does not start with the fixed
+            nodes, or runs a node before one of its predecessors.
+    """
+    if sorted(order) != list(range(problem.size)):
+        raise ValueError("order must be a permutation of the problem's nodes")
+    if tuple(order[: len(problem.fixed)]) != problem.fixed:
+        raise ValueError("order must start with the fixed nodes, in their order")
+    position = {v: i for i, v in enumerate(order)}
+    for v, ps in enumerate(problem.preds):
+        if any(position[p] > position[v] for p in ps):
+            raise ValueError(f"order runs node {v} before one of its predecessors")

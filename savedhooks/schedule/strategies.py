@@ -1,0 +1,198 @@
+"""List-scheduling strategies (one signature: ``strategy(problem) -> order``) and hook placement."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+from savedhooks.schedule.problem import Problem
+
+__all__ = ["bfs", "bytes_freed", "dfs", "input_order", "lpmf", "place"]
+
+
+# --- list scheduling --------------------------------------------------------------------------
+
+
+_STRATEGY_DOC = """
+
+    Args:
+        problem: the problem.
+
+    Returns:
+        A topological order starting with ``problem.fixed``.
+
+    Raises:
+        ValueError: the constraints have a cycle.
+"""
+
+
+def _strategy(fn: Callable[[Problem], list[int]]) -> Callable[[Problem], list[int]]:
+    """Give a strategy the shared Args/Returns/Raises of every strategy's docstring."""
+    fn.__doc__ = (fn.__doc__ or "").rstrip() + _STRATEGY_DOC
+    return fn
+
+
+def _list_schedule(problem: Problem, key: Callable[[int, int], tuple]) -> list[int]:
+    """Schedule the ready node with the smallest ``key(node, bytes it would free now)``.
+
+    Keys are refreshed lazily: a node's free-now bytes only grow, when it becomes
+    the last remaining toucher of a buffer.
+    """
+    n = problem.size
+    waiting = [len(ps) for ps in problem.preds]
+    remaining = [len(t) for t in problem.touchers]
+    free_now = [0] * n
+    for b, nodes in enumerate(problem.touchers):
+        if problem.freeable[b] and len(nodes) == 1:
+            free_now[nodes[0]] += problem.sizes[b]
+    done = [False] * n
+    order: list[int] = []
+    heap: list[tuple] = []
+
+    def run(v: int) -> None:
+        done[v] = True
+        order.append(v)
+        for b in problem.touched[v]:
+            remaining[b] -= 1
+            if remaining[b] == 1 and problem.freeable[b]:
+                last = next(u for u in problem.touchers[b] if not done[u])
+                free_now[last] += problem.sizes[b]
+                if waiting[last] == 0:
+                    heapq.heappush(heap, (key(last, free_now[last]), last, free_now[last]))
+        for s in problem.succs[v]:
+            waiting[s] -= 1
+            if waiting[s] == 0 and s not in fixed:
+                heapq.heappush(heap, (key(s, free_now[s]), s, free_now[s]))
+
+    fixed = set(problem.fixed)
+    for v in problem.fixed:
+        run(v)
+    for v in range(n):
+        if waiting[v] == 0 and not done[v] and v not in fixed:
+            heapq.heappush(heap, (key(v, free_now[v]), v, free_now[v]))
+    while heap:
+        _, v, stamp = heapq.heappop(heap)
+        if done[v] or stamp != free_now[v]:  # stale entry: a fresher one is queued
+            continue
+        run(v)
+    if len(order) != n:
+        raise ValueError("the problem's constraints have a cycle")
+    return order
+
+
+@_strategy
+def input_order(problem: Problem) -> list[int]:
+    """The graph's own order (fixed nodes first).
+"""
+    return _list_schedule(problem, lambda v, freed: (v,))
+
+
+@_strategy
+def lpmf(problem: Problem) -> list[int]:
+    """Least peak memory first: the ready node that allocates least, then frees most.
+"""
+    return _list_schedule(problem, lambda v, freed: (problem.peak_alloc[v], -freed, v))
+
+
+@_strategy
+def bytes_freed(problem: Problem) -> list[int]:
+    """Bytes-freed list scheduling: the ready node with the lowest net allocation.
+"""
+    return _list_schedule(problem, lambda v, freed: (problem.alloc[v] - freed, problem.peak_alloc[v], v))
+
+
+@_strategy
+def bfs(problem: Problem) -> list[int]:
+    """Breadth first: by depth (longest path from a source), then input order.
+"""
+    depth = [0] * problem.size
+    for v in input_order(problem):
+        depth[v] = max((depth[p] + 1 for p in problem.preds[v]), default=0)
+    return _list_schedule(problem, lambda v, freed: (depth[v], v))
+
+
+@_strategy
+def dfs(problem: Problem) -> list[int]:
+    """Depth first from the sinks: each node right after its unscheduled ancestors, largest branch first.
+"""
+    done = set(problem.fixed)
+    order = list(problem.fixed)
+    sinks = [v for v in range(problem.size) if not problem.succs[v]]
+    for sink in sinks:
+        stack = [(sink, False)]
+        while stack:
+            v, expanded = stack.pop()
+            if v in done:
+                continue
+            if expanded:
+                done.add(v)
+                order.append(v)
+                continue
+            stack.append((v, True))
+            # pushed last runs first: the predecessor allocating most goes first
+            for p in sorted(problem.preds[v], key=lambda p: (problem.alloc[p], -p)):
+                if p not in done:
+                    stack.append((p, False))
+    return order
+
+
+
+
+# --- hook placement post-pass -----------------------------------------------------------------
+
+
+def place(problem: Problem, order: list[int]) -> list[int]:
+    """Move pack chains up to their inputs' last use, and unpack chains down to their first user.
+
+    ``problem.early`` nodes (leading only to outputs) go right after the last node,
+    other than their own descendants, that touches a buffer they read: a packed
+    tensor dies at its pack. ``problem.late`` nodes (computed only from inputs) go
+    right before their first user (but not past another reader of their inputs):
+    an unpacked tensor is born when needed. Other
+    nodes keep their relative order. On a forward graph whose every node leads to
+    the outputs, compute nodes stay put: their inputs' last use is after them.
+
+    Args:
+        problem: the problem.
+        order: a topological order of it.
+
+    Returns:
+        The new order.
+
+    Raises:
+        Nothing.
+    """
+    descendants = problem.descendants
+
+    def last_use(v: int) -> list[int]:
+        uses = [u for b in problem.touched[v] for u in problem.touchers[b] if u != v and not descendants[v] >> u & 1]
+        return list(problem.preds[v]) + uses
+
+    order = _hoist(order, problem.early, last_use, floor=len(problem.fixed) - 1)
+    # The mirror image: in the reversed order a late node rises to right after its
+    # first user, but never past another node touching what it reads (which would
+    # keep that alive longer).
+    position = {v: i for i, v in enumerate(order)}
+
+    def first_use(v: int) -> list[int]:
+        later = [u for b in problem.touched[v] for u in problem.touchers[b] if position[u] > position[v]]
+        return list(problem.succs[v]) + later
+
+    return _hoist(order[::-1], problem.late, first_use, floor=None)[::-1]
+
+
+def _hoist(order: list[int], movers: frozenset[int], anchors, floor: int | None) -> list[int]:
+    """Move each mover up to right after the latest of its anchors (never above position ``floor``).
+
+    Sort keys are tuples: a staying node is ``(position,)``; a moved one is its
+    anchor's key plus ``(k,)``, which sorts after the anchor and before the next
+    staying node, ``k`` keeping moved nodes in their relative order (a chain's
+    links follow each other).
+    """
+    key: dict[int, tuple[int, ...]] = {v: (i,) for i, v in enumerate(order)}
+    for k, v in enumerate(order):
+        if v in movers:
+            anchor = max([key[u] for u in anchors(v)] + ([] if floor is None else [(floor,)]), default=None)
+            if anchor is not None and anchor < key[v]:
+                key[v] = anchor + (k,)
+    return sorted(order, key=key.__getitem__)
