@@ -33,19 +33,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """
     from benchmarks.configs import CONFIGS
     from benchmarks.models import MODELS
-    from benchmarks.run import BACKENDS
+    from benchmarks.run import BACKENDS, DEFAULT_INDUCTOR
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), metavar="MODEL",
                         help=f"models to run (default: all of {' '.join(MODELS)})")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="CONFIG",
                         help="configurations to run (default: all; CUDA-only ones are skipped on CPU)")
-    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS), metavar="BACKEND",
-                        help="torch.compile backends for the compiled configurations (default: inductor aot_eager)")
+    parser.add_argument("--backends", nargs="+", default=None, choices=list(BACKENDS), metavar="BACKEND",
+                        help="run every compiled configuration with these torch.compile backends (default: aot_eager "
+                             f"for all, inductor for {', '.join(DEFAULT_INDUCTOR)}; --quick: aot_eager only)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (default) or cuda")
     parser.add_argument("--size", type=float, default=None, help="batch multiplier (default 1; --quick: 0.5)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed steps per configuration (default 5; --quick: 2)")
-    parser.add_argument("--quick", action="store_true", help="half-size batches and 2 timed steps")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per config (default 3; --quick: 2)")
+    parser.add_argument("--quick", action="store_true", help="half-size batches, 2 timed steps, aot_eager only")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for the CSV and plots")
     parser.add_argument("--timeline-model", default=None, help="model for the timeline plot (default: llama if run)")
     parser.add_argument("--keep-cache", action="store_true",
@@ -58,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device")
     args.size = args.size if args.size is not None else (0.5 if args.quick else 1.0)
-    args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+    args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
+    if args.quick and args.backends is None:
+        args.backends = ["aot_eager"]
     return args
 
 

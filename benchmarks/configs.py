@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
@@ -27,9 +28,10 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 import savedhooks as sh
 from benchmarks.models import Workload
 
-__all__ = ["CODEC", "CONFIGS", "Config", "GraphLog", "Step", "torch_fp8_hooks"]
+__all__ = ["CODEC", "CONFIGS", "FLOAT8", "Config", "GraphLog", "Step", "torch_fp8_hooks"]
 
-CODEC = sh.fp8(granularity="row")
+FLOAT8 = sh.Float8(granularity="row")  # the codec's configuration
+CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8(granularity="row") returns it
 MEMORY_BUDGET = 0.5  # torch._functorch.config.activation_memory_budget for the "memory budget" configuration
 
 
@@ -96,6 +98,11 @@ class Step:
 class Config:
     """A registered configuration.
 
+    Every ``build`` has the same signature: ``build(workload, backend) -> Step``,
+    with ``backend`` ``"eager"`` for the eager configurations and ``"inductor"``
+    or ``"aot_eager"`` for the compiled ones; it raises whatever building the
+    configuration raises (running it happens later, in the driver).
+
     Attributes:
         name: short name (table, CSV, ``--configs``).
         build: ``build(workload, backend) -> Step``.
@@ -134,37 +141,15 @@ def _compiled(workload: Workload, backend: str, *contexts: Callable[[], Any], pl
     return Step(_step(workload, fn, *contexts), log)
 
 
-def no_hooks(workload: Workload, backend: str) -> Step:
-    """No hooks: the eager reference, or plain ``torch.compile``.
-
-    Args:
-        workload: the model and inputs.
-        backend: ``"eager"``, ``"inductor"`` or ``"aot_eager"``.
-
-    Returns:
-        A :class:`Step`.
-
-    Raises:
-        Nothing.
-    """
+def _no_hooks(workload: Workload, backend: str) -> Step:
+    """No hooks: the eager reference, or plain ``torch.compile``."""
     if backend == "eager":
         return Step(_step(workload, workload.model))
     return _compiled(workload, backend)
 
 
-def savedhooks_eager(workload: Workload, backend: str) -> Step:
-    """savedhooks' codec on the eager model (its hooks run as Python, packing as the forward goes).
-
-    Args:
-        workload: the model and inputs.
-        backend: ``"eager"``.
-
-    Returns:
-        A :class:`Step`.
-
-    Raises:
-        Nothing.
-    """
+def _savedhooks_eager(workload: Workload, backend: str) -> Step:
+    """savedhooks' codec on the eager model (its hooks run as Python, packing as the forward goes)."""
     return Step(_step(workload, workload.model, lambda: sh.saved_tensors_hooks(CODEC)))
 
 
@@ -198,149 +183,72 @@ def torch_fp8_hooks() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     return make_fx(_torch_fp8_pack)(example), make_fx(_torch_fp8_unpack)(_torch_fp8_pack(example))
 
 
-def torch_hooks(workload: Workload, backend: str) -> Step:
+def _torch_hooks(workload: Workload, backend: str) -> Step:
     """torch's own path: the codec as make_fx'd GraphModules in ``torch.autograd.graph.saved_tensors_hooks``.
 
     torch inlines them (pack at the end of the forward graph, unpack at the start
-    of the backward graph).
-
-    Args:
-        workload: the model and inputs.
-        backend: ``"inductor"`` or ``"aot_eager"``.
-
-    Returns:
-        A :class:`Step`.
-
-    Raises:
-        Nothing.
-    """
+    of the backward graph)."""
     pack, unpack = torch_fp8_hooks()
     return _compiled(workload, backend, lambda: torch.autograd.graph.saved_tensors_hooks(pack, unpack))
 
 
-def _python_pack(x: torch.Tensor) -> Any:
-    return CODEC.pack(x)
+def _python_pack(x: torch.Tensor) -> tuple[bool, Any]:
+    # what a plain Python hook does: encode what the codec takes, leave parameters alone
+    if isinstance(x, torch.nn.Parameter) or not FLOAT8.accepts(x):
+        return False, x
+    return True, FLOAT8.encode(x)
 
 
-def _python_unpack(packed: Any) -> torch.Tensor:
-    return CODEC.unpack(packed)
+def _python_unpack(packed: tuple[bool, Any]) -> torch.Tensor:
+    encoded, payload = packed
+    return FLOAT8.decode(payload) if encoded else payload
 
 
-def python_hooks(workload: Workload, backend: str) -> Step:
-    """Plain Python hook functions (savedhooks' codec called eagerly) around a compiled model: not inlined.
+def _python_hooks(workload: Workload, backend: str) -> Step:
+    """Plain Python hook functions (the codec's encode / decode, parameters left alone) around a compiled model.
 
-    torch runs them on the compiled region's saved tensors after its forward, and
-    all unpacks at the start of its backward.
-
-    Args:
-        workload: the model and inputs.
-        backend: ``"inductor"`` or ``"aot_eager"``.
-
-    Returns:
-        A :class:`Step`.
-
-    Raises:
-        Nothing.
-    """
-    return _compiled(workload, backend, lambda: torch.autograd.graph.saved_tensors_hooks(_python_pack, _python_unpack))
+    torch does not inline them: they run on the compiled region's saved tensors
+    after its forward, and all unpacks at the start of its backward. (Not
+    ``CODEC.pack`` itself: savedhooks' eager filter takes tensors made inside a
+    compiled region for inputs and stores them as they are.) The recorded graphs
+    do not contain these hooks, so no prediction is made."""
+    step = _compiled(workload, backend, lambda: torch.autograd.graph.saved_tensors_hooks(_python_pack, _python_unpack))
+    step.graphs = None
+    return step
 
 
-def savedhooks_compiled(workload: Workload, backend: str) -> Step:
-    """savedhooks' codec inlined by torch, with torch's backend as it is (no reorder pass).
-
-    Args:
-        workload: the model and inputs.
-        backend: ``"inductor"`` or ``"aot_eager"``.
-
-    Returns:
-        A :class:`Step`.
-
-    Raises:
-        Nothing.
-    """
+def _savedhooks_compiled(workload: Workload, backend: str) -> Step:
+    """savedhooks' codec inlined by torch, with torch's backend as it is (no reorder pass)."""
     return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(CODEC))
 
 
-def savedhooks_reorder(workload: Workload, backend: str) -> Step:
-    """savedhooks' codec inlined, with the reorder pass: ``torch.compile(model, backend=sh.backend(backend))``.
-
-    Args:
-        workload: the model and inputs.
-        backend: ``"inductor"`` or ``"aot_eager"``.
-
-    Returns:
-        A :class:`Step`.
-
-    Raises:
-        Nothing.
-    """
+def _savedhooks_reorder(workload: Workload, backend: str) -> Step:
+    """savedhooks' codec inlined, with the reorder pass: ``torch.compile(model, backend=sh.backend(backend))``."""
     return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(CODEC), placed=True)
 
 
-def checkpointing(workload: Workload, backend: str) -> Step:
-    """Activation checkpointing per block (``torch.utils.checkpoint``, non-reentrant), compiled.
-
-    Args:
-        workload: the model and inputs.
-        backend: ``"inductor"`` or ``"aot_eager"``.
-
-    Returns:
-        A :class:`Step` whose ``close`` turns checkpointing off again.
-
-    Raises:
-        Nothing.
-    """
+def _checkpointing(workload: Workload, backend: str) -> Step:
+    """Activation checkpointing per block (``torch.utils.checkpoint``, non-reentrant), compiled."""
     workload.set_checkpointing(True)
     step = _compiled(workload, backend)
     step.close = lambda: workload.set_checkpointing(False)
     return step
 
 
-def memory_budget(workload: Workload, backend: str) -> Step:
-    """The min-cut partitioner's recompute under ``activation_memory_budget`` (:data:`MEMORY_BUDGET`).
-
-    Args:
-        workload: the model and inputs.
-        backend: ``"inductor"`` or ``"aot_eager"``.
-
-    Returns:
-        A :class:`Step`.
-
-    Raises:
-        Nothing.
-    """
+def _memory_budget(workload: Workload, backend: str) -> Step:
+    """The min-cut partitioner's recompute under ``activation_memory_budget`` (:data:`MEMORY_BUDGET`)."""
     return _compiled(workload, backend, lambda: torch._functorch.config.patch(activation_memory_budget=MEMORY_BUDGET))
 
 
-def save_on_cpu(workload: Workload, backend: str) -> Step:
-    """torch's ``save_on_cpu(pin_memory=True)`` around the compiled model (Python hooks, not inlined). CUDA only.
-
-    Args:
-        workload: the model and inputs (on CUDA).
-        backend: ``"inductor"`` or ``"aot_eager"``.
-
-    Returns:
-        A :class:`Step`.
-
-    Raises:
-        Nothing.
-    """
-    return _compiled(workload, backend, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
+def _save_on_cpu(workload: Workload, backend: str) -> Step:
+    """torch's ``save_on_cpu(pin_memory=True)`` around the compiled model (Python hooks, not inlined). CUDA only."""
+    step = _compiled(workload, backend, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
+    step.graphs = None  # its hooks run outside the recorded graphs
+    return step
 
 
-def savedhooks_offload(workload: Workload, backend: str) -> Step:
-    """``sh.offload(CODEC)`` (fp8, then to pinned host memory) inlined, with the reorder pass. CUDA only.
-
-    Args:
-        workload: the model and inputs (on CUDA).
-        backend: ``"inductor"`` or ``"aot_eager"``.
-
-    Returns:
-        A :class:`Step`.
-
-    Raises:
-        Nothing.
-    """
+def _savedhooks_offload(workload: Workload, backend: str) -> Step:
+    """``sh.offload(CODEC)`` (fp8, then to pinned host memory) inlined, with the reorder pass. CUDA only."""
     offload = sh.offload(CODEC, device="cpu")
     return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(offload), placed=True)
 
@@ -348,16 +256,16 @@ def savedhooks_offload(workload: Workload, backend: str) -> Step:
 CONFIGS: dict[str, Config] = {
     c.name: c
     for c in (
-        Config("no hooks", no_hooks, False, False, "eager model, no hooks: the reference for gradient SQNR"),
-        Config("sh eager", savedhooks_eager, False, False, "eager model, savedhooks' fp8 codec (Python hooks)"),
-        Config("compiled", no_hooks, True, False, "torch.compile, no hooks: the reference for step time"),
-        Config("torch hooks", torch_hooks, True, False, "torch's own path: the codec as make_fx'd GraphModules"),
-        Config("python hooks", python_hooks, True, False, "compiled model, the codec as plain Python hooks (not inlined)"),
-        Config("sh", savedhooks_compiled, True, False, "savedhooks' codec inlined, torch's backend as it is"),
-        Config("sh + reorder", savedhooks_reorder, True, False, "savedhooks' codec inlined, sh.backend(...) reorder pass"),
-        Config("checkpoint", checkpointing, True, False, "torch.utils.checkpoint per block"),
-        Config("budget 0.5", memory_budget, True, False, "partitioner recompute, activation_memory_budget=0.5"),
-        Config("save_on_cpu", save_on_cpu, True, True, "torch.autograd.graph.save_on_cpu(pin_memory=True)"),
-        Config("sh offload", savedhooks_offload, True, True, "sh.offload(fp8 row) + reorder pass"),
+        Config("no hooks", _no_hooks, False, False, "eager model, no hooks: the reference for gradient SQNR"),
+        Config("sh eager", _savedhooks_eager, False, False, "eager model, savedhooks' fp8 codec (Python hooks)"),
+        Config("compiled", _no_hooks, True, False, "torch.compile, no hooks: the reference for step time"),
+        Config("torch hooks", _torch_hooks, True, False, "torch's own path: the codec as make_fx'd GraphModules"),
+        Config("python hooks", _python_hooks, True, False, "the codec as plain Python hooks (not inlined)"),
+        Config("sh", _savedhooks_compiled, True, False, "savedhooks' codec inlined, torch's backend as it is"),
+        Config("sh + reorder", _savedhooks_reorder, True, False, "savedhooks' codec inlined, sh.backend(...)"),
+        Config("checkpoint", _checkpointing, True, False, "torch.utils.checkpoint per block"),
+        Config("budget 0.5", _memory_budget, True, False, "partitioner recompute, activation_memory_budget=0.5"),
+        Config("save_on_cpu", _save_on_cpu, True, True, "torch.autograd.graph.save_on_cpu(pin_memory=True)"),
+        Config("sh offload", _savedhooks_offload, True, True, "sh.offload(fp8 row) + reorder pass"),
     )
 }

@@ -2,8 +2,9 @@
 
 Each model is a :class:`Workload`: a module, the keyword inputs of one training
 step, the loss, and a switch for activation checkpointing per block. Sizes are
-picked so that a step takes a few tenths of a second on 2 CPU cores at
-``size=1``; ``size`` multiplies the batch (so activation memory grows with it
+picked so that a step takes about a tenth of a second on 2 CPU cores at
+``size=1`` (the default run compiles about 50 times and must stay well under
+10 minutes); ``size`` multiplies the batch (so activation memory grows with it
 and the parameters do not).
 
 The transformers models are built from small configs (``transformers`` is in the
@@ -21,8 +22,10 @@ tensors that the models make themselves (max-pool indices, GPT-2's position ids)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -108,55 +111,42 @@ def _classifier(model: _Blocks, name: str, description: str, x: torch.Tensor, cl
     return Workload(name, description, model, {"x": x}, _cross_entropy(targets), model.set_checkpointing)
 
 
-def mlp(size: float = 1.0, device: str = "cpu") -> Workload:
-    """An MLP: 4 blocks of Linear(512) + GELU, a 10-way head, batch 4096 x size.
-
-    Args:
-        size: batch multiplier.
-        device: where the model and inputs live.
-
-    Returns:
-        A :class:`Workload`.
-
-    Raises:
-        Nothing.
-    """
-    width, batch = 512, _batch(4096, size)
+def _mlp(size: float, device: str) -> Workload:
+    """An MLP: 4 blocks of Linear(512) + GELU, a 10-way head, batch 2048 x size."""
+    width, batch = 512, _batch(2048, size)
     blocks = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(4)]
     model = _Blocks(nn.Identity(), blocks, nn.Linear(width, 10)).to(device)
     x = torch.randn(batch, width, device=device)
     return _classifier(model, "mlp", f"4 x (Linear({width}) + GELU), batch {batch}", x, 10)
 
 
-def cnn(size: float = 1.0, device: str = "cpu") -> Workload:
-    """A small CNN: 3 blocks of conv 3x3 + batch norm + ReLU + max pool, 32 x 32 images, batch 64 x size.
-
-    Args:
-        size: batch multiplier.
-        device: where the model and inputs live.
-
-    Returns:
-        A :class:`Workload`.
-
-    Raises:
-        Nothing.
-    """
-    batch, channels = _batch(64, size), (3, 32, 64, 128)
+def _cnn(size: float, device: str) -> Workload:
+    """A small CNN: 3 blocks of conv 3x3 + batch norm + ReLU + max pool, 32 x 32 images, batch 32 x size."""
+    batch, channels = _batch(32, size), (3, 32, 64, 128)
 
     def block(c_in: int, c_out: int) -> nn.Module:
-        return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2))
+        conv = nn.Conv2d(c_in, c_out, 3, padding=1, bias=False)  # batch norm's shift makes a bias's gradient 0
+        return nn.Sequential(conv, nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2))
 
-    blocks = [block(a, b) for a, b in zip(channels, channels[1:])]
+    blocks = [block(a, b) for a, b in itertools.pairwise(channels)]
     head = nn.Sequential(nn.Flatten(), nn.Linear(channels[-1] * 4 * 4, 10))
     model = _Blocks(nn.Identity(), blocks, head).to(device)
     x = torch.randn(batch, 3, 32, 32, device=device)
     return _classifier(model, "cnn", f"3 x (conv 3x3 + BN + ReLU + max pool), 32x32, batch {batch}", x, 10)
 
 
-def _hf(name: str, description: str, model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> Workload:
+def _hf(
+    name: str, description: str, model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor
+) -> Workload:
     def set_checkpointing(on: bool) -> None:
-        if on:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
+            if on:
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.activation_checkpointing_disable()
+        elif on:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_disable()
 
@@ -174,22 +164,11 @@ def _token_inputs(batch: int, seq: int, device: str) -> tuple[dict[str, torch.Te
     return {"input_ids": ids[:, :-1]}, nn.functional.one_hot(ids[:, 1:], _VOCAB).float()
 
 
-def gpt2(size: float = 1.0, device: str = "cpu") -> Workload:
-    """GPT-2 (transformers), 2 layers, hidden 256, 4 heads, vocab 2048, seq 256, batch 4 x size.
-
-    Args:
-        size: batch multiplier.
-        device: where the model and inputs live.
-
-    Returns:
-        A :class:`Workload` (next-token loss).
-
-    Raises:
-        ImportError: transformers is not installed (``pip install -e ".[bench]"``).
-    """
+def _gpt2(size: float, device: str) -> Workload:
+    """GPT-2 (transformers), 2 layers, hidden 256, 4 heads, vocab 2048, seq 256, batch 2 x size."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    batch, seq = _batch(4, size), 256
+    batch, seq = _batch(2, size), 256
     config = GPT2Config(
         n_layer=_LAYERS, n_embd=_HIDDEN, n_head=_HEADS, vocab_size=_VOCAB, n_positions=seq, bos_token_id=0,
         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -199,22 +178,11 @@ def gpt2(size: float = 1.0, device: str = "cpu") -> Workload:
     return _hf("gpt2", desc, model, *_token_inputs(batch, seq, device))
 
 
-def llama(size: float = 1.0, device: str = "cpu") -> Workload:
-    """Llama (transformers), 2 layers, hidden 256, 4 heads (2 KV heads), MLP 688, vocab 2048, seq 256, batch 4 x size.
-
-    Args:
-        size: batch multiplier.
-        device: where the model and inputs live.
-
-    Returns:
-        A :class:`Workload` (next-token loss).
-
-    Raises:
-        ImportError: transformers is not installed.
-    """
+def _llama(size: float, device: str) -> Workload:
+    """Llama (transformers), 2 layers, hidden 256, 4 heads (2 KV), MLP 688, vocab 2048, seq 256, batch 2 x size."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    batch, seq = _batch(4, size), 256
+    batch, seq = _batch(2, size), 256
     config = LlamaConfig(
         num_hidden_layers=_LAYERS, hidden_size=_HIDDEN, intermediate_size=688, num_attention_heads=_HEADS,
         num_key_value_heads=2, vocab_size=_VOCAB, max_position_embeddings=seq, bos_token_id=0, eos_token_id=0,
@@ -225,22 +193,11 @@ def llama(size: float = 1.0, device: str = "cpu") -> Workload:
     return _hf("llama", desc, model, *_token_inputs(batch, seq, device))
 
 
-def vit(size: float = 1.0, device: str = "cpu") -> Workload:
-    """ViT (transformers), 2 layers, hidden 256, 4 heads, 224 x 224 images in 16 x 16 patches, batch 8 x size.
-
-    Args:
-        size: batch multiplier.
-        device: where the model and inputs live.
-
-    Returns:
-        A :class:`Workload` (10-way classification).
-
-    Raises:
-        ImportError: transformers is not installed.
-    """
+def _vit(size: float, device: str) -> Workload:
+    """ViT (transformers), 2 layers, hidden 256, 4 heads, 224 x 224 images in 16 x 16 patches, batch 4 x size."""
     from transformers import ViTConfig, ViTForImageClassification
 
-    batch = _batch(8, size)
+    batch = _batch(4, size)
     config = ViTConfig(
         num_hidden_layers=_LAYERS, hidden_size=_HIDDEN, intermediate_size=4 * _HIDDEN, num_attention_heads=_HEADS,
         image_size=224, patch_size=16, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -251,7 +208,10 @@ def vit(size: float = 1.0, device: str = "cpu") -> Workload:
     return _hf("vit", desc, model, inputs, _soft_targets((batch,), 10, device))
 
 
-MODELS: dict[str, Callable[..., Workload]] = {"mlp": mlp, "cnn": cnn, "gpt2": gpt2, "llama": llama, "vit": vit}
+# name -> builder(size, device); make_workload is the entry point
+MODELS: dict[str, Callable[[float, str], Workload]] = {
+    "mlp": _mlp, "cnn": _cnn, "gpt2": _gpt2, "llama": _llama, "vit": _vit,
+}  # fmt: skip
 
 
 def make_workload(name: str, size: float = 1.0, device: str = "cpu", seed: int = 0) -> Workload:
@@ -268,6 +228,8 @@ def make_workload(name: str, size: float = 1.0, device: str = "cpu", seed: int =
 
     Raises:
         KeyError: unknown model name.
+        ImportError: a transformers model without transformers installed
+            (``pip install -e ".[bench]"``).
     """
     if name not in MODELS:
         raise KeyError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")

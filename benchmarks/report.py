@@ -139,8 +139,9 @@ def plot_activation_memory(rows: list[Row], path: str | pathlib.Path, title: str
     ok = [r for r in rows if not r.error and r.activation_mib is not None]
     models = list(dict.fromkeys(r.model for r in ok))
     labels = list(dict.fromkeys(_label(r) for r in ok))
-    fig, axes = plt.subplots(1, max(len(models), 1), figsize=(3.2 * max(len(models), 1) + 2.5, 0.28 * len(labels) + 1.6),
-                             sharey=True, squeeze=False)  # fmt: skip
+    panels = max(len(models), 1)
+    figsize = (3.2 * panels + 2.5, 0.28 * len(labels) + 1.6)
+    fig, axes = plt.subplots(1, panels, figsize=figsize, sharey=True, squeeze=False)
     colors = {"eager": "tab:gray", "inductor": "tab:blue", "aot_eager": "tab:orange"}
     for ax, model in zip(axes[0], models):
         by_label = {_label(r): r for r in ok if r.model == model}

@@ -12,9 +12,10 @@ then
    inputs) back;
 4. ``repeats`` timed steps: ``step_ms`` is their median, ``step_ratio`` divides
    it by the "compiled" (no hooks) step of the same backend (eager rows: of
-   inductor);
+   inductor, else aot_eager);
 5. ``grad_sqnr_db``: the lowest SQNR over the parameters' gradients of the last
-   step against the eager no-hook step;
+   step against the eager no-hook step (gradients that are rounding noise in
+   the reference, such as attention key biases, skipped);
 6. ``predicted_mib``: the memory model's step peak (``sh.memory.predict_step``)
    of the recorded aot_eager graphs, blank where nothing ran as a recorded graph
    (eager, inductor, Python hooks outside the graphs).
@@ -29,13 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
-import sys
 import statistics
+import sys
 import time
 import traceback
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -43,9 +45,10 @@ import savedhooks as sh
 from benchmarks.configs import CONFIGS, Config, GraphLog, Step
 from benchmarks.models import Workload, make_workload
 
-__all__ = ["BACKENDS", "Result", "Row", "jobs", "run"]
+__all__ = ["BACKENDS", "DEFAULT_INDUCTOR", "Result", "Row", "jobs", "run"]
 
 BACKENDS = ("inductor", "aot_eager")
+DEFAULT_INDUCTOR = ("compiled", "sh", "sh + reorder")  # configurations the default run compiles with inductor too
 MIB = 2.0**20
 
 
@@ -100,12 +103,15 @@ class Result:
     descriptions: dict[str, str]
 
 
-def jobs(configs: Iterable[str], backends: Iterable[str], device: str) -> list[tuple[Config, str]]:
+def jobs(configs: Iterable[str], backends: Iterable[str] | None, device: str) -> list[tuple[Config, str]]:
     """The (configuration, backend) pairs to run for one model, eager ones first.
 
     Args:
         configs: configuration names.
-        backends: compile backends.
+        backends: compile backends for every compiled configuration; ``None``
+            for the default matrix: aot_eager for every compiled configuration,
+            inductor for :data:`DEFAULT_INDUCTOR` (inductor compiles cost most of
+            a run's time on CPU).
         device: ``cpu`` skips the CUDA-only configurations.
 
     Returns:
@@ -115,9 +121,11 @@ def jobs(configs: Iterable[str], backends: Iterable[str], device: str) -> list[t
         KeyError: an unknown configuration name.
     """
     chosen = [CONFIGS[name] for name in configs]
+    compiled = [c for c in chosen if c.compiled and (device == "cuda" or not c.cuda_only)]
     pairs = [(c, "eager") for c in chosen if not c.compiled]
-    for backend in backends:
-        pairs += [(c, backend) for c in chosen if c.compiled and (device == "cuda" or not c.cuda_only)]
+    for backend in BACKENDS if backends is None else backends:
+        default = backends is None and backend == "inductor"
+        pairs += [(c, backend) for c in compiled if not default or c.name in DEFAULT_INDUCTOR]
     return pairs
 
 
@@ -166,9 +174,16 @@ def _saved_bytes(step: Step, device: str) -> int:
 
 
 def _grad_sqnr(model: torch.nn.Module, reference: list[torch.Tensor | None]) -> float:
+    """Lowest SQNR over the parameters' gradients; gradients that are rounding noise in the reference are skipped.
+
+    A gradient whose reference norm is under 1e-5 of the largest one is
+    mathematically zero (an attention key bias, which softmax ignores; a bias
+    before batch norm): its SQNR compares noise with noise.
+    """
+    largest = max((float(ref.norm()) for ref in reference if ref is not None), default=0.0)
     worst = math.inf
     for p, ref in zip(model.parameters(), reference):
-        if ref is None or not ref.any():
+        if ref is None or float(ref.norm()) <= 1e-5 * largest:
             continue
         if p.grad is None:
             raise RuntimeError("a parameter got no gradient")
@@ -181,14 +196,24 @@ def _predict(log: GraphLog | None) -> tuple[int | None, tuple[list[int], int] | 
     if log is None or len(log.forward) != 1 or len(log.backward) != 1:
         return None, None
     forward, backward = log.forward[0], log.backward[0]
-    predicted = sh.memory.predict_step(forward, backward)
+    try:
+        predicted = sh.memory.predict_step(forward, backward)
+    except ValueError:  # a node without meta["val"] (checkpointing's rng-state ops): no prediction
+        return None, None
     fw = sh.memory.estimate_peak(forward)
     bw = sh.memory.estimate_peak(backward, donated=sh.memory.saved_activations(backward))
     fw_in = _input_bytes(forward, fw.device)
     bw_in = _input_bytes(backward, bw.device)
     retained = (fw.live_after[-1] - fw_in) if fw.live_after else 0
-    curve = [b - fw_in for b in fw.live_during] + [retained + b - bw_in for b in bw.live_during]
-    return predicted.step_peak, (curve, len(fw.live_during))
+    # placeholders come first in a graph: start each curve after them, once every input is counted
+    fw_ops = list(fw.live_during[_placeholders(forward) :])
+    bw_ops = list(bw.live_during[_placeholders(backward) :])
+    curve = [b - fw_in for b in fw_ops] + [retained + b - bw_in for b in bw_ops]
+    return predicted.step_peak, (curve, len(fw_ops))
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> int:
+    return sum(n.op == "placeholder" for n in gm.graph.nodes)
 
 
 def _input_bytes(gm: torch.fx.GraphModule, device: torch.device) -> int:
@@ -273,7 +298,8 @@ def _with_ratios(rows: list[Row]) -> list[Row]:
     compiled = {(r.model, r.backend): r.step_ms for r in rows if r.config == "compiled" and not r.error}
     out = []
     for r in rows:
-        ref = compiled.get((r.model, "inductor" if r.backend == "eager" else r.backend))
+        backends = ("inductor", "aot_eager") if r.backend == "eager" else (r.backend,)
+        ref = next((compiled[(r.model, b)] for b in backends if (r.model, b) in compiled), None)
         ratio = r.step_ms / ref if (ref and r.step_ms is not None) else None
         out.append(dataclasses.replace(r, step_ratio=ratio))
     return out
@@ -287,10 +313,10 @@ def _error(exc: BaseException) -> str:
 def run(
     models: Iterable[str],
     configs: Iterable[str],
-    backends: Iterable[str] = BACKENDS,
+    backends: Iterable[str] | None = None,
     size: float = 1.0,
     device: str = "cpu",
-    repeats: int = 5,
+    repeats: int = 3,
     strict: bool = False,
     progress: bool = True,
 ) -> Result:
@@ -299,7 +325,8 @@ def run(
     Args:
         models: model names (``benchmarks.models.MODELS``).
         configs: configuration names (``benchmarks.configs.CONFIGS``).
-        backends: compile backends for the compiled configurations.
+        backends: compile backends for the compiled configurations (``None``:
+            the default matrix, see :func:`jobs`).
         size: batch multiplier.
         device: ``cpu`` or ``cuda``.
         repeats: timed steps per configuration.
@@ -316,12 +343,18 @@ def run(
     """
     from tqdm.auto import tqdm
 
-    models, configs, backends = list(models), list(configs), list(backends)
+    models, configs = list(models), list(configs)
+    backends = None if backends is None else list(backends)
     todo = jobs(configs, backends, device)
     rows: list[Row] = []
     timelines: dict[tuple[str, str], tuple[list[int], int]] = {}
     descriptions: dict[str, str] = {}
     bar = tqdm(total=len(models) * len(todo), disable=not progress, unit="config", dynamic_ncols=True)
+    # torch's own path (make_fx'd hook graphs) cannot be pickled into AOTAutograd's cache key:
+    # torch logs a traceback per compile and compiles without the cache, which is all this run needs
+    cache_log = logging.getLogger("torch._inductor.codecache")
+    cache_level = cache_log.level
+    cache_log.setLevel(logging.ERROR)
     try:
         for name in models:
             bar.set_description(f"{name}: building")
@@ -346,4 +379,5 @@ def run(
             torch._dynamo.reset()
     finally:
         bar.close()
+        cache_log.setLevel(cache_level)
     return Result(_with_ratios(rows), timelines, descriptions)
