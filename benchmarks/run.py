@@ -202,23 +202,28 @@ def _predict(log: GraphLog | None) -> tuple[int | None, tuple[list[int], int] | 
         return None, None
     fw = sh.memory.estimate_peak(forward)
     bw = sh.memory.estimate_peak(backward, donated=sh.memory.saved_activations(backward))
-    fw_in = _input_bytes(forward, fw.device)
-    bw_in = _input_bytes(backward, bw.device)
+    fw_ops, fw_in = _above_inputs(forward, fw)
+    bw_ops, _ = _above_inputs(backward, bw)
     retained = (fw.live_after[-1] - fw_in) if fw.live_after else 0
-    # placeholders come first in a graph: start each curve after them, once every input is counted
-    fw_ops = list(fw.live_during[_placeholders(forward) :])
-    bw_ops = list(bw.live_during[_placeholders(backward) :])
-    curve = [b - fw_in for b in fw_ops] + [retained + b - bw_in for b in bw_ops]
+    curve = fw_ops + [retained + b for b in bw_ops]
     return predicted.step_peak, (curve, len(fw_ops))
 
 
-def _placeholders(gm: torch.fx.GraphModule) -> int:
-    return sum(n.op == "placeholder" for n in gm.graph.nodes)
+def _above_inputs(gm: torch.fx.GraphModule, estimate) -> tuple[list[int], int]:
+    """Live bytes while each non-placeholder node runs, minus the graph's inputs seen so far; and all input bytes.
 
-
-def _input_bytes(gm: torch.fx.GraphModule, device: torch.device) -> int:
+    Placement can move a node between placeholders, so inputs are counted where
+    they appear (as :func:`savedhooks.memory.predict_step` counts them at the peak).
+    """
     memory = sh.memory.build_graph_memory(gm)
-    return sum(b.nbytes for b in memory.buffers if b.is_input and b.device == device)
+    placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    seen, curve = 0, []
+    for name, made, live in zip(memory.node_names, memory.allocs, estimate.live_during):
+        seen += sum(memory.buffers[b].nbytes for b in made
+                    if memory.buffers[b].is_input and memory.buffers[b].device == estimate.device)  # fmt: skip
+        if name not in placeholders:
+            curve.append(live - seen)
+    return curve, seen
 
 
 def measure(
