@@ -1,3 +1,129 @@
-from benchmarks.demo import main
+"""``python -m benchmarks``: the benchmark suite (see ``benchmarks/run.py`` for what is measured).
 
-main()
+Prints a markdown table and writes, under ``--out`` (default
+``benchmarks/results/``): ``benchmarks.csv`` (one row per model, configuration
+and backend), ``activation_memory.png`` (bar chart) and ``timeline_<model>.png``
+(the memory model's live bytes over one aot_eager training step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import platform
+import sys
+import tempfile
+import time
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The parsed flags, with ``--quick`` defaults filled in.
+
+    Raises:
+        SystemExit: bad flags, or ``--help``.
+    """
+    from benchmarks.configs import CONFIGS
+    from benchmarks.models import MODELS
+    from benchmarks.run import BACKENDS, DEFAULT_INDUCTOR
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), metavar="MODEL",
+                        help=f"models to run (default: all of {' '.join(MODELS)})")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="CONFIG",
+                        help="configurations to run (default: all; CUDA-only ones are skipped on CPU)")
+    parser.add_argument("--backends", nargs="+", default=None, choices=list(BACKENDS), metavar="BACKEND",
+                        help="run every compiled configuration with these torch.compile backends (default: aot_eager "
+                             f"for all, inductor for {', '.join(DEFAULT_INDUCTOR)}; --quick: aot_eager only)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (default) or cuda")
+    parser.add_argument("--size", type=float, default=None, help="batch multiplier (default 1; --quick: 0.5)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per config (default 3; --quick: 2)")
+    parser.add_argument("--quick", action="store_true", help="half-size batches, 2 timed steps, aot_eager only")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for the CSV and plots")
+    parser.add_argument("--timeline-model", default=None, help="model for the timeline plot (default: llama if run)")
+    parser.add_argument("--keep-cache", action="store_true",
+                        help="use torch's inductor cache (default: a fresh one, so compile times are cold)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device")
+    args.size = args.size if args.size is not None else (0.5 if args.quick else 1.0)
+    args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
+    if args.quick and args.backends is None:
+        args.backends = ["aot_eager"]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the suite, print the table, write the CSV and the plots.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        0 (failed configurations are reported in the table's error column).
+
+    Raises:
+        SystemExit: bad flags.
+    """
+    args = parse_args(argv)
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="savedhooks-bench-") as cache:
+        if not args.keep_cache:  # read by inductor whenever it looks for its cache
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        try:
+            return _run(args)
+        finally:
+            if previous is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from benchmarks import report
+    from benchmarks.run import run
+
+    command = "python -m benchmarks " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("__main__.py") else "run()"
+    machine = f"{os.cpu_count()} CPU cores, {platform.machine()}"
+    if args.device == "cuda":
+        machine += f", {torch.cuda.get_device_name()}"
+    heading = f"torch {torch.__version__}, {args.device}, {machine}, size {args.size:g}, {args.repeats} timed steps"
+    print(heading, flush=True)
+    start = time.perf_counter()
+    result = run(args.models, args.configs, args.backends, args.size, args.device, args.repeats,
+                 progress=not args.no_progress)  # fmt: skip
+    elapsed = time.perf_counter() - start
+    print()
+    for name, description in result.descriptions.items():
+        print(f"- {name}: {description}")
+    print()
+    print(report.table(result.rows))
+    csv_path = report.write_csv(result.rows, args.out / "benchmarks.csv")
+    chart = report.plot_activation_memory(result.rows, args.out / "activation_memory.png", f"{command}\n{heading}")
+    written = [csv_path, chart]
+    timeline_model = args.timeline_model or ("llama" if "llama" in args.models else args.models[0])
+    timelines = {config: t for (model, config), t in result.timelines.items() if model == timeline_model}
+    if timelines:
+        title = f"{timeline_model}, aot_eager, predicted by sh.memory ({result.descriptions.get(timeline_model, '')})"
+        written.append(report.plot_timeline(timelines, args.out / f"timeline_{timeline_model}.png", title))
+    failed = sum(bool(r.error) for r in result.rows)
+    print(f"\n{len(result.rows)} rows, {failed} failed, {elapsed:.0f} s; wrote {', '.join(map(str, written))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

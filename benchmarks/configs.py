@@ -1,0 +1,271 @@
+"""The benchmark configurations: ways to run one training step of a :class:`~benchmarks.models.Workload`.
+
+Every configuration is a function with the same signature,
+``build(workload, backend) -> Step``, registered in :data:`CONFIGS`. ``backend``
+is ``"eager"`` for the eager configurations and ``"inductor"`` or
+``"aot_eager"`` for the compiled ones. A :class:`Step` runs the forward (hooks
+and config patches entered inside it) and returns the loss; the driver
+(``benchmarks/run.py``) calls ``backward`` and measures.
+
+The codec is the same everywhere: float8 e4m3 with one float32 scale per row of
+the innermost dim (:data:`CODEC`). torch's own path builds it from plain aten ops
+traced with ``make_fx``, as a user does today; a traced graph cannot branch on
+dtype or rank, so row scales (``amax`` over ``dim=-1``) are the finest grouping
+it can express for every saved tensor, and it casts whatever it is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+import savedhooks as sh
+from benchmarks.models import Workload
+
+__all__ = ["CODEC", "CONFIGS", "FLOAT8", "Config", "GraphLog", "Step", "torch_fp8_hooks"]
+
+FLOAT8 = sh.Float8(granularity="row")  # the codec's configuration
+CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8(granularity="row") returns it
+MEMORY_BUDGET = 0.5  # torch._functorch.config.activation_memory_budget for the "memory budget" configuration
+
+
+class GraphLog:
+    """The forward and backward graphs an aot_eager compile ran, as they ran (after any placement)."""
+
+    def __init__(self) -> None:
+        self.forward: list[torch.fx.GraphModule] = []
+        self.backward: list[torch.fx.GraphModule] = []
+
+    def wrap(self, backend: Any) -> Any:
+        """Record the graphs of an aot_eager-style backend (``functools.partial(aot_eager, ...)``) or of "aot_eager".
+
+        Args:
+            backend: ``"aot_eager"``, or a partial of torch's aot_eager with
+                ``fw_compiler`` / ``bw_compiler`` (what ``sh.backend("aot_eager")`` is).
+
+        Returns:
+            A backend that compiles as ``backend`` does and keeps the graphs, or
+            ``None`` when ``backend`` has another form (then nothing is recorded).
+
+        Raises:
+            Nothing.
+        """
+        if backend == "aot_eager":
+            compilers = {"fw_compiler": boxed_nop, "bw_compiler": boxed_nop}
+        elif isinstance(backend, functools.partial) and backend.func is aot_eager:
+            compilers = {k: backend.keywords.get(k, boxed_nop) for k in ("fw_compiler", "bw_compiler")}
+        else:
+            return None
+        keywords = dict(backend.keywords) if isinstance(backend, functools.partial) else {}
+        keywords["fw_compiler"] = self._keep(compilers["fw_compiler"], self.forward)
+        keywords["bw_compiler"] = self._keep(compilers["bw_compiler"], self.backward)
+        return functools.partial(aot_eager, **keywords)
+
+    @staticmethod
+    def _keep(compiler: Callable, graphs: list[torch.fx.GraphModule]) -> Callable:
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+            compiled = compiler(gm, example_inputs)  # placement passes change gm in place
+            graphs.append(gm)
+            return compiled
+
+        return compile_graph
+
+
+@dataclasses.dataclass
+class Step:
+    """A built configuration.
+
+    Attributes:
+        forward: runs the forward under the configuration's hooks and patches and
+            returns the loss (the driver calls ``backward`` on it).
+        graphs: the recorded aot_eager graphs, for the memory model's prediction
+            (``None`` where the configuration runs no aot_eager graphs).
+        close: undoes what building changed on the model (checkpointing).
+    """
+
+    forward: Callable[[], torch.Tensor]
+    graphs: GraphLog | None = None
+    close: Callable[[], None] = lambda: None
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A registered configuration.
+
+    Every ``build`` has the same signature: ``build(workload, backend) -> Step``,
+    with ``backend`` ``"eager"`` for the eager configurations and ``"inductor"``
+    or ``"aot_eager"`` for the compiled ones; it raises whatever building the
+    configuration raises (running it happens later, in the driver).
+
+    Attributes:
+        name: short name (table, CSV, ``--configs``).
+        build: ``build(workload, backend) -> Step``.
+        compiled: runs under ``torch.compile`` (once per backend), else eagerly.
+        cuda_only: only measured with ``--device cuda``.
+        description: one line for the README.
+    """
+
+    name: str
+    build: Callable[[Workload, str], Step]
+    compiled: bool
+    cuda_only: bool
+    description: str
+
+
+def _compile(workload: Workload, backend: str, placed: bool = False) -> tuple[Callable[..., Any], GraphLog | None]:
+    """``torch.compile`` the workload's model; aot_eager compiles keep their graphs."""
+    chosen = sh.backend(backend) if placed else backend
+    log = GraphLog()
+    recording = log.wrap(chosen) if backend == "aot_eager" else None
+    return torch.compile(workload.model, backend=recording or chosen), (log if recording else None)
+
+
+def _step(workload: Workload, fn: Callable[..., Any], *contexts: Callable[[], Any]) -> Callable[[], torch.Tensor]:
+    def forward() -> torch.Tensor:
+        with contextlib.ExitStack() as stack:
+            for context in contexts:
+                stack.enter_context(context())
+            return workload.loss(fn)
+
+    return forward
+
+
+def _compiled(workload: Workload, backend: str, *contexts: Callable[[], Any], placed: bool = False) -> Step:
+    fn, log = _compile(workload, backend, placed)
+    return Step(_step(workload, fn, *contexts), log)
+
+
+def _no_hooks(workload: Workload, backend: str) -> Step:
+    """No hooks: the eager reference, or plain ``torch.compile``."""
+    if backend == "eager":
+        return Step(_step(workload, workload.model))
+    return _compiled(workload, backend)
+
+
+def _savedhooks_eager(workload: Workload, backend: str) -> Step:
+    """savedhooks' codec on the eager model (its hooks run as Python, packing as the forward goes)."""
+    return Step(_step(workload, workload.model, lambda: sh.saved_tensors_hooks(CODEC)))
+
+
+def _torch_fp8_pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = torch.clamp(amax / torch.finfo(torch.float8_e4m3fn).max, min=torch.finfo(torch.float32).tiny)
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def _torch_fp8_unpack(packed: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    q, scale = packed
+    return q.float() * scale
+
+
+@functools.cache
+def torch_fp8_hooks() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """The codec as torch's own path takes it: two ``make_fx``-traced GraphModules (built once: dynamo guards on id).
+
+    Args:
+        None.
+
+    Returns:
+        ``(pack, unpack)`` for ``torch.autograd.graph.saved_tensors_hooks``.
+
+    Raises:
+        Nothing.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    example = torch.randn(4, 8)
+    return make_fx(_torch_fp8_pack)(example), make_fx(_torch_fp8_unpack)(_torch_fp8_pack(example))
+
+
+def _torch_hooks(workload: Workload, backend: str) -> Step:
+    """torch's own path: the codec as make_fx'd GraphModules in ``torch.autograd.graph.saved_tensors_hooks``.
+
+    torch inlines them (pack at the end of the forward graph, unpack at the start
+    of the backward graph)."""
+    pack, unpack = torch_fp8_hooks()
+    return _compiled(workload, backend, lambda: torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+
+
+def _python_pack(x: torch.Tensor) -> tuple[bool, Any]:
+    # what a plain Python hook does: encode what the codec takes, leave parameters alone
+    if isinstance(x, torch.nn.Parameter) or not FLOAT8.accepts(x):
+        return False, x
+    return True, FLOAT8.encode(x)
+
+
+def _python_unpack(packed: tuple[bool, Any]) -> torch.Tensor:
+    encoded, payload = packed
+    return FLOAT8.decode(payload) if encoded else payload
+
+
+def _python_hooks(workload: Workload, backend: str) -> Step:
+    """Plain Python hook functions (the codec's encode / decode, parameters left alone) around a compiled model.
+
+    torch does not inline them: they run on the compiled region's saved tensors
+    after its forward, and all unpacks at the start of its backward. (Not
+    ``CODEC.pack`` itself: savedhooks' eager filter takes tensors made inside a
+    compiled region for inputs and stores them as they are.) The recorded graphs
+    do not contain these hooks, so no prediction is made."""
+    step = _compiled(workload, backend, lambda: torch.autograd.graph.saved_tensors_hooks(_python_pack, _python_unpack))
+    step.graphs = None
+    return step
+
+
+def _savedhooks_compiled(workload: Workload, backend: str) -> Step:
+    """savedhooks' codec inlined by torch, with torch's backend as it is (no reorder pass)."""
+    return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(CODEC))
+
+
+def _savedhooks_reorder(workload: Workload, backend: str) -> Step:
+    """savedhooks' codec inlined, with the reorder pass: ``torch.compile(model, backend=sh.backend(backend))``."""
+    return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(CODEC), placed=True)
+
+
+def _checkpointing(workload: Workload, backend: str) -> Step:
+    """Activation checkpointing per block (``torch.utils.checkpoint``, non-reentrant), compiled."""
+    workload.set_checkpointing(True)
+    step = _compiled(workload, backend)
+    step.close = lambda: workload.set_checkpointing(False)
+    return step
+
+
+def _memory_budget(workload: Workload, backend: str) -> Step:
+    """The min-cut partitioner's recompute under ``activation_memory_budget`` (:data:`MEMORY_BUDGET`)."""
+    return _compiled(workload, backend, lambda: torch._functorch.config.patch(activation_memory_budget=MEMORY_BUDGET))
+
+
+def _save_on_cpu(workload: Workload, backend: str) -> Step:
+    """torch's ``save_on_cpu(pin_memory=True)`` around the compiled model (Python hooks, not inlined). CUDA only."""
+    step = _compiled(workload, backend, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
+    step.graphs = None  # its hooks run outside the recorded graphs
+    return step
+
+
+def _savedhooks_offload(workload: Workload, backend: str) -> Step:
+    """``sh.offload(CODEC)`` (fp8, then to pinned host memory) inlined, with the reorder pass. CUDA only."""
+    offload = sh.offload(CODEC, device="cpu")
+    return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(offload), placed=True)
+
+
+CONFIGS: dict[str, Config] = {
+    c.name: c
+    for c in (
+        Config("no hooks", _no_hooks, False, False, "eager model, no hooks: the reference for gradient SQNR"),
+        Config("sh eager", _savedhooks_eager, False, False, "eager model, savedhooks' fp8 codec (Python hooks)"),
+        Config("compiled", _no_hooks, True, False, "torch.compile, no hooks: the reference for step time"),
+        Config("torch hooks", _torch_hooks, True, False, "torch's own path: the codec as make_fx'd GraphModules"),
+        Config("python hooks", _python_hooks, True, False, "the codec as plain Python hooks (not inlined)"),
+        Config("sh", _savedhooks_compiled, True, False, "savedhooks' codec inlined, torch's backend as it is"),
+        Config("sh + reorder", _savedhooks_reorder, True, False, "savedhooks' codec inlined, sh.backend(...)"),
+        Config("checkpoint", _checkpointing, True, False, "torch.utils.checkpoint per block"),
+        Config("budget 0.5", _memory_budget, True, False, "partitioner recompute, activation_memory_budget=0.5"),
+        Config("save_on_cpu", _save_on_cpu, True, True, "torch.autograd.graph.save_on_cpu(pin_memory=True)"),
+        Config("sh offload", _savedhooks_offload, True, True, "sh.offload(fp8 row) + reorder pass"),
+    )
+}

@@ -1,0 +1,211 @@
+"""Report a run: the markdown table, the CSV and the plots, all from the same :class:`~benchmarks.run.Row`s."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import pathlib
+
+from benchmarks.run import Row
+
+__all__ = ["COLUMNS", "plot_activation_memory", "plot_timeline", "read_csv", "table", "write_csv"]
+
+# (field, table header, format): every Row field, in table order
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("model", "model", "{}"),
+    ("config", "config", "{}"),
+    ("backend", "backend", "{}"),
+    ("device", "device", "{}"),
+    ("activation_mib", "activation MiB", "{:.1f}"),
+    ("predicted_mib", "predicted MiB", "{:.1f}"),
+    ("peak_mib", "peak MiB", "{:.1f}"),
+    ("saved_mib", "saved MiB", "{:.1f}"),
+    ("step_ms", "step ms", "{:.0f}"),
+    ("step_ratio", "step / compiled", "{:.2f}"),
+    ("compile_s", "compile s", "{:.1f}"),
+    ("grad_sqnr_db", "grad SQNR dB", "{:.1f}"),
+    ("error", "error", "{}"),
+)
+assert [c[0] for c in COLUMNS] == [f.name for f in dataclasses.fields(Row)], "COLUMNS must list every Row field"
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None or value == "":
+        return ""
+    if isinstance(value, float) and math.isinf(value):
+        return "exact" if value > 0 else "-inf"
+    return fmt.format(value).replace("|", "/")
+
+
+def table(rows: list[Row], drop: tuple[str, ...] = ("device",)) -> str:
+    """Render rows as a markdown table (numbers right-aligned; infinite SQNR reads "exact").
+
+    Args:
+        rows: the rows.
+        drop: fields to leave out (by default the device, which is in the heading).
+
+    Returns:
+        The table, one line per row after the header.
+
+    Raises:
+        Nothing.
+    """
+    columns = [c for c in COLUMNS if c[0] not in drop]
+    if not any(r.error for r in rows):
+        columns = [c for c in columns if c[0] != "error"]
+    header = "| " + " | ".join(c[1] for c in columns) + " |"
+    align = "|" + "|".join("---" if c[2] == "{}" else "---:" for c in columns) + "|"
+    lines = [header, align]
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(getattr(r, c[0]), c[2]) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[Row], path: str | pathlib.Path) -> pathlib.Path:
+    """Write rows as CSV, one column per :class:`Row` field (blank for missing values).
+
+    Args:
+        rows: the rows.
+        path: the file to write (its folder is created).
+
+    Returns:
+        The path written.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([field.name for field in dataclasses.fields(Row)])
+        for r in rows:
+            writer.writerow(["" if v is None else v for v in dataclasses.astuple(r)])
+    return path
+
+
+def read_csv(path: str | pathlib.Path) -> list[Row]:
+    """Read rows written by :func:`write_csv`.
+
+    Args:
+        path: the CSV file.
+
+    Returns:
+        The rows (numbers as floats, blanks as ``None``).
+
+    Raises:
+        ValueError: the header is not :class:`Row`'s fields.
+    """
+    fields = dataclasses.fields(Row)
+    with pathlib.Path(path).open(newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader)
+        if header != [field.name for field in fields]:
+            raise ValueError(f"read_csv: header {header} is not Row's fields")
+        rows = []
+        for values in reader:
+            kwargs = {}
+            for field, value in zip(fields, values):
+                numeric = field.type != "str"
+                kwargs[field.name] = (float(value) if value != "" else None) if numeric else value
+            rows.append(Row(**kwargs))
+    return rows
+
+
+def _label(r: Row) -> str:
+    return r.config if r.backend == "eager" else f"{r.config} ({r.backend})"
+
+
+def plot_activation_memory(rows: list[Row], path: str | pathlib.Path, title: str = "") -> pathlib.Path:
+    """Bar chart of measured activation memory (and the predicted one, where there is one), one panel per model.
+
+    Args:
+        rows: the rows (failed ones are left out).
+        path: the PNG to write.
+        title: the figure's title.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if not r.error and r.activation_mib is not None]
+    models = list(dict.fromkeys(r.model for r in ok))
+    labels = list(dict.fromkeys(_label(r) for r in ok))
+    panels = max(len(models), 1)
+    figsize = (3.2 * panels + 2.5, 0.28 * len(labels) + 1.6)
+    fig, axes = plt.subplots(1, panels, figsize=figsize, sharey=True, squeeze=False)
+    colors = {"eager": "tab:gray", "inductor": "tab:blue", "aot_eager": "tab:orange"}
+    for ax, model in zip(axes[0], models):
+        by_label = {_label(r): r for r in ok if r.model == model}
+        ys = range(len(labels))
+        values = [by_label[lab].activation_mib if lab in by_label else 0.0 for lab in labels]
+        ax.barh(ys, values, color=[colors.get(by_label[lab].backend, "tab:green") if lab in by_label else "white"
+                                   for lab in labels])  # fmt: skip
+        predicted = [(y, by_label[lab].predicted_mib) for y, lab in zip(ys, labels)
+                     if lab in by_label and by_label[lab].predicted_mib is not None]  # fmt: skip
+        if predicted:
+            ax.plot([p for _, p in predicted], [y for y, _ in predicted], "k|", ms=10, label="predicted")
+            ax.legend(fontsize=7, loc="lower right")
+        ax.set_title(model, fontsize=9)
+        ax.set_xlabel("activation MiB", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0][0].set_yticks(range(len(labels)), labels)
+    axes[0][0].invert_yaxis()  # shared: the first configuration on top in every panel
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_timeline(
+    timelines: dict[str, tuple[list[int], int]], path: str | pathlib.Path, title: str = ""
+) -> pathlib.Path:
+    """Predicted live memory per node over one training step (forward graph, then backward), one line per config.
+
+    Args:
+        timelines: ``{config: (live bytes per node, forward node count)}`` as
+            :class:`~benchmarks.run.Result` keeps them for aot_eager.
+        path: the PNG to write.
+        title: the plot's title.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mib = 2.0**20
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for config, (curve, n_forward) in timelines.items():
+        xs = [i / max(n_forward, 1) for i in range(n_forward)]
+        n_backward = len(curve) - n_forward
+        xs += [1 + i / max(n_backward, 1) for i in range(n_backward)]
+        ax.plot(xs, [b / mib for b in curve], lw=1, label=f"{config} (peak {max(curve, default=0) / mib:.1f} MiB)")
+    ax.axvline(1.0, color="grey", ls=":")
+    ax.set_xlabel("forward graph (0-1, by node) | backward graph (1-2)")
+    ax.set_ylabel("predicted live MiB above the step's inputs")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
