@@ -14,16 +14,19 @@ from savedhooks.passes import ReorderPass, is_backward_graph, place_hooks, reord
 CASES = {name.replace(" ", "_"): case for name, case in MODELS.items()}
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_placement_changes_no_result(name):
-    make, shape = CASES[name]
+def _assert_same_gradients(make, shape, plain_backend, our_backend):
     x = torch.randn(*shape)
     model = make()
-    plain = train_step_grads(model, torch.compile(model, backend="aot_eager"), x, sh.fp8())
+    plain = train_step_grads(model, torch.compile(model, backend=plain_backend), x, sh.fp8())
     torch._dynamo.reset()
-    placed = train_step_grads(model, torch.compile(model, backend=sh.backend("aot_eager")), x, sh.fp8())
-    for p, q in zip(plain, placed):
+    ours = train_step_grads(model, torch.compile(model, backend=our_backend), x, sh.fp8())
+    for p, q in zip(plain, ours):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_placement_changes_no_result(name):
+    _assert_same_gradients(*CASES[name], "aot_eager", sh.backend("aot_eager"))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -79,11 +82,4 @@ def test_inductor_with_the_pass_is_never_above_inductors_own_order():
 
 
 def test_inductor_gradients_are_identical_with_the_pass():
-    make, shape = MODELS["4-layer transformer"]
-    x = torch.randn(*shape)
-    model = make()
-    plain = train_step_grads(model, torch.compile(model, backend="inductor"), x, sh.fp8())
-    torch._dynamo.reset()
-    ours = train_step_grads(model, torch.compile(model, backend=sh.backend("inductor")), x, sh.fp8())
-    for p, q in zip(plain, ours):
-        assert torch.equal(p, q)
+    _assert_same_gradients(*MODELS["4-layer transformer"], "inductor", sh.backend("inductor"))
