@@ -238,3 +238,23 @@ def test_measured_cuda_training_step_matches_the_prediction():
     measured = sh.memory.measure_peak(step, device="cuda")
     predicted = sh.memory.predict_step(forward, backward, device="cuda")
     assert predicted.step_peak == pytest.approx(measured, rel=0.05)
+
+
+def test_scratch_of_our_ops_is_measured_and_never_disturbs_a_users_profiler():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def pack(x):
+        return torch.ops.savedhooks.fp8_quantize(x, torch.float8_e4m3fn, "row", 128, False)
+
+    def quantize_node(rows):
+        gm = make_fx(pack)(torch.randn(rows, 96))
+        return next(n for n in gm.graph.nodes if n.op == "call_function" and "fp8_quantize" in str(n.target))
+
+    assert sh.memory.op_scratch_bytes(quantize_node(256)) > 256 * 96  # a float32 temporary per element at least
+    unseen = quantize_node(200)  # a shape not measured (cached) yet
+    with torch.profiler.profile() as prof:
+        inside = sh.memory.op_scratch_bytes(unseen)
+        torch.ones(3).add_(1)
+    assert inside == 0  # not measured while the user profiles: no nested profiler
+    assert any(e.name == "aten::add_" for e in prof.events())  # the user's trace is intact
+    assert sh.memory.op_scratch_bytes(unseen) > 200 * 96  # measured once the user's profiler is gone

@@ -16,12 +16,15 @@ kernels allocate inside, e.g. in copies between layouts).
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 __all__ = ["op_scratch_bytes"]
+
+log = logging.getLogger(__name__)
 
 
 def _chunk_rows(rows: int, cols: int) -> int:
@@ -79,12 +82,18 @@ def op_scratch_bytes(node: torch.fx.Node) -> int:
         nodes (their aten reference), else 0.
 
     Raises:
-        Nothing: a node whose arguments lack fake values counts 0.
+        Nothing: a node whose arguments lack fake values counts 0, and so does
+        any node while a profiler is active (measuring would nest profilers).
     """
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0
     name = node.target.name()
     if name not in ("savedhooks::fp8_quantize", "savedhooks::fp8_dequantize"):
+        return 0
+    if torch._C._autograd._profiler_enabled():
+        # Measuring starts a profiler; a nested one would end the user's session.
+        # Count none (the model without scratch) rather than disturb their trace.
+        log.info("savedhooks: a profiler is active; %s scratch not measured (counted 0)", name)
         return 0
     first = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     if not isinstance(first, torch.Tensor) or first.dim() != 2:

@@ -84,7 +84,7 @@ def _list_schedule(problem: Problem, key: Callable[[int, int], tuple]) -> list[i
 def input_order(problem: Problem) -> list[int]:
     """The graph's own order (fixed nodes first).
 """
-    return _list_schedule(problem, lambda v, freed: (v,))
+    return _list_schedule(problem, lambda v, _freed: (v,))
 
 
 @_strategy
@@ -108,7 +108,7 @@ def bfs(problem: Problem) -> list[int]:
     depth = [0] * problem.size
     for v in input_order(problem):
         depth[v] = max((depth[p] + 1 for p in problem.preds[v]), default=0)
-    return _list_schedule(problem, lambda v, freed: (depth[v], v))
+    return _list_schedule(problem, lambda v, _freed: (depth[v], v))
 
 
 @_strategy
