@@ -4,8 +4,11 @@ One training step of the acceptance models (8-layer MLP, 4-layer transformer;
 fp32, CPU) under ``sh.fp8()``, forward and backward peaks measured separately
 (above what was live before each), for:
 
-* ``inductor``: torch's default (its ``reorder_for_peak_memory`` on);
-* ``sh.backend("inductor")``: the same with :func:`savedhooks.reorder_pass`;
+* ``inductor``: torch's default (its ``reorder_for_peak_memory`` on), the hooks
+  entered with ``reorder=False``;
+* plain ``torch.compile`` inside ``sh.saved_tensors_hooks`` (the default usage,
+  which adds the pass itself);
+* ``sh.backend("inductor")``: the same pass given as a backend;
 * both again with inductor's own reordering off;
 * the pass applied to forward graphs as well (``sh.reorder_pass(forward=True)``).
 """
@@ -24,18 +27,20 @@ __all__ = ["CONFIGS", "measured_peaks"]
 
 
 _OFF = {"reorder_for_peak_memory": False}
+# label -> (backend, inductor options or None, whether saved_tensors_hooks adds its pass)
 CONFIGS = {
-    "inductor": lambda: ("inductor", None),
-    "inductor + savedhooks pass": lambda: (sh.backend("inductor"), None),
-    "inductor, its reorder off": lambda: ("inductor", _OFF),
+    "inductor": lambda: ("inductor", None, False),
+    "plain torch.compile in sh.saved_tensors_hooks": lambda: ("inductor", None, True),
+    "inductor + savedhooks pass": lambda: (sh.backend("inductor"), None, False),
+    "inductor, its reorder off": lambda: ("inductor", _OFF, False),
     "inductor, its reorder off + savedhooks pass": lambda: (
-        "inductor", {**_OFF, "post_grad_custom_post_pass": sh.reorder_pass()}),
+        "inductor", {**_OFF, "post_grad_custom_post_pass": sh.reorder_pass()}, False),
     "inductor + savedhooks pass, forward too": lambda: (
-        "inductor", {"post_grad_custom_post_pass": sh.reorder_pass(forward=True)}),
+        "inductor", {"post_grad_custom_post_pass": sh.reorder_pass(forward=True)}, False),
 }
 
 
-def measured_peaks(model: torch.nn.Module, backend, options, x: torch.Tensor) -> tuple[int, int]:
+def measured_peaks(model: torch.nn.Module, backend, options, x: torch.Tensor, reorder: bool = False) -> tuple[int, int]:
     """Measured forward and backward peak bytes of one compiled step under ``sh.fp8()`` (CPU).
 
     Args:
@@ -43,6 +48,8 @@ def measured_peaks(model: torch.nn.Module, backend, options, x: torch.Tensor) ->
         backend: a ``torch.compile`` backend.
         options: inductor options, or None.
         x: the input.
+        reorder: ``saved_tensors_hooks(..., reorder=)``: whether entering the
+            hooks adds the pass to inductor's config (off: torch's own order).
 
     Returns:
         ``(forward peak, backward peak)`` above what was live before each.
@@ -54,7 +61,7 @@ def measured_peaks(model: torch.nn.Module, backend, options, x: torch.Tensor) ->
         model, backend=backend)
 
     def forward():
-        with sh.saved_tensors_hooks(sh.fp8()):
+        with sh.saved_tensors_hooks(sh.fp8(), reorder=reorder):
             return compiled(x).square().mean()
 
     forward().backward()  # compile
@@ -79,8 +86,8 @@ def main() -> None:
         x = torch.randn(*shape)
         for label, config in CONFIGS.items():
             start = time.perf_counter()
-            backend, options = config()
-            fw, bw = measured_peaks(make(), backend, options, x)
+            backend, options, reorder = config()
+            fw, bw = measured_peaks(make(), backend, options, x, reorder)
             print(f"| {name} | {label} | {fw / 2**20:.2f} | {bw / 2**20:.2f} | {time.perf_counter() - start:.0f} |",
                   flush=True)
 

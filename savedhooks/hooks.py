@@ -7,31 +7,16 @@ Design notes
   once per saved tensor, so a GraphModule whose single node calls back into
   Python keeps per-tensor Python logic: the user's body runs on the traced
   (fake/functional) tensor and whatever it branches on is decided per tensor.
-* The node calls a *top-level* trampoline (``_run_pack`` / ``_run_unpack``) with
-  a constant registry key, never the user's function directly: the trampoline
-  is importable, so the GraphModule pickles into AOTAutograd's cache key, and
-  the key string carries the hook's fingerprint. ``meta["is_wrapped"]`` and
-  ``meta["user_cache_hash"]`` are what AOTAutograd checks to cache graphs that
-  contain such calls instead of bypassing its cache.
 * Dynamo guards on ``id(pack), id(unpack)``: :func:`make_hook_pair` returns one
   cached HookPair per (name, fingerprint), so rebuilding an equal hook is free.
   A hook without a stable fingerprint is not registered at all: its graph calls
   a per-pair closure, so it lives and dies with its GraphModules, and
   AOTAutograd bypasses its cache for it. A hook that reads globals not yet
   defined at decoration gets its cache hash when it is entered.
-* The trampolines check the hook contract (no input mutation, unpack returns one
-  tensor of the saved tensor's dtype, device and shape) and name the hook when
-  it is broken, because torch's own errors do not say which hook failed.
-* Eager mode has no partitioner to filter saved tensors, so the trampoline skips
-  what packing cannot free, as the compiled default ("donated": intermediates
-  only) does: parameters, other leaves that require grad, floating leaves (the
-  input batch) and views of them. Bool masks and int64 indices made in the forward
-  are leaves too, and are packed, as under compile.
-* Eager autograd saves one tensor several times (relu's output is saved by relu
-  and by the next matmul). Inside :class:`saved_tensors_hooks` a tensor is packed
-  once per version and the payload shared, also with a view that reads all of it
-  (relu's ``(B, T, C)`` output and the ``(B*T, C)`` view a matmul saves); the cache
-  holds the tensor weakly and is cleared when backward starts unpacking.
+* What the hook graphs call, and the eager-mode rules, live in
+  :mod:`savedhooks.eager`; the contract checks in :mod:`savedhooks.contract`.
+* Entering :class:`saved_tensors_hooks` also makes inductor place the inlined
+  hooks (:mod:`savedhooks.passes`): see its docstring.
 """
 
 from __future__ import annotations
@@ -40,16 +25,25 @@ import contextlib
 import dataclasses
 import hashlib
 import pathlib
-import threading
 import warnings
-import weakref
 from typing import Any, Callable
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
+from savedhooks.contract import (
+    HookContext,
+    HookError,
+    HookMismatchError,
+    HookMutationError,
+    HookTypeError,
+    _HookFunctions,
+    _probe,
+    hook_context,
+)
+from savedhooks.eager import _FUNCTIONS, _active, _local_trampoline, _run_pack, _run_unpack
 from savedhooks.identity import UnfingerprintableError, fingerprint_details
+from savedhooks.passes import inductor_placement
 
 __all__ = [
     "HookContext",
@@ -74,111 +68,6 @@ _MODULE_HASH = hashlib.sha256(
     + b"".join(p.read_bytes() for p in sorted((_PACKAGE_ROOT.parent / "kernels").glob("*.py")))
 ).hexdigest()
 
-# Values a pack function may return besides tensors: torch bakes them into the
-# unpack graph as constants, so they must be plain, printable values.
-_CONSTANT_TYPES = (
-    type(None), bool, int, float, str,
-    torch.dtype, torch.device, torch.layout, torch.memory_format,
-    torch.SymInt, torch.SymFloat, torch.SymBool,
-)  # fmt: skip
-
-
-class HookError(Exception):
-    """A saved-tensor hook breaks the hook contract. The message names the hook."""
-
-
-class HookTypeError(HookError, TypeError):
-    """A hook is not callable, lacks an unpack function, or returns the wrong type."""
-
-
-class HookMutationError(HookError, RuntimeError):
-    """A hook mutated the tensor it was given (pack: the saved tensor; unpack: the payload)."""
-
-
-class HookMismatchError(HookError, ValueError):
-    """Unpack returned a tensor whose dtype, device or shape differs from the saved one."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _HookFunctions:
-    name: str
-    pack: Callable[[torch.Tensor], Any]
-    unpack: Callable[[Any], torch.Tensor]
-    config: Any = None
-    late_globals: tuple[str, ...] = ()
-
-    def where(self, fn: Callable[..., Any]) -> str:
-        code = getattr(fn, "__code__", None)
-        return f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
-
-    def error(self, cls: type[HookError], stage: str, problem: str) -> HookError:
-        return cls(f"{self.label(stage)}: {stage} {problem}")
-
-    def label(self, stage: str) -> str:
-        return f"savedhooks hook {self.name!r}{self.where(self.pack if stage == 'pack' else self.unpack)}"
-
-    def call(self, stage: str, arg: Any) -> Any:
-        """Call pack or unpack; an exception from user code gets a note naming the hook."""
-        try:
-            return (self.pack if stage == "pack" else self.unpack)(arg)
-        except HookError:
-            raise
-        except Exception as e:
-            if hasattr(e, "add_note"):  # Python >= 3.11
-                e.add_note(f"raised in {stage} of {self.label(stage)}")
-            raise
-
-
-# What unpack must give back, as (dtype, device, shape) with symbolic dims as -1.
-# A plain tuple of constants: torch bakes it into the unpack graph (a dataclass
-# would become a constructor node in the traced pack graph).
-_SavedMeta = tuple[torch.dtype, torch.device, tuple[int, ...]]
-
-
-class _Passthrough:
-    """Eager-mode marker: the saved tensor was not packed (a leaf or a view of one)."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.version = tensor._version
-
-
-class _Aliasing:
-    """Eager-mode wrapper of a payload that holds the saved tensor's storage.
-
-    With a pack hook active, torch no longer checks that a saved tensor was not
-    modified in place before backward; a payload that aliases it must do that itself.
-    """
-
-    __slots__ = ("packed", "tensor", "version")
-
-    def __init__(self, packed: Any, tensor: torch.Tensor) -> None:
-        self.packed, self.tensor, self.version = packed, tensor, tensor._version
-
-
-class _ViewOf:
-    """Eager-mode payload of a view that covers its whole base: the base's payload, shared."""
-
-    __slots__ = ("packed", "size", "stride", "offset")
-
-    def __init__(self, packed: Any, view: torch.Tensor) -> None:
-        self.packed, self.size, self.stride, self.offset = packed, view.size(), view.stride(), view.storage_offset()
-
-
-def _check_version(fns: _HookFunctions, tensor: torch.Tensor, version: int) -> None:
-    if tensor._version != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: {tuple(tensor.shape)} {tensor.dtype} is at version {tensor._version}; expected version "
-            f"{version} instead (it was saved as is by {fns.label('pack')})"
-        )
-
-
-_FUNCTIONS: dict[str, _HookFunctions] = {}
-# Per thread: the stack of active savedhooks contexts, as (hook functions, eager pack cache).
-_active = threading.local()
 _PAIRS: dict[str, HookPair] = {}
 
 
@@ -220,245 +109,6 @@ class HookPair:
 
     def __repr__(self) -> str:
         return f"HookPair({self.name!r})"
-
-
-@dataclasses.dataclass(frozen=True)
-class HookContext:
-    """Where the saved tensor being packed comes from (compiled mode only).
-
-    Attributes:
-        node: the saved value's node in the forward graph; ``node.target`` is the
-            producing op and ``node.meta["val"]`` its fake value.
-        fw_graph: the forward graph being compiled.
-        bw_graph: the backward graph being compiled.
-    """
-
-    node: torch.fx.Node
-    fw_graph: torch.fx.Graph
-    bw_graph: torch.fx.Graph
-
-
-def hook_context() -> HookContext | None:
-    """Return the graph context of the saved tensor being packed, if any.
-
-    Call it inside a pack or unpack function to decide per producing op (for
-    example keep layer-norm statistics unpacked). Wraps torch's private
-    ``_get_saved_tensor_hook_context`` so that a change there is fixed here once.
-
-    Args:
-        None.
-
-    Returns:
-        A :class:`HookContext` while AOTAutograd inlines hooks into a compiled
-        graph; None in eager mode, where there is no graph.
-
-    Raises:
-        Nothing.
-    """
-    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
-
-    state = _get_saved_tensor_hook_context()
-    if not state:
-        return None
-    return HookContext(node=state["_node"], fw_graph=state["_fw_graph"], bw_graph=state["_bw_graph"])
-
-
-# --- trampolines: the only functions the hook GraphModules call --------------------
-
-
-def _run_pack(x: torch.Tensor, key: str) -> Any:
-    return _pack_outside_dynamo(_lookup(key), x)
-
-
-def _run_unpack(packed: Any, key: str) -> torch.Tensor:
-    return _unpack_outside_dynamo(_lookup(key), packed)
-
-
-def _local_trampoline(fns: _HookFunctions, stage: str) -> Callable[[Any], Any]:
-    """The call target for a hook without a stable fingerprint: not registered, dies with its graph."""
-    if stage == "pack":
-
-        def savedhooks_local_pack(x: torch.Tensor) -> Any:
-            return _pack_outside_dynamo(fns, x)
-
-        savedhooks_local_pack.hook_functions = fns  # type: ignore[attr-defined]
-        return savedhooks_local_pack
-
-    def savedhooks_local_unpack(packed: Any) -> torch.Tensor:
-        return _unpack_outside_dynamo(fns, packed)
-
-    savedhooks_local_unpack.hook_functions = fns  # type: ignore[attr-defined]
-    return savedhooks_local_unpack
-
-
-def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
-    if not _is_eager(x):
-        return _pack_checked(fns, x)
-    if _frees_nothing(x):
-        return _Passthrough(x)
-    cache = _eager_cache(fns)
-    if cache is None:  # torch's own hooks entered directly: no sharing within the forward
-        return _pack_cached(fns, x, None)
-    base = x._base if x._is_view() else None
-    if base is not None and _covers(x, base) and not _frees_nothing(base):
-        # relu's (B, T, C) output and the (B*T, C) view the next matmul saves: one payload
-        packed = _pack_cached(fns, base, cache)
-        return packed if isinstance(packed, _Aliasing) else _ViewOf(packed, x)
-    return _pack_cached(fns, x, cache)
-
-
-def _pack_cached(fns: _HookFunctions, x: torch.Tensor, cache: dict[int, tuple[Any, int, Any]] | None) -> Any:
-    hit = cache.get(id(x)) if cache is not None else None
-    if hit is not None and hit[0]() is x and hit[1] == x._version:
-        return hit[2]
-    packed = _pack_checked(fns, x)
-    if _holds_storage_of(packed, x):  # not cached: the cache would keep x alive
-        return _Aliasing(packed, x)
-    if cache is None:
-        return packed
-    cache[id(x)] = (weakref.ref(x, lambda _, k=id(x): cache.pop(k, None)), x._version, packed)
-    return packed
-
-
-def _covers(view: torch.Tensor, base: torch.Tensor) -> bool:
-    """Whether a view reads all of a contiguous base (a reshape, a permutation)."""
-    return (
-        view.numel() == base.numel()
-        and base.is_contiguous()
-        and base.storage_offset() == 0
-        and view.storage_offset() == 0
-        and view.dtype == base.dtype
-    )
-
-
-def _unpack(fns: _HookFunctions, packed: Any) -> torch.Tensor:
-    if isinstance(packed, _ViewOf):
-        base = _unpack(fns, packed.packed).contiguous()  # contiguous, like the base it was packed from
-        return base.as_strided(packed.size, packed.stride, packed.offset)
-    if isinstance(packed, (_Passthrough, _Aliasing)):
-        _check_version(fns, packed.tensor, packed.version)
-        if isinstance(packed, _Passthrough):
-            return packed.tensor
-        packed = packed.packed
-    cache = _eager_cache(fns)
-    if cache:  # backward has started: the forward's sharing is over, drop the entries
-        cache.clear()
-    return _unpack_checked(fns, packed)
-
-
-# A hook entered inside a torch.compile'd function is called from frames dynamo
-# compiles; its body must still run eagerly on real tensors (the eager rules above),
-# so dynamo never traces it. AOTAutograd's re-trace of the hook graphs is unaffected.
-_pack_outside_dynamo = torch._dynamo.disable(_pack)
-_unpack_outside_dynamo = torch._dynamo.disable(_unpack)
-
-
-def _eager_cache(fns: _HookFunctions) -> dict[int, tuple[Any, int, Any]] | None:
-    stack = getattr(_active, "stack", None)
-    if not stack or stack[-1][0] is not fns:  # torch's own hooks were pushed above ours
-        return None
-    return stack[-1][1]
-
-
-def _holds_storage_of(packed: Any, x: torch.Tensor) -> bool:
-    ptr = x.untyped_storage().data_ptr()
-    return any(
-        isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr for t in pytree.tree_leaves(packed)
-    )
-
-
-def _lookup(key: str) -> _HookFunctions:
-    try:
-        return _FUNCTIONS[key]
-    except KeyError:
-        raise HookError(
-            f"savedhooks hook {key!r} is not defined in this process; define the hook (import the module "
-            "that decorates it) before running graphs that use it"
-        ) from None
-
-
-def _is_eager(x: torch.Tensor) -> bool:
-    # AOTAutograd traces hooks on FakeTensor / FunctionalTensor subclasses.
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    return not isinstance(x, (FakeTensor, FunctionalTensor))
-
-
-def _frees_nothing(x: torch.Tensor) -> bool:
-    # What the caller still holds, as compile's "donated" filter sees it: parameters
-    # (frozen ones too), leaves that require grad, floating leaves (the input batch),
-    # and views of them. Eager autograd cannot tell a no-grad float input from a float
-    # tensor made inside an op, so both are kept (CPU eager dropout's float noise is
-    # one); bool masks and int64 indices made in the forward are packed.
-    base = x._base if x._is_view() else x
-    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and (base.requires_grad or base.is_floating_point()))
-
-
-def _pack_checked(fns: _HookFunctions, x: torch.Tensor) -> tuple[Any, _SavedMeta]:
-    version = x._version
-    packed = fns.call("pack", x)
-    if x._version != version:
-        raise fns.error(HookMutationError, "pack", "mutated the saved tensor in place; return a new tensor instead")
-    for leaf in pytree.tree_leaves(packed):
-        if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES)):
-            raise fns.error(
-                HookTypeError,
-                "pack",
-                f"returned a {type(leaf).__name__}; a pack result may hold tensors and constants "
-                "(None, bool, int, float, str, dtype, device) in tuples, lists and dicts",
-            )
-    shape = tuple(d if isinstance(d, int) else -1 for d in x.shape)
-    return packed, (x.dtype, x.device, shape)
-
-
-def _unpack_checked(fns: _HookFunctions, packed_and_meta: tuple[Any, _SavedMeta]) -> torch.Tensor:
-    packed, (dtype, device, shape) = packed_and_meta
-    tensors = [t for t in pytree.tree_leaves(packed) if isinstance(t, torch.Tensor)]
-    versions = [t._version for t in tensors]
-    out = fns.call("unpack", packed)
-    if [t._version for t in tensors] != versions:
-        raise fns.error(
-            HookMutationError, "unpack", "mutated the packed payload in place; backward may unpack it more than once"
-        )
-    if not isinstance(out, torch.Tensor):
-        raise fns.error(HookTypeError, "unpack", f"must return one torch.Tensor, got {type(out).__name__}")
-    if out.dtype != dtype:
-        raise fns.error(HookMismatchError, "unpack", f"returned dtype {out.dtype}, the saved tensor was {dtype}")
-    if out.device != device:
-        raise fns.error(HookMismatchError, "unpack", f"returned a tensor on {out.device}, the saved tensor was on {device}")
-    ctx = hook_context()  # under compile: the saved value's symbolic shape
-    want = tuple(ctx.node.meta["val"].shape) if ctx is not None else shape
-    got = tuple(out.shape)
-    if len(got) != len(want) or not all(_same_size(have, size) for have, size in zip(got, want)):
-        raise fns.error(HookMismatchError, "unpack", f"returned shape {_hints(got)}, the saved tensor had {_hints(want)}")
-    return out
-
-
-def _hint(size: Any) -> int | None:
-    return size if isinstance(size, int) else getattr(size.node, "hint", None)
-
-
-def _hints(shape: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(_hint(s) if _hint(s) is not None else s for s in shape)
-
-
-def _same_size(have: Any, want: Any) -> bool:
-    """Equal sizes, symbolic ones included, without adding guards.
-
-    Provably equal: yes. Different example values: no. Equal example values but
-    not provably equal: accepted (guarding would specialize the graph).
-    """
-    if want == -1:  # eager meta of a symbolic dim (not reachable in eager mode)
-        return True
-    if isinstance(have, int) and isinstance(want, int):
-        return have == want
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    if statically_known_true(have == want):
-        return True
-    have_hint, want_hint = _hint(have), _hint(want)
-    return have_hint is None or want_hint is None or have_hint == want_hint
 
 
 # --- building pairs ------------------------------------------------------------------
@@ -571,30 +221,6 @@ def _refresh_cache_hash(fns: _HookFunctions, pair: HookPair) -> None:
                     node.meta["user_cache_hash"] = cache_hash
 
 
-def _probe(fns: _HookFunctions) -> None:
-    """Run the hook once on a small CPU tensor to catch contract errors at decoration.
-
-    Only contract errors are raised: a hook that cannot run on a small CPU tensor
-    (device-specific code) is checked when it first runs instead. Values are
-    compared too, which catches mutation through ``.data`` (its own version counter).
-    """
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
-    before = x.clone()
-    try:
-        packed = _pack_checked(fns, x)
-        if not torch.equal(x, before):
-            raise fns.error(HookMutationError, "pack", "mutated the saved tensor's values (through .data?)")
-        payload = [t.clone() for t in pytree.tree_leaves(packed[0]) if isinstance(t, torch.Tensor)]
-        _unpack_checked(fns, packed)
-        after = [t for t in pytree.tree_leaves(packed[0]) if isinstance(t, torch.Tensor)]
-        if any(not torch.equal(a, b) for a, b in zip(after, payload)):
-            raise fns.error(HookMutationError, "unpack", "mutated the packed payload's values (through .data?)")
-    except HookError:
-        raise
-    except Exception:  # noqa: BLE001 - not a contract error; the real run decides
-        pass
-
-
 class PackHook:
     """A pack function waiting for its unpack function (returned by :func:`hook`).
 
@@ -692,15 +318,30 @@ class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors 
     then inlined into the compiled graphs). Nested blocks behave like torch's:
     the innermost pair wins. Usable as a decorator; re-entrant.
 
+    Placement: inside the block, a model compiled with plain ``torch.compile``
+    (inductor) gets savedhooks' reorder pass, so each unpack runs right before
+    its first use in the backward graph (:func:`savedhooks.passes.inductor_placement`).
+    It is added after any ``post_grad_custom_post_pass`` already set in inductor's
+    config, touches only graphs with inlined hooks, and compiles the backward
+    graph together with the forward (torch would otherwise compile it lazily at
+    the first ``backward()``, outside the block). A pass given to
+    ``torch.compile(options=...)`` replaces the slot for that compile, as torch's
+    config patches do: list ``savedhooks.reorder_pass()`` there too. Graphs
+    compiled before entering (no hooks) are not recompiled for it; the hook
+    guard recompiles them when the hooks change.
+
     Args:
         hooks: a HookPair, e.g. from :func:`hook` or a codec such as ``savedhooks.fp8()``.
+        reorder: False leaves inductor's configuration alone (no placement, lazy
+            backward compile as torch does it).
 
     Raises:
         HookTypeError: ``hooks`` is a :class:`PackHook` without an unpack function.
-        TypeError: ``hooks`` is anything else that is not a HookPair.
+        TypeError: ``hooks`` is anything else that is not a HookPair, or
+            ``reorder`` is not a bool.
     """
 
-    def __init__(self, hooks: HookPair) -> None:
+    def __init__(self, hooks: HookPair, reorder: bool = True) -> None:
         if isinstance(hooks, PackHook):
             raise HookTypeError(
                 f"savedhooks hook {hooks.name!r} has no unpack function: add one with @{hooks.name}.unpack"
@@ -710,16 +351,20 @@ class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors 
                 "savedhooks.saved_tensors_hooks expects a savedhooks.HookPair (from @savedhooks.hook or a "
                 f"codec such as savedhooks.fp8()), got {type(hooks).__name__}: {hooks!r}"
             )
+        if not isinstance(reorder, bool):
+            raise TypeError(f"savedhooks.saved_tensors_hooks: reorder must be a bool, got {reorder!r}")
         self.hooks = hooks
+        self.reorder = reorder
         self._functions = _functions_of(hooks)  # None for pairs built elsewhere: no eager cache
-        self._entered: list[torch.autograd.graph.saved_tensors_hooks] = []
+        self._entered: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> HookPair:
         if self._functions is not None and self._functions.late_globals:
             _refresh_cache_hash(self._functions, self.hooks)
-        torch_hooks = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
-        torch_hooks.__enter__()
-        self._entered.append(torch_hooks)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(inductor_placement(self.reorder))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack))
+            self._entered.append(stack.pop_all())
         if not hasattr(_active, "stack"):
             _active.stack = []
         _active.stack.append((self._functions, {}))

@@ -18,11 +18,14 @@ of the forward, and every unpacked one from the start of the backward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import operator
 import pathlib
+import re
+from collections.abc import Iterator
 
 import torch
 import torch.fx
@@ -35,6 +38,8 @@ __all__ = [
     "ReorderPass",
     "backend",
     "graph_problem",
+    "has_hook_chains",
+    "inductor_placement",
     "is_backward_graph",
     "ordering_edges",
     "place_hooks",
@@ -110,12 +115,13 @@ def _written_buffers(node: torch.fx.Node, node_buffers) -> set[int]:
     return written
 
 
-def graph_problem(gm: torch.fx.GraphModule, donated: tuple[str, ...] = ()) -> tuple[Problem, int]:
+def graph_problem(gm: torch.fx.GraphModule, donated: tuple[str, ...] = (), fused: bool = False) -> tuple[Problem, int]:
     """The scheduling problem of ``gm`` and the lower bound on any order's peak.
 
     Args:
         gm: a graph whose nodes carry ``meta["val"]``.
         donated: placeholders the graph may free after their last use.
+        fused: model inductor's fusion (see :func:`savedhooks.memory.build_graph_memory`).
 
     Returns:
         ``(problem, lower bound in bytes)``; node ``i`` of the problem is the
@@ -127,7 +133,7 @@ def graph_problem(gm: torch.fx.GraphModule, donated: tuple[str, ...] = ()) -> tu
     from savedhooks.memory import build_graph_memory, lower_bound
     from savedhooks.memory.estimate import _report_device
 
-    memory = build_graph_memory(gm, donated)
+    memory = build_graph_memory(gm, donated, fused)
     device = _report_device(memory)
     nodes = [n for n in gm.graph.nodes if n.op != _OUTPUT]
     fixed = [i for i, n in enumerate(nodes) if n.op in ("placeholder", "get_attr")]
@@ -139,6 +145,7 @@ def reorder_graph(
     donated: tuple[str, ...] = (),
     strategies: tuple[str, ...] = tuple(STRATEGIES),
     exact_budget: int = 2_000,
+    fused: bool = False,
 ) -> Schedule:
     """Reorder ``gm`` in place to the lowest modelled peak the portfolio finds.
 
@@ -149,6 +156,7 @@ def reorder_graph(
         donated: placeholders the graph may free after their last use.
         strategies: names from :data:`savedhooks.schedule.STRATEGIES`.
         exact_budget: state budget of the exact search (0 to skip it).
+        fused: judge orders as inductor runs them (pointwise chains fused).
 
     Returns:
         The :class:`savedhooks.schedule.Schedule` applied (its ``order`` indexes
@@ -157,7 +165,7 @@ def reorder_graph(
     Raises:
         ValueError: nodes lack ``meta["val"]``, or an unknown strategy.
     """
-    problem, bound = graph_problem(gm, donated)
+    problem, bound = graph_problem(gm, donated, fused)
     result = schedule(problem, bound, strategies, exact_budget)
     nodes = [n for n in gm.graph.nodes if n.op != _OUTPUT]
     if result.order != list(range(len(nodes))):
@@ -189,12 +197,13 @@ def place_hooks(gm: torch.fx.GraphModule, is_backward: bool) -> Schedule | None:
     return _reorder(gm, is_backward, strategies=("input",), exact_budget=0)
 
 
-def reorder_for_memory(gm: torch.fx.GraphModule, is_backward: bool) -> Schedule | None:
+def reorder_for_memory(gm: torch.fx.GraphModule, is_backward: bool, fused: bool = False) -> Schedule | None:
     """The full pass: every portfolio strategy with placement, then the exact search.
 
     Args:
         gm: an AOTAutograd forward or backward graph (with ``meta["val"]``).
         is_backward: which one it is (a backward frees its saved activations).
+        fused: the graph goes to inductor: judge orders with its fusion modelled.
 
     Returns:
         The :class:`savedhooks.schedule.Schedule`, or None when the graph has no
@@ -203,7 +212,7 @@ def reorder_for_memory(gm: torch.fx.GraphModule, is_backward: bool) -> Schedule 
     Raises:
         Nothing.
     """
-    return _reorder(gm, is_backward)
+    return _reorder(gm, is_backward, fused=fused)
 
 
 def _reorder(gm: torch.fx.GraphModule, is_backward: bool, **options) -> Schedule | None:
@@ -235,6 +244,34 @@ def is_backward_graph(graph: torch.fx.Graph) -> bool:
     return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
 
 
+# AOTAutograd names the values that inlined pack hooks return "<saved>_hook_<i>":
+# forward outputs, and the backward's inputs.
+_HOOK_VALUE = re.compile(r"_hook_\d+$")
+
+
+def has_hook_chains(graph: torch.fx.Graph) -> bool:
+    """Whether AOTAutograd inlined saved-tensor hooks into ``graph``.
+
+    A forward graph then returns packed values, a backward graph takes them as
+    inputs; AOTAutograd names them ``<saved>_hook_<i>``.
+
+    Args:
+        graph: a forward or backward graph from AOTAutograd.
+
+    Returns:
+        True when some placeholder (backward) or output value (forward) is a
+        packed saved tensor.
+
+    Raises:
+        Nothing.
+    """
+    for node in graph.nodes:
+        if node.op == "placeholder" and _HOOK_VALUE.search(node.name):
+            return True
+    output = graph.output_node() if graph.nodes else None
+    return output is not None and any(_HOOK_VALUE.search(n.name) for n in output.all_input_nodes)
+
+
 class ReorderPass(CustomGraphPass):
     """The reorder pass as inductor's ``post_grad_custom_post_pass`` (a CustomGraphPass).
 
@@ -244,25 +281,35 @@ class ReorderPass(CustomGraphPass):
     lower than ours on the 8-layer MLP, while in backward graphs it leaves the
     unpacks at the start and ours measured 3x lower (README, "Inductor").
 
+    With ``hooked_only`` it leaves graphs without inlined hooks untouched (the
+    pass that entering :func:`savedhooks.saved_tensors_hooks` installs).
+
     ``uuid()`` digests this file, the scheduler and the memory model, plus the
     options, so inductor's FX graph cache misses when the pass changes and hits
     when it does not.
     """
 
-    def __init__(self, forward: bool = False) -> None:
+    def __init__(self, forward: bool = False, hooked_only: bool = False) -> None:
         self.forward = forward
+        self.hooked_only = hooked_only
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         is_backward = is_backward_graph(graph)
         if not (is_backward or self.forward):
             return
+        if self.hooked_only and not has_hook_chains(graph):
+            return
         gm = graph.owning_module
         if gm is None:  # inductor hands over the graph of a GraphModule; keep it that way
             gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-        reorder_for_memory(gm, is_backward)
+        reorder_for_memory(gm, is_backward, fused=True)
 
     def uuid(self) -> str:
-        return hashlib.sha256(f"{_SOURCE_DIGEST}:forward={self.forward}".encode()).hexdigest()
+        options = f"forward={self.forward}:hooked_only={self.hooked_only}"
+        return hashlib.sha256(f"{_SOURCE_DIGEST}:{options}".encode()).hexdigest()
+
+    def __repr__(self) -> str:
+        return f"ReorderPass(forward={self.forward}, hooked_only={self.hooked_only})"
 
 
 def reorder_pass(forward: bool = False) -> ReorderPass:
@@ -278,7 +325,48 @@ def reorder_pass(forward: bool = False) -> ReorderPass:
     Raises:
         Nothing.
     """
-    return _REORDER_PASSES[bool(forward)]
+    return _REORDER_PASSES[bool(forward), False]
+
+
+def _with_pass(slot, ours: ReorderPass):
+    """``slot`` (inductor's post-grad pass setting: None, a pass, or a list/tuple) with ``ours`` run last."""
+    passes = tuple(slot) if isinstance(slot, (list, tuple)) else (() if slot is None else (slot,))
+    if any(isinstance(p, ReorderPass) for p in passes):  # already placed (sh.reorder_pass(), a nested block)
+        return slot
+    return ours if not passes else (*passes, ours)
+
+
+@contextlib.contextmanager
+def inductor_placement(enabled: bool = True) -> Iterator[None]:
+    """Make inductor place inlined hooks in the graphs compiled inside the block.
+
+    Adds the reorder pass (hooked graphs only) to inductor's
+    ``post_grad_custom_post_pass``, after any pass already set there (torch runs
+    a tuple of passes in order and keys its FX graph cache on all their uuids),
+    and has AOTAutograd compile the backward graph together with the forward
+    (``force_non_lazy_backward_lowering``): torch otherwise compiles it at the
+    first ``backward()``, after the block has exited. Entered by
+    :class:`savedhooks.saved_tensors_hooks`; both settings are restored on exit.
+
+    Args:
+        enabled: False leaves inductor's settings as they are (the opt-out).
+
+    Yields:
+        Nothing.
+
+    Raises:
+        Nothing.
+    """
+    if not enabled:
+        yield
+        return
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    slot = _with_pass(inductor_config.post_grad_custom_post_pass, _REORDER_PASSES[False, True])
+    with inductor_config.patch(post_grad_custom_post_pass=slot), \
+            functorch_config.patch(force_non_lazy_backward_lowering=True):  # fmt: skip
+        yield
 
 
 def backend(base: str = "aot_eager"):
@@ -312,7 +400,7 @@ def _placing(is_backward: bool):
 def _inductor_backend(gm: torch.fx.GraphModule, example_inputs):
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": _REORDER_PASSES[False]})
+    return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": _REORDER_PASSES[False, False]})
 
 
 # The pass's behaviour lives in this file, the scheduler and the memory model: all in the digest.
@@ -321,7 +409,8 @@ _SOURCE_DIGEST = hashlib.sha256(
     b"".join(p.read_bytes() for p in [_HERE / "passes.py", *sorted((_HERE / "schedule").glob("*.py")),
                                       *sorted((_HERE / "memory").glob("*.py"))])
 ).hexdigest()
-_REORDER_PASSES = {False: ReorderPass(), True: ReorderPass(forward=True)}
+# One shared instance per option: equal passes, equal cache keys.
+_REORDER_PASSES = {(f, h): ReorderPass(forward=f, hooked_only=h) for f in (False, True) for h in (False, True)}
 # torch's own aot_eager (its min-cut partitioner, its input-mutation handling) with
 # placement added: the same graphs as "aot_eager", only reordered.
 _AOT_EAGER_BACKEND = functools.partial(aot_eager, fw_compiler=_placing(False), bw_compiler=_placing(True))

@@ -138,18 +138,20 @@ class GraphCapture(GraphRecorder):
         return self._code(True)
 
 
-def train_step(model: torch.nn.Module, fn, x: torch.Tensor, hooks: sh.HookPair | None = None) -> None:
-    """One step of sum(fn(x)^2): grads cleared, forward (under hooks if given), backward."""
+def train_step(model: torch.nn.Module, fn, x: torch.Tensor, hooks: sh.HookPair | None = None,
+               reorder: bool = True) -> None:
+    """One step of sum(fn(x)^2): grads cleared, forward (under hooks if given), backward after the block."""
     model.zero_grad(set_to_none=True)
     if hooks is None:
         loss = fn(x).square().sum()
     else:
-        with sh.saved_tensors_hooks(hooks):
+        with sh.saved_tensors_hooks(hooks, reorder=reorder):
             loss = fn(x).square().sum()
     loss.backward()
 
 
-def train_step_grads(model: torch.nn.Module, fn, x: torch.Tensor, hooks: sh.HookPair | None = None):
+def train_step_grads(model: torch.nn.Module, fn, x: torch.Tensor, hooks: sh.HookPair | None = None,
+                     reorder: bool = True):
     """Gradients of sum(fn(x)^2) w.r.t. model's parameters, optionally under hooks."""
-    train_step(model, fn, x, hooks)
+    train_step(model, fn, x, hooks, reorder)
     return [p.grad.clone() for p in model.parameters()]

@@ -22,6 +22,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from savedhooks.memory.fusion import inlined_nodes
 from savedhooks.memory.scratch import op_scratch_bytes
 
 __all__ = ["Buffer", "GraphMemory", "build_graph_memory", "tensor_storages"]
@@ -101,12 +102,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return int(hint) if hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
 
 
-def build_graph_memory(gm: torch.fx.GraphModule, donated: tuple[str, ...] = ()) -> GraphMemory:
+def build_graph_memory(gm: torch.fx.GraphModule, donated: tuple[str, ...] = (), fused: bool = False) -> GraphMemory:
     """Build the buffer model of a graph whose nodes carry ``meta["val"]``.
 
     Args:
         gm: a GraphModule from AOTAutograd, make_fx or dynamo (with fake values).
         donated: names of placeholders whose storage may be freed after last use.
+        fused: model the graph as inductor runs it: pointwise nodes that it
+            computes inside their consumers (:func:`savedhooks.memory.fusion.inlined_nodes`)
+            get no buffer, and their consumers read what they read.
 
     Returns:
         A :class:`GraphMemory`.
@@ -119,7 +123,8 @@ def build_graph_memory(gm: torch.fx.GraphModule, donated: tuple[str, ...] = ()) 
     unknown = set(donated) - placeholders
     if unknown:
         raise ValueError(f"donated names are not graph inputs: {sorted(unknown)}")
-    storage_to_buffer: dict[StorageWeakRef, int] = {}
+    storage_to_buffers: dict[StorageWeakRef, set[int]] = {}
+    inlined = inlined_nodes(gm.graph) if fused else set()
     buffers: list[dict[str, Any]] = []
     node_names: list[str] = []
     allocs: list[list[int]] = []
@@ -142,19 +147,21 @@ def build_graph_memory(gm: torch.fx.GraphModule, donated: tuple[str, ...] = ()) 
         new: list[int] = []
         for t in tensors:
             ref = StorageWeakRef(t.untyped_storage())
-            if ref not in storage_to_buffer:
-                storage_to_buffer[ref] = len(buffers)
+            if ref not in storage_to_buffers and node in inlined:  # computed in its consumers' kernels
+                storage_to_buffers[ref] = set().union(*(node_buffers.get(a, set()) for a in node.all_input_nodes))
+            elif ref not in storage_to_buffers:
+                storage_to_buffers[ref] = {len(buffers)}
                 buffers.append(
                     dict(name=node.name, nbytes=_nbytes(t), device=t.device, is_input=node.op == "placeholder")
                 )
-                new.append(storage_to_buffer[ref])
-            mine.add(storage_to_buffer[ref])
+                new.append(len(buffers) - 1)
+            mine |= storage_to_buffers[ref]
         node_buffers[node] = mine
         inputs.append(tuple(sorted(node_index[a] for a in node.all_input_nodes if a in node_index)))
         node_index[node] = len(node_names)
         node_names.append(node.name)
         allocs.append(new)
-        extra = op_scratch_bytes(node)
+        extra = 0 if node in inlined else op_scratch_bytes(node)
         scratch.append((tensors[0].device, extra) if extra and tensors else None)
         reads.append(set().union(*(node_buffers.get(a, set()) for a in node.all_input_nodes)))
 

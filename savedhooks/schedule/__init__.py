@@ -12,7 +12,9 @@ Design notes
   ``memory.py``: input order, least peak memory first, BFS, DFS and bytes-freed
   list scheduling. Each is scored raw and after the hook placement post-pass
   (:func:`place`); :func:`schedule` keeps the lowest modelled peak, the input
-  order winning ties, so the result is never worse than the input.
+  order winning ties, so the result is never worse than the input. The winner
+  is placed once more when that does not raise its peak: among orders of equal
+  peak, packs run as early and unpacks as late as they can.
 * The exact search is best-first over scheduled sets (the live bytes after a set
   of nodes do not depend on their order, so one entry per set is enough), costs
   being the peak so far. Two safe rules keep it small: a set reached again at a
@@ -142,6 +144,11 @@ def schedule(
             scores["exact"] = found.peak
         optimal = found.optimal
         bound = best_peak if optimal else max(bound, found.lower_bound)
+    # Among orders of equal peak, the placed one frees packed tensors soonest and
+    # makes unpacked ones latest: place the winner too unless that raises its peak.
+    placed = place(problem, best_order)
+    if placed != best_order and peak_of(problem, placed) <= best_peak:
+        best_name, best_order = best_name + "+place", placed
     log.info(
         "savedhooks schedule: %d nodes, input %d B, best %d B by %s (%s); scores %s",
         problem.size, input_peak, best_peak, best_name,

@@ -1,0 +1,82 @@
+"""Which FX nodes inductor computes inside their consumers instead of storing.
+
+Inductor lowers a pointwise op to a lazy loop body and *inlines* it into the
+kernels that read it, as long as those are pointwise ops or reductions; it
+stores (realizes) the result only for consumers that need a buffer: matmuls,
+convolutions, custom ops and other extern kernels, graph outputs. A liveness
+model of an inductor graph that gives every pointwise node its own buffer
+counts temporaries that never exist (a GELU backward is one kernel, not eight
+buffers), and it then prefers orders that are not better for inductor.
+
+This module marks the inlined nodes; :func:`savedhooks.memory.build_graph_memory`
+with ``fused=True`` gives them no buffer and lets their consumers read what they
+read. The rule is inductor's first-order one; it ignores the thresholds on
+which inductor still realizes a heavily reused pointwise result
+(``realize_reads_threshold``, ``realize_opcount_threshold``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+__all__ = ["inlined_nodes"]
+
+_FUSING_TAGS = (torch.Tag.pointwise, torch.Tag.reduction)
+
+
+def _tags(node: torch.fx.Node) -> tuple[torch.Tag, ...]:
+    return tuple(getattr(node.target, "tags", ())) if node.op == "call_function" else ()
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """A node whose value aliases its first input (reshape, permute, detach, ...)."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    val, base = node.meta.get("val"), node.args[0].meta.get("val")
+    if not isinstance(val, torch.Tensor) or not isinstance(base, torch.Tensor):
+        return False
+    try:
+        return val.untyped_storage()._cdata == base.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):  # storage-less tensors
+        return False
+
+
+def _consumers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes that read ``node``'s data, looking through views of it."""
+    found, frontier = [], [node]
+    while frontier:
+        current = frontier.pop()
+        for user in current.users:
+            if _is_view(user) and user.args[0] is current:
+                frontier.append(user)
+            else:
+                found.append(user)
+    return found
+
+
+def inlined_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Pointwise nodes that inductor fuses into every consumer (no buffer of their own).
+
+    Args:
+        graph: an AOTAutograd forward or backward graph (nodes with ``meta["val"]``).
+
+    Returns:
+        The nodes with the ``pointwise`` tag whose consumers, looking through
+        views, are all pointwise ops or reductions (never an output, an extern
+        kernel or a custom op), and the views of such nodes.
+
+    Raises:
+        Nothing.
+    """
+    inlined: set[torch.fx.Node] = set()
+    for node in reversed(graph.nodes):  # consumers first: a view of an inlined node is inlined too
+        if torch.Tag.pointwise not in _tags(node) or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        consumers = _consumers(node)
+        if consumers and all(any(t in _tags(c) for t in _FUSING_TAGS) for c in consumers):
+            inlined.add(node)
+    for node in graph.nodes:
+        if _is_view(node) and node.args[0] in inlined:
+            inlined.add(node)
+    return inlined

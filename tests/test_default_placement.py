@@ -1,0 +1,197 @@
+"""Plain ``torch.compile`` inside ``sh.saved_tensors_hooks`` gets the reorder pass (no backend argument)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import bf16, train_step, train_step_grads
+from torch._functorch import config as functorch_config
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import savedhooks as sh
+import savedhooks.passes
+from benchmarks.acceptance import MODELS
+from benchmarks.reorder_inductor import measured_peaks
+from savedhooks.memory.fusion import inlined_nodes
+from savedhooks.passes import ReorderPass, has_hook_chains, is_backward_graph
+
+
+@pytest.fixture(autouse=True)
+def _fresh_inductor_cache():
+    """A cached graph skips post-grad passes: every test here compiles from scratch."""
+    from torch._inductor.utils import fresh_cache
+
+    with fresh_cache():
+        yield
+
+
+class Recorder(CustomGraphPass):
+    """A user's post-grad pass: counts the graphs it sees, keeps the backward graphs' node order."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.backward: list[list[torch.fx.Node]] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.calls += 1
+        if is_backward_graph(graph):
+            self.backward.append(list(graph.nodes))
+
+    def uuid(self) -> str:
+        return "tests.Recorder"
+
+
+def gelu_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128), torch.nn.GELU(), torch.nn.Linear(128, 1)
+    )
+
+
+def misplaced_unpacks(nodes: list[torch.fx.Node]) -> list[str]:
+    """Unpack-chain nodes with something other than unpack chains between them and their first user.
+
+    An unpack chain is what is computed from packed inputs (``*_hook_<i>``
+    placeholders) alone; placed right, each chain runs just before the compute
+    node that first reads its result. Only nodes that inductor stores are
+    judged: a pointwise node fused into its consumers runs in their kernel,
+    wherever it stands in the graph.
+    """
+    fused = inlined_nodes(nodes[0].graph)
+    chain: set[torch.fx.Node] = set()
+    for node in nodes:
+        inputs = node.all_input_nodes
+        if node.op == "placeholder":
+            if savedhooks.passes._HOOK_VALUE.search(node.name):
+                chain.add(node)
+        elif node.op == "call_function" and inputs and all(i in chain for i in inputs):
+            chain.add(node)
+    position = {node: i for i, node in enumerate(nodes)}
+    wrong = []
+    for node in chain - fused:
+        outside = [position[u] for u in node.users if u not in chain]
+        if outside and any(n not in chain for n in nodes[position[node] + 1 : min(outside)]):
+            wrong.append(node.name)
+    return wrong
+
+
+def _step_recording(hooks: sh.HookPair, reorder: bool) -> Recorder:
+    """One training step of the GELU MLP, compiled with plain torch.compile; a user pass records after ours."""
+    model = gelu_mlp()
+    compiled = torch.compile(model)
+    recorder = Recorder()
+    with sh.saved_tensors_hooks(hooks, reorder=reorder):
+        slot = inductor_config.post_grad_custom_post_pass
+        slot = tuple(slot) if isinstance(slot, tuple) else (() if slot is None else (slot,))
+        # without placement torch compiles the backward lazily: have it compiled here, where the recorder is
+        with inductor_config.patch(post_grad_custom_post_pass=(*slot, recorder)), \
+                functorch_config.patch(force_non_lazy_backward_lowering=True):  # fmt: skip
+            loss = compiled(torch.randn(1024, 64)).square().sum()  # activations dominate the peak
+    loss.backward()  # after the block: the backward graph must have been placed already
+    return recorder
+
+
+@pytest.mark.parametrize("hooks", [bf16], ids=["user_hook"])
+def test_plain_compile_places_each_unpack_right_before_its_first_user(hooks):
+    placed = _step_recording(hooks, reorder=True)
+    assert len(placed.backward) == 1
+    assert has_hook_chains_in(placed.backward[0])
+    assert misplaced_unpacks(placed.backward[0]) == []
+    torch._dynamo.reset()
+    unplaced = _step_recording(hooks, reorder=False)  # torch's order: every unpack at the start
+    assert len(unplaced.backward) == 1
+    assert len(misplaced_unpacks(unplaced.backward[0])) >= 2
+
+
+def has_hook_chains_in(nodes: list[torch.fx.Node]) -> bool:
+    return any(savedhooks.passes._HOOK_VALUE.search(n.name) for n in nodes if n.op == "placeholder")
+
+
+def test_a_users_post_grad_pass_still_runs_and_the_slot_is_restored():
+    user = Recorder()
+    with inductor_config.patch(post_grad_custom_post_pass=user):
+        with sh.saved_tensors_hooks(sh.fp8()):
+            slot = inductor_config.post_grad_custom_post_pass
+            assert isinstance(slot, tuple) and slot[0] is user and isinstance(slot[1], ReorderPass)
+            assert functorch_config.force_non_lazy_backward_lowering
+            with sh.saved_tensors_hooks(sh.bitmask()):  # nested: the pass is not added twice
+                assert inductor_config.post_grad_custom_post_pass == slot
+            model = gelu_mlp()
+            loss = torch.compile(model)(torch.randn(8, 64)).sum()
+        assert inductor_config.post_grad_custom_post_pass is user
+        assert not functorch_config.force_non_lazy_backward_lowering
+        loss.backward()
+    assert user.calls == 2  # forward and backward
+    assert inductor_config.post_grad_custom_post_pass is None
+
+
+def test_the_opt_out_leaves_inductor_alone():
+    with sh.saved_tensors_hooks(sh.fp8(), reorder=False):
+        assert inductor_config.post_grad_custom_post_pass is None
+        assert not functorch_config.force_non_lazy_backward_lowering
+    with pytest.raises(TypeError, match="reorder must be a bool"):
+        sh.saved_tensors_hooks(sh.fp8(), reorder="yes")
+
+
+def test_graphs_without_hook_chains_are_untouched(monkeypatch):
+    reordered = []
+    original = savedhooks.passes.reorder_for_memory
+    monkeypatch.setattr(savedhooks.passes, "reorder_for_memory",
+                        lambda gm, is_backward, **kw: reordered.append(is_backward) or original(gm, is_backward, **kw))
+    linear = torch.nn.Linear(16, 16)  # saves only its input and weight: graph inputs, never hooked
+    train_step(linear, torch.compile(linear), torch.randn(4, 16), sh.fp8())
+    assert reordered == []
+    torch._dynamo.reset()
+    model = gelu_mlp()
+    train_step(model, torch.compile(model), torch.randn(4, 64), sh.fp8())
+    assert reordered == [True]  # the backward graph; forward graphs keep inductor's order
+    assert not has_hook_chains(torch.fx.symbolic_trace(lambda tangents_1: tangents_1 * 2).graph)
+
+
+def test_the_cache_key_covers_the_pass_and_its_options():
+    uuids = {ReorderPass(forward=f, hooked_only=h).uuid() for f in (False, True) for h in (False, True)}
+    assert len(uuids) == 4
+    assert ReorderPass(hooked_only=True).uuid() == ReorderPass(hooked_only=True).uuid()
+
+
+def test_inductor_graph_cache_hits_with_the_default_pass(monkeypatch, tmp_path):
+    """The slot holds only CustomGraphPasses: inductor caches (no bypass) and hits on a second compile."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    counters = torch._dynamo.utils.counters
+    model = gelu_mlp()
+    x = torch.randn(8, 64)
+    with inductor_config.patch(fx_graph_cache=True, fx_graph_remote_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):  # fmt: skip
+        counters.clear()
+        train_step(model, torch.compile(model), x, sh.fp8())
+        assert counters["inductor"]["fxgraph_cache_miss"] == 2 and counters["inductor"]["fxgraph_cache_bypass"] == 0
+        torch._dynamo.reset()
+        counters.clear()
+        train_step(model, torch.compile(model), x, sh.fp8())
+        assert counters["inductor"]["fxgraph_cache_hit"] == 2
+        torch._dynamo.reset()
+        counters.clear()
+        train_step(model, torch.compile(model), x, sh.fp8(), reorder=False)  # another pass slot: another key
+        assert counters["inductor"]["fxgraph_cache_hit"] == 0
+
+
+def test_plain_compile_gets_the_measured_backward_peak_of_the_pass():
+    """Measured on CPU (deterministic): the default usage as low as sh.backend("inductor"), below torch's order."""
+    make, shape = MODELS["8-layer MLP"]
+    x = torch.randn(*shape)
+    _, bw_torch = measured_peaks(make(), "inductor", None, x, reorder=False)
+    fw_default, bw_default = measured_peaks(make(), "inductor", None, x, reorder=True)
+    fw_backend, bw_backend = measured_peaks(make(), sh.backend("inductor"), None, x)
+    assert bw_default == bw_backend and fw_default == fw_backend
+    assert bw_default < 0.5 * bw_torch
+
+
+def test_gradients_are_unchanged_by_the_default_pass():
+    model = gelu_mlp()
+    x = torch.randn(32, 64)
+    plain = train_step_grads(model, torch.compile(model), x, sh.fp8(), reorder=False)
+    torch._dynamo.reset()
+    placed = train_step_grads(model, torch.compile(model), x, sh.fp8())
+    for p, q in zip(plain, placed):
+        assert torch.equal(p, q)
