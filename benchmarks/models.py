@@ -181,17 +181,17 @@ def _token_inputs(batch: int, seq: int, device: str) -> tuple[dict[str, torch.Te
 def _gpt2(size: float, device: str) -> Workload:
     """GPT-2 (transformers), 2 layers, hidden 256, 4 heads, vocab 2048, seq 256, batch 2 x size."""
     batch, seq = _batch(2, size), 256
-    model = _gpt2_model(_LAYERS, _HIDDEN, _HEADS, seq, device)
+    model = _gpt2_model(_LAYERS, _HIDDEN, _HEADS, seq, device, "sdpa")
     desc = f"{_LAYERS} layers, hidden {_HIDDEN}, seq {seq}, batch {batch}"
     return _hf("gpt2", desc, model, *_token_inputs(batch, seq, device))
 
 
-def _gpt2_model(layers: int, hidden: int, heads: int, seq: int, device: str) -> nn.Module:
-    """A random-init GPT-2 LM (vocab 2048, no dropout)."""
+def _gpt2_model(layers: int, hidden: int, heads: int, seq: int, device: str, attention: str) -> nn.Module:
+    """A random-init GPT-2 LM (vocab 2048, no dropout) with transformers' ``attention`` implementation."""
     transformers = _transformers()
     config = transformers.GPT2Config(
         n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=_VOCAB, n_positions=seq, bos_token_id=0,
-        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attention,
     )  # fmt: skip
     return transformers.GPT2LMHeadModel(config).to(device)
 
@@ -199,15 +199,21 @@ def _gpt2_model(layers: int, hidden: int, heads: int, seq: int, device: str) -> 
 def _gpt2_big(size: float, device: str) -> Workload:
     """GPT-2 (transformers), 4 layers, hidden 768, 12 heads, vocab 2048, seq 512, batch 1 x size (at least 1).
 
-    About 29 M parameters (116 MiB); the forward saves about 190 MiB per
-    sequence, so saved activations, not the weights, dominate the step's peak.
+    About 29 M parameters (116 MiB). Attention is GPT-2's own ("eager": the
+    softmax probabilities, 12 x 512 x 512 per layer, are materialized and saved),
+    so the forward saves about 235 MiB per sequence in fp32 (eager; inductor
+    about 160): saved activations, not the weights, are the largest part of the
+    step's peak (the rest: weights, and their gradients made in backward). (With SDPA, torch's checkpointing
+    under compile saves the attention's rng state, which torch's inlining of
+    saved-tensor hooks cannot place; "sh + checkpoint" would fail.)
     """
     layers, hidden, heads, seq = 4, 768, 12, 512
     batch = _batch(1, size)
-    model = _gpt2_model(layers, hidden, heads, seq, device)
+    model = _gpt2_model(layers, hidden, heads, seq, device, "eager")
     params = sum(p.numel() * p.element_size() for p in model.parameters()) / 2.0**20
-    desc = (f"{layers} layers, hidden {hidden}, {heads} heads, seq {seq}, batch {batch}; {params:.0f} MiB of "
-            "parameters, the peak is dominated by saved activations (~190 MiB per sequence in fp32)")  # fmt: skip
+    desc = (f"{layers} layers, hidden {hidden}, {heads} heads, eager attention, seq {seq}, batch {batch}; "
+            f"saved activations (~235 MiB per sequence in fp32 eager, attention probabilities included) outweigh "
+            f"the {params:.0f} MiB of parameters and are the largest part of the peak")  # fmt: skip
     return _hf("gpt2-big", desc, model, *_token_inputs(batch, seq, device))
 
 
@@ -255,8 +261,9 @@ class Model:
     backends: tuple[str, ...] | None = None
 
 
-# gpt2-big: a step takes seconds on 2 CPU cores; what compares the codec with recompute at scale
-BIG_MODEL_CONFIGS = ("compiled", "sh", "sh policy", "checkpoint", "sh + checkpoint")
+# gpt2-big: a step takes seconds and a compile up to a minute and a half on 2 CPU cores (these 4 rows: about
+# 5 minutes); enough to compare the codec with recompute, and both together, at scale
+BIG_MODEL_CONFIGS = ("compiled", "sh", "checkpoint", "sh + checkpoint")
 
 # name -> Model; make_workload is the entry point
 MODELS: dict[str, Model] = {

@@ -329,6 +329,7 @@ def with_baselines(rows: list[Row]) -> list[Row]:
 
 
 def _error(exc: BaseException) -> str:
+    exc = getattr(exc, "inner_exception", None) or exc  # BackendCompilerFailed: what the backend raised
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:160]
 
