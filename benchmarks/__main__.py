@@ -38,11 +38,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), metavar="MODEL",
                         help=f"models to run (default: all of {' '.join(MODELS)})")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="CONFIG",
-                        help="configurations to run (default: all; CUDA-only ones are skipped on CPU)")
+    reduced = "; ".join(f"{name}: {', '.join(m.configs)}" for name, m in MODELS.items() if m.configs is not None)
+    own = "; ".join(f"{name}: {', '.join(m.backends)}" for name, m in MODELS.items() if m.backends is not None)
+    parser.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS), metavar="CONFIG",
+                        help=f"configurations to run (default: all, but {reduced}; CUDA-only ones are skipped on CPU)")
     parser.add_argument("--backends", nargs="+", default=None, choices=list(BACKENDS), metavar="BACKEND",
                         help="run every compiled configuration with these torch.compile backends (default: aot_eager "
-                             f"for all, inductor for {', '.join(DEFAULT_INDUCTOR)}; --quick: aot_eager only)")
+                             f"for all, inductor for {', '.join(DEFAULT_INDUCTOR)}, but {own}; "
+                             "--quick: aot_eager only)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (default) or cuda")
     parser.add_argument("--size", type=float, default=None, help="batch multiplier (default 1; --quick: 0.5)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per config (default 3; --quick: 2)")

@@ -7,11 +7,17 @@ is ``"eager"`` for the eager configurations and ``"inductor"`` or
 and config patches entered inside it) and returns the loss; the driver
 (``benchmarks/run.py``) calls ``backward`` and measures.
 
-The codec is the same everywhere: float8 e4m3 with one float32 scale per row of
-the innermost dim (:data:`CODEC`). torch's own path builds it from plain aten ops
-traced with ``make_fx``, as a user does today; a traced graph cannot branch on
-dtype or rank, so row scales (``amax`` over ``dim=-1``) are the finest grouping
-it can express for every saved tensor, and it casts whatever it is given.
+The codec is the library's default, ``sh.fp8()``: float8 e4m3 with one float32
+scale per block of 128 elements along the innermost dim (:data:`CODEC`, its
+configuration :data:`FLOAT8`), in every configuration but one. torch's own path
+(``torch hooks``) builds the codec from plain aten ops traced with ``make_fx``,
+as a user does today; a traced graph cannot branch on dtype, rank or shape (a
+``(-1, 128)`` block view bakes in a length the innermost dim may not divide), so
+it keeps row scales (``amax`` over ``dim=-1``, :data:`TORCH_PATH_FLOAT8`), the
+finest grouping it can express for every saved tensor, and casts whatever it is
+given. ``sh policy`` runs ``sh.policy()``, the library's default policy: the
+same fp8 codec for floating tensors, bitmasks for bool ones, and normalization
+statistics kept as they are.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 import savedhooks as sh
 from benchmarks.models import Workload
 
-__all__ = ["CODEC", "CONFIGS", "FLOAT8", "Config", "GraphLog", "Step", "torch_fp8_hooks"]
+__all__ = ["CODEC", "CONFIGS", "FLOAT8", "POLICY", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "torch_fp8_hooks"]
 
-FLOAT8 = sh.Float8(granularity="row")  # the codec's configuration
-CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8(granularity="row") returns it
+FLOAT8 = sh.Float8()  # the codec's configuration: the library default, e4m3 with block scales (128)
+CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8() returns it
+POLICY = sh.policy()  # the library's default policy (fp8 as above, bitmasks, statistics kept)
+TORCH_PATH_FLOAT8 = sh.Float8(granularity="row")  # what torch's own path (make_fx'd hooks) computes
 MEMORY_BUDGET = 0.5  # torch._functorch.config.activation_memory_budget for the "memory budget" configuration
 
 
@@ -154,9 +162,11 @@ def _savedhooks_eager(workload: Workload, backend: str) -> Step:
 
 
 def _torch_fp8_pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # TORCH_PATH_FLOAT8 in plain aten ops: e4m3, one float32 scale per row of the innermost dim
+    dtype = TORCH_PATH_FLOAT8.dtype
     amax = x.abs().amax(dim=-1, keepdim=True).float()
-    scale = torch.clamp(amax / torch.finfo(torch.float8_e4m3fn).max, min=torch.finfo(torch.float32).tiny)
-    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+    scale = torch.clamp(amax / torch.finfo(dtype).max, min=torch.finfo(torch.float32).tiny)
+    return (x.float() / scale).to(dtype), scale
 
 
 def _torch_fp8_unpack(packed: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -184,10 +194,12 @@ def torch_fp8_hooks() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
 
 
 def _torch_hooks(workload: Workload, backend: str) -> Step:
-    """torch's own path: the codec as make_fx'd GraphModules in ``torch.autograd.graph.saved_tensors_hooks``.
+    """torch's own path: fp8 as make_fx'd GraphModules in ``torch.autograd.graph.saved_tensors_hooks``.
 
     torch inlines them (pack at the end of the forward graph, unpack at the start
-    of the backward graph)."""
+    of the backward graph). The codec has row scales (:data:`TORCH_PATH_FLOAT8`),
+    not :data:`CODEC`'s blocks of 128: one traced graph serves every saved
+    tensor, and a block view would bake in one innermost length."""
     pack, unpack = torch_fp8_hooks()
     return _compiled(workload, backend, lambda: torch.autograd.graph.saved_tensors_hooks(pack, unpack))
 
@@ -218,8 +230,16 @@ def _python_hooks(workload: Workload, backend: str) -> Step:
 
 
 def _savedhooks_compiled(workload: Workload, backend: str) -> Step:
-    """savedhooks' codec inlined by torch, with torch's backend as it is (no reorder pass)."""
+    """savedhooks' codec inlined by torch, with torch's backend as it is (no reorder pass).
+
+    Plain ``torch.compile(model)`` (the backend named only where it is not
+    inductor) inside ``sh.saved_tensors_hooks(CODEC)``."""
     return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(CODEC))
+
+
+def _savedhooks_policy(workload: Workload, backend: str) -> Step:
+    """``sh.policy()`` (the default policy) inlined by torch, with torch's backend as it is."""
+    return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(POLICY))
 
 
 def _savedhooks_reorder(workload: Workload, backend: str) -> Step:
@@ -227,12 +247,26 @@ def _savedhooks_reorder(workload: Workload, backend: str) -> Step:
     return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(CODEC), placed=True)
 
 
-def _checkpointing(workload: Workload, backend: str) -> Step:
-    """Activation checkpointing per block (``torch.utils.checkpoint``, non-reentrant), compiled."""
+def _checkpointed(workload: Workload, backend: str, *contexts: Callable[[], Any]) -> Step:
+    """The workload compiled with checkpointing per block on (``close`` turns it off again)."""
     workload.set_checkpointing(True)
-    step = _compiled(workload, backend)
+    try:
+        step = _compiled(workload, backend, *contexts)
+    except BaseException:
+        workload.set_checkpointing(False)
+        raise
     step.close = lambda: workload.set_checkpointing(False)
     return step
+
+
+def _checkpointing(workload: Workload, backend: str) -> Step:
+    """Activation checkpointing per block (``torch.utils.checkpoint``, non-reentrant), compiled."""
+    return _checkpointed(workload, backend)
+
+
+def _savedhooks_checkpointing(workload: Workload, backend: str) -> Step:
+    """Checkpointing per block, and savedhooks' codec on what is still saved (block inputs, head, loss), compiled."""
+    return _checkpointed(workload, backend, lambda: sh.saved_tensors_hooks(CODEC))
 
 
 def _memory_budget(workload: Workload, backend: str) -> Step:
@@ -259,13 +293,16 @@ CONFIGS: dict[str, Config] = {
         Config("no hooks", _no_hooks, False, False, "eager model, no hooks: the reference for gradient SQNR"),
         Config("sh eager", _savedhooks_eager, False, False, "eager model, savedhooks' fp8 codec (Python hooks)"),
         Config("compiled", _no_hooks, True, False, "torch.compile, no hooks: the reference for step time"),
-        Config("torch hooks", _torch_hooks, True, False, "torch's own path: the codec as make_fx'd GraphModules"),
+        Config("torch hooks", _torch_hooks, True, False, "torch's own path: fp8 (row scales) as make_fx'd graphs"),
         Config("python hooks", _python_hooks, True, False, "the codec as plain Python hooks (not inlined)"),
         Config("sh", _savedhooks_compiled, True, False, "savedhooks' codec inlined, torch's backend as it is"),
+        Config("sh policy", _savedhooks_policy, True, False, "sh.policy() inlined, torch's backend as it is"),
         Config("sh + reorder", _savedhooks_reorder, True, False, "savedhooks' codec inlined, sh.backend(...)"),
         Config("checkpoint", _checkpointing, True, False, "torch.utils.checkpoint per block"),
+        Config("sh + checkpoint", _savedhooks_checkpointing, True, False,
+               "checkpoint per block, savedhooks' codec on what is still saved"),
         Config("budget 0.5", _memory_budget, True, False, "partitioner recompute, activation_memory_budget=0.5"),
         Config("save_on_cpu", _save_on_cpu, True, True, "torch.autograd.graph.save_on_cpu(pin_memory=True)"),
-        Config("sh offload", _savedhooks_offload, True, True, "sh.offload(fp8 row) + reorder pass"),
+        Config("sh offload", _savedhooks_offload, True, True, "sh.offload(fp8) + reorder pass"),
     )
 }

@@ -10,6 +10,12 @@ and the parameters do not).
 The transformers models are built from small configs (``transformers`` is in the
 ``bench`` extra); no weights, tokenizers or data sets are fetched.
 
+One model is bigger, so that activations dominate the step's peak: ``gpt2-big``
+(hidden 768, 4 layers, seq 512). A step takes seconds and an inductor compile
+tens of seconds on 2 CPU cores, so its :class:`Model` entry declares a smaller
+default job list (configurations and backends) than the full matrix; flags
+given on the command line replace those defaults.
+
 The loss is the same for every model: cross-entropy against soft (float) targets
 made with the inputs (next-token one-hots for the language models). Integer
 labels would make int64 intermediates inside the step (``nll_loss`` keeps the
@@ -31,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["MODELS", "Workload", "make_workload"]
+__all__ = ["BIG_MODEL_CONFIGS", "MODELS", "Model", "Workload", "make_workload"]
 
 # random init only: never reach for the hub, even by accident
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -135,6 +141,14 @@ def _cnn(size: float, device: str) -> Workload:
     return _classifier(model, "cnn", f"3 x (conv 3x3 + BN + ReLU + max pool), 32x32, batch {batch}", x, 10)
 
 
+def _transformers():
+    """Import transformers with its logging down to errors (random-init models warn about unused weights)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
 def _hf(
     name: str, description: str, model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor
 ) -> Workload:
@@ -166,51 +180,95 @@ def _token_inputs(batch: int, seq: int, device: str) -> tuple[dict[str, torch.Te
 
 def _gpt2(size: float, device: str) -> Workload:
     """GPT-2 (transformers), 2 layers, hidden 256, 4 heads, vocab 2048, seq 256, batch 2 x size."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     batch, seq = _batch(2, size), 256
-    config = GPT2Config(
-        n_layer=_LAYERS, n_embd=_HIDDEN, n_head=_HEADS, vocab_size=_VOCAB, n_positions=seq, bos_token_id=0,
-        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    model = GPT2LMHeadModel(config).to(device)
+    model = _gpt2_model(_LAYERS, _HIDDEN, _HEADS, seq, device, "sdpa")
     desc = f"{_LAYERS} layers, hidden {_HIDDEN}, seq {seq}, batch {batch}"
     return _hf("gpt2", desc, model, *_token_inputs(batch, seq, device))
 
 
+def _gpt2_model(layers: int, hidden: int, heads: int, seq: int, device: str, attention: str) -> nn.Module:
+    """A random-init GPT-2 LM (vocab 2048, no dropout) with transformers' ``attention`` implementation."""
+    transformers = _transformers()
+    config = transformers.GPT2Config(
+        n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=_VOCAB, n_positions=seq, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attention,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config).to(device)
+
+
+def _gpt2_big(size: float, device: str) -> Workload:
+    """GPT-2 (transformers), 4 layers, hidden 768, 12 heads, vocab 2048, seq 512, batch 1 x size (at least 1).
+
+    About 29 M parameters (116 MiB). Attention is GPT-2's own ("eager": the
+    softmax probabilities, 12 x 512 x 512 per layer, are materialized and saved),
+    so the forward saves about 235 MiB per sequence in fp32 (eager; inductor
+    about 160): saved activations, not the weights, are the largest part of the
+    step's peak (the rest: weights, and their gradients made in backward). (With SDPA, torch's checkpointing
+    under compile saves the attention's rng state, which torch's inlining of
+    saved-tensor hooks cannot place; "sh + checkpoint" would fail.)
+    """
+    layers, hidden, heads, seq = 4, 768, 12, 512
+    batch = _batch(1, size)
+    model = _gpt2_model(layers, hidden, heads, seq, device, "eager")
+    params = sum(p.numel() * p.element_size() for p in model.parameters()) / 2.0**20
+    desc = (f"{layers} layers, hidden {hidden}, {heads} heads, eager attention, seq {seq}, batch {batch}; "
+            f"saved activations (~235 MiB per sequence in fp32 eager, attention probabilities included) outweigh "
+            f"the {params:.0f} MiB of parameters and are the largest part of the peak")  # fmt: skip
+    return _hf("gpt2-big", desc, model, *_token_inputs(batch, seq, device))
+
+
 def _llama(size: float, device: str) -> Workload:
     """Llama (transformers), 2 layers, hidden 256, 4 heads (2 KV), MLP 688, vocab 2048, seq 256, batch 2 x size."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    transformers = _transformers()
     batch, seq = _batch(2, size), 256
-    config = LlamaConfig(
+    config = transformers.LlamaConfig(
         num_hidden_layers=_LAYERS, hidden_size=_HIDDEN, intermediate_size=688, num_attention_heads=_HEADS,
         num_key_value_heads=2, vocab_size=_VOCAB, max_position_embeddings=seq, bos_token_id=0, eos_token_id=0,
         pad_token_id=0,
     )  # fmt: skip
-    model = LlamaForCausalLM(config).to(device)
+    model = transformers.LlamaForCausalLM(config).to(device)
     desc = f"{_LAYERS} layers, hidden {_HIDDEN}, GQA 4/2, seq {seq}, batch {batch}"
     return _hf("llama", desc, model, *_token_inputs(batch, seq, device))
 
 
 def _vit(size: float, device: str) -> Workload:
     """ViT (transformers), 2 layers, hidden 256, 4 heads, 224 x 224 images in 16 x 16 patches, batch 4 x size."""
-    from transformers import ViTConfig, ViTForImageClassification
-
+    transformers = _transformers()
     batch = _batch(4, size)
-    config = ViTConfig(
+    config = transformers.ViTConfig(
         num_hidden_layers=_LAYERS, hidden_size=_HIDDEN, intermediate_size=4 * _HIDDEN, num_attention_heads=_HEADS,
         image_size=224, patch_size=16, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
-    model = ViTForImageClassification(config).to(device)
+    model = transformers.ViTForImageClassification(config).to(device)
     inputs = {"pixel_values": torch.randn(batch, 3, 224, 224, device=device)}
     desc = f"{_LAYERS} layers, hidden {_HIDDEN}, 197 tokens, batch {batch}"
     return _hf("vit", desc, model, inputs, _soft_targets((batch,), 10, device))
 
 
-# name -> builder(size, device); make_workload is the entry point
-MODELS: dict[str, Callable[[float, str], Workload]] = {
-    "mlp": _mlp, "cnn": _cnn, "gpt2": _gpt2, "llama": _llama, "vit": _vit,
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A registered model: how to build it, and which jobs it runs when the command line does not say.
+
+    Attributes:
+        build: ``build(size, device) -> Workload``.
+        configs: configuration names it runs by default (``None``: all of them).
+        backends: compile backends of its compiled configurations by default
+            (``None``: the suite's default matrix, see ``benchmarks.run.jobs``).
+    """
+
+    build: Callable[[float, str], Workload]
+    configs: tuple[str, ...] | None = None
+    backends: tuple[str, ...] | None = None
+
+
+# gpt2-big: a step takes seconds and a compile up to a minute and a half on 2 CPU cores (these 4 rows: about
+# 5 minutes); enough to compare the codec with recompute, and both together, at scale
+BIG_MODEL_CONFIGS = ("compiled", "sh", "checkpoint", "sh + checkpoint")
+
+# name -> Model; make_workload is the entry point
+MODELS: dict[str, Model] = {
+    "mlp": Model(_mlp), "cnn": Model(_cnn), "gpt2": Model(_gpt2), "llama": Model(_llama), "vit": Model(_vit),
+    "gpt2-big": Model(_gpt2_big, configs=BIG_MODEL_CONFIGS, backends=("inductor",)),
 }  # fmt: skip
 
 
@@ -233,9 +291,5 @@ def make_workload(name: str, size: float = 1.0, device: str = "cpu", seed: int =
     """
     if name not in MODELS:
         raise KeyError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-    if name in ("gpt2", "llama", "vit"):
-        import transformers
-
-        transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
-    return MODELS[name](size, device)
+    return MODELS[name].build(size, device)

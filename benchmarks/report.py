@@ -11,7 +11,9 @@ from benchmarks.run import Row
 
 __all__ = ["COLUMNS", "plot_activation_memory", "plot_timeline", "read_csv", "table", "write_csv"]
 
-# (field, table header, format): every Row field, in table order
+ABOVE = "▲"  # the table's marker for a peak above its no-hook baseline (Row.above_baseline)
+
+# (field, table header, format; for a bool the text shown when true): every Row field, in table order
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("model", "model", "{}"),
     ("config", "config", "{}"),
@@ -20,6 +22,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("activation_mib", "activation MiB", "{:.1f}"),
     ("predicted_mib", "predicted MiB", "{:.1f}"),
     ("peak_mib", "peak MiB", "{:.1f}"),
+    ("above_baseline", "above baseline", ABOVE),
     ("saved_mib", "saved MiB", "{:.1f}"),
     ("step_ms", "step ms", "{:.0f}"),
     ("step_ratio", "step / compiled", "{:.2f}"),
@@ -33,13 +36,16 @@ assert [c[0] for c in COLUMNS] == [f.name for f in dataclasses.fields(Row)], "CO
 def _cell(value, fmt: str) -> str:
     if value is None or value == "":
         return ""
+    if isinstance(value, bool):
+        return fmt if value else ""
     if isinstance(value, float) and math.isinf(value):
         return "exact" if value > 0 else "-inf"
     return fmt.format(value).replace("|", "/")
 
 
 def table(rows: list[Row], drop: tuple[str, ...] = ("device",)) -> str:
-    """Render rows as a markdown table (numbers right-aligned; infinite SQNR reads "exact").
+    """Render rows as a markdown table (numbers right-aligned; infinite SQNR reads "exact"; ▲ marks a peak above
+    its no-hook baseline).
 
     Args:
         rows: the rows.
@@ -55,7 +61,7 @@ def table(rows: list[Row], drop: tuple[str, ...] = ("device",)) -> str:
     if not any(r.error for r in rows):
         columns = [c for c in columns if c[0] != "error"]
     header = "| " + " | ".join(c[1] for c in columns) + " |"
-    align = "|" + "|".join("---" if c[2] == "{}" else "---:" for c in columns) + "|"
+    align = "|" + "|".join("---" if c[2] == "{}" else ":---:" if c[2] == ABOVE else "---:" for c in columns) + "|"
     lines = [header, align]
     for r in rows:
         lines.append("| " + " | ".join(_cell(getattr(r, c[0]), c[2]) for c in columns) + " |")
@@ -63,7 +69,7 @@ def table(rows: list[Row], drop: tuple[str, ...] = ("device",)) -> str:
 
 
 def write_csv(rows: list[Row], path: str | pathlib.Path) -> pathlib.Path:
-    """Write rows as CSV, one column per :class:`Row` field (blank for missing values).
+    """Write rows as CSV, one column per :class:`Row` field (blank for missing values, ``True`` / ``False`` for bools).
 
     Args:
         rows: the rows.
@@ -92,10 +98,10 @@ def read_csv(path: str | pathlib.Path) -> list[Row]:
         path: the CSV file.
 
     Returns:
-        The rows (numbers as floats, blanks as ``None``).
+        The rows (numbers as floats, bools as bools, blanks as ``None``).
 
     Raises:
-        ValueError: the header is not :class:`Row`'s fields.
+        ValueError: the header is not :class:`Row`'s fields, or a value does not parse.
     """
     fields = dataclasses.fields(Row)
     with pathlib.Path(path).open(newline="") as f:
@@ -107,10 +113,22 @@ def read_csv(path: str | pathlib.Path) -> list[Row]:
         for values in reader:
             kwargs = {}
             for field, value in zip(fields, values):
-                numeric = field.type != "str"
-                kwargs[field.name] = (float(value) if value != "" else None) if numeric else value
+                kwargs[field.name] = _parse(field.type, value)
             rows.append(Row(**kwargs))
     return rows
+
+
+def _parse(kind: str, value: str):
+    """A CSV cell as the Row field of annotation ``kind`` (``"str"``, ``"float | None"``, ``"bool | None"``)."""
+    if kind == "str":
+        return value
+    if value == "":
+        return None
+    if kind.startswith("bool"):
+        if value not in ("True", "False"):
+            raise ValueError(f"read_csv: {value!r} is not a bool")
+        return value == "True"
+    return float(value)
 
 
 def _label(r: Row) -> str:
@@ -119,6 +137,8 @@ def _label(r: Row) -> str:
 
 def plot_activation_memory(rows: list[Row], path: str | pathlib.Path, title: str = "") -> pathlib.Path:
     """Bar chart of measured activation memory (and the predicted one, where there is one), one panel per model.
+
+    Bars of rows whose peak is above their no-hook baseline are hatched red.
 
     Args:
         rows: the rows (failed ones are left out).
@@ -147,12 +167,18 @@ def plot_activation_memory(rows: list[Row], path: str | pathlib.Path, title: str
         by_label = {_label(r): r for r in ok if r.model == model}
         ys = range(len(labels))
         values = [by_label[lab].activation_mib if lab in by_label else 0.0 for lab in labels]
-        ax.barh(ys, values, color=[colors.get(by_label[lab].backend, "tab:green") if lab in by_label else "white"
-                                   for lab in labels])  # fmt: skip
+        bars = ax.barh(ys, values, color=[colors.get(by_label[lab].backend, "tab:green") if lab in by_label
+                                          else "white" for lab in labels])  # fmt: skip
+        above = False
+        for bar, lab in zip(bars, labels):
+            if lab in by_label and by_label[lab].above_baseline:
+                bar.set(hatch="////", edgecolor="tab:red", label="" if above else "peak above baseline")
+                above = True
         predicted = [(y, by_label[lab].predicted_mib) for y, lab in zip(ys, labels)
                      if lab in by_label and by_label[lab].predicted_mib is not None]  # fmt: skip
         if predicted:
             ax.plot([p for _, p in predicted], [y for y, _ in predicted], "k|", ms=10, label="predicted")
+        if predicted or above:
             ax.legend(fontsize=7, loc="lower right")
         ax.set_title(model, fontsize=9)
         ax.set_xlabel("activation MiB", fontsize=8)

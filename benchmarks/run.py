@@ -12,7 +12,8 @@ then
    inputs) back;
 4. ``repeats`` timed steps: ``step_ms`` is their median, ``step_ratio`` divides
    it by the "compiled" (no hooks) step of the same backend (eager rows: of
-   inductor, else aot_eager);
+   inductor, else aot_eager), and ``above_baseline`` says whether ``peak_mib``
+   is above the no-hook baseline's (see :func:`with_baselines`);
 5. ``grad_sqnr_db``: the lowest SQNR over the parameters' gradients of the last
    step against the eager no-hook step (gradients that are rounding noise in
    the reference, such as attention key biases, skipped);
@@ -28,13 +29,10 @@ measurement.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
-import os
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Iterable
@@ -43,13 +41,14 @@ import torch
 
 import savedhooks as sh
 from benchmarks.configs import CONFIGS, Config, GraphLog, Step
-from benchmarks.models import Workload, make_workload
+from benchmarks.models import MODELS, Workload, make_workload
 
-__all__ = ["BACKENDS", "DEFAULT_INDUCTOR", "Result", "Row", "jobs", "run"]
+__all__ = ["ABOVE_TOLERANCE_MIB", "BACKENDS", "DEFAULT_INDUCTOR", "Result", "Row", "jobs", "run", "with_baselines"]
 
 BACKENDS = ("inductor", "aot_eager")
 DEFAULT_INDUCTOR = ("compiled", "sh", "sh + reorder")  # configurations the default run compiles with inductor too
 MIB = 2.0**20
+ABOVE_TOLERANCE_MIB = 0.05  # a peak counts as above its baseline's when it exceeds it by more than this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +63,9 @@ class Row:
         activation_mib: measured step peak above the memory live before the forward.
         predicted_mib: the memory model's prediction of ``activation_mib`` (blank if none).
         peak_mib: ``activation_mib`` plus the memory live before the forward.
+        above_baseline: ``peak_mib`` is above the no-hook baseline's: the
+            "compiled" row of the same model and backend, or for eager rows the
+            "no hooks" row (``None`` where either has no peak).
         saved_mib: measured memory the forward leaves alive for backward.
         step_ms: median step time.
         step_ratio: ``step_ms`` over the no-hook compiled step's.
@@ -79,6 +81,7 @@ class Row:
     activation_mib: float | None = None
     predicted_mib: float | None = None
     peak_mib: float | None = None
+    above_baseline: bool | None = None
     saved_mib: float | None = None
     step_ms: float | None = None
     step_ratio: float | None = None
@@ -103,23 +106,35 @@ class Result:
     descriptions: dict[str, str]
 
 
-def jobs(configs: Iterable[str], backends: Iterable[str] | None, device: str) -> list[tuple[Config, str]]:
+def jobs(
+    configs: Iterable[str] | None, backends: Iterable[str] | None, device: str, model: str | None = None
+) -> list[tuple[Config, str]]:
     """The (configuration, backend) pairs to run for one model, eager ones first.
 
     Args:
-        configs: configuration names.
+        configs: configuration names; ``None`` for the model's default
+            (``benchmarks.models.Model.configs``; all for a model that
+            declares none).
         backends: compile backends for every compiled configuration; ``None``
-            for the default matrix: aot_eager for every compiled configuration,
-            inductor for :data:`DEFAULT_INDUCTOR` (inductor compiles cost most of
-            a run's time on CPU).
+            for the model's default backends (``Model.backends``), or where it
+            declares none the default matrix: aot_eager for every compiled
+            configuration, inductor for :data:`DEFAULT_INDUCTOR` (inductor
+            compiles cost most of a run's time on CPU).
         device: ``cpu`` skips the CUDA-only configurations.
+        model: the model's name in ``benchmarks.models.MODELS`` (``None``: no
+            model defaults).
 
     Returns:
         The pairs, in run order.
 
     Raises:
-        KeyError: an unknown configuration name.
+        KeyError: an unknown model or configuration name.
     """
+    spec = MODELS[model] if model is not None else None
+    if configs is None:
+        configs = spec.configs if spec is not None and spec.configs is not None else CONFIGS
+    if backends is None and spec is not None:
+        backends = spec.backends
     chosen = [CONFIGS[name] for name in configs]
     compiled = [c for c in chosen if c.compiled and (device == "cuda" or not c.cuda_only)]
     pairs = [(c, "eager") for c in chosen if not c.compiled]
@@ -132,23 +147,6 @@ def jobs(configs: Iterable[str], backends: Iterable[str] | None, device: str) ->
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-@contextlib.contextmanager
-def _quiet_profiler(device: str):
-    """Silence the profiler's own lines on stderr (kineto prints two per trace, whatever its log level)."""
-    if device == "cuda":
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def _live_before(workload: Workload, device: str) -> int:
@@ -168,8 +166,7 @@ def _saved_bytes(step: Step, device: str) -> int:
         holder.append(step.forward())
         _sync(device)
         return torch.cuda.memory_allocated() - start
-    with _quiet_profiler(device):
-        trace = sh.memory.cpu_memory_trace(lambda: holder.append(step.forward()))
+    trace = sh.memory.cpu_memory_trace(lambda: holder.append(step.forward()))
     return trace[-1] if trace else 0
 
 
@@ -265,8 +262,7 @@ def measure(
         saved = _saved_bytes(step, device)
         model.zero_grad(set_to_none=True)
         before = _live_before(workload, device)
-        with _quiet_profiler(device):
-            activation = sh.memory.measure_peak(train, device=device)
+        activation = sh.memory.measure_peak(train, device=device)
         times = []
         for _ in range(repeats):
             model.zero_grad(set_to_none=True)
@@ -299,25 +295,48 @@ def _reference_grads(workload: Workload) -> list[torch.Tensor | None]:
     return grads
 
 
-def _with_ratios(rows: list[Row]) -> list[Row]:
-    compiled = {(r.model, r.backend): r.step_ms for r in rows if r.config == "compiled" and not r.error}
+def with_baselines(rows: list[Row]) -> list[Row]:
+    """Fill in each row's ``step_ratio`` and ``above_baseline`` from the no-hook rows of the same model.
+
+    A compiled row's baseline is the "compiled" row of its model and backend; an
+    eager row's step time is compared with the compiled step (inductor's, else
+    aot_eager's) and its peak with the eager "no hooks" row. A peak is above its
+    baseline when it exceeds the baseline's by more than
+    :data:`ABOVE_TOLERANCE_MIB`; a baseline row is not above itself.
+
+    Args:
+        rows: measured rows (failed ones have no values and get none).
+
+    Returns:
+        New rows, same order; ``None`` where a value or its baseline is missing.
+
+    Raises:
+        Nothing.
+    """
+    ok = [r for r in rows if not r.error]
+    step = {(r.model, r.backend): r.step_ms for r in ok if r.config == "compiled"}
+    peak = {(r.model, r.backend): r.peak_mib for r in ok if r.config == ("no hooks" if r.backend == "eager"
+                                                                          else "compiled")}  # fmt: skip
     out = []
     for r in rows:
         backends = ("inductor", "aot_eager") if r.backend == "eager" else (r.backend,)
-        ref = next((compiled[(r.model, b)] for b in backends if (r.model, b) in compiled), None)
+        ref = next((step[(r.model, b)] for b in backends if (r.model, b) in step), None)
         ratio = r.step_ms / ref if (ref and r.step_ms is not None) else None
-        out.append(dataclasses.replace(r, step_ratio=ratio))
+        base = peak.get((r.model, r.backend))
+        above = None if (base is None or r.peak_mib is None) else r.peak_mib > base + ABOVE_TOLERANCE_MIB
+        out.append(dataclasses.replace(r, step_ratio=ratio, above_baseline=above))
     return out
 
 
 def _error(exc: BaseException) -> str:
+    exc = getattr(exc, "inner_exception", None) or exc  # BackendCompilerFailed: what the backend raised
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:160]
 
 
 def run(
     models: Iterable[str],
-    configs: Iterable[str],
+    configs: Iterable[str] | None = None,
     backends: Iterable[str] | None = None,
     size: float = 1.0,
     device: str = "cpu",
@@ -329,9 +348,10 @@ def run(
 
     Args:
         models: model names (``benchmarks.models.MODELS``).
-        configs: configuration names (``benchmarks.configs.CONFIGS``).
+        configs: configuration names (``benchmarks.configs.CONFIGS``; ``None``:
+            each model's default, see :func:`jobs`).
         backends: compile backends for the compiled configurations (``None``:
-            the default matrix, see :func:`jobs`).
+            each model's default, see :func:`jobs`).
         size: batch multiplier.
         device: ``cpu`` or ``cuda``.
         repeats: timed steps per configuration.
@@ -348,13 +368,14 @@ def run(
     """
     from tqdm.auto import tqdm
 
-    models, configs = list(models), list(configs)
+    models = list(models)
+    configs = None if configs is None else list(configs)
     backends = None if backends is None else list(backends)
-    todo = jobs(configs, backends, device)
+    todo = {name: jobs(configs, backends, device, name) for name in models}  # KeyError before anything runs
     rows: list[Row] = []
     timelines: dict[tuple[str, str], tuple[list[int], int]] = {}
     descriptions: dict[str, str] = {}
-    bar = tqdm(total=len(models) * len(todo), disable=not progress, unit="config", dynamic_ncols=True)
+    bar = tqdm(total=sum(map(len, todo.values())), disable=not progress, unit="config", dynamic_ncols=True)
     # torch's own path (make_fx'd hook graphs) cannot be pickled into AOTAutograd's cache key:
     # torch logs a traceback per compile and compiles without the cache, which is all this run needs
     cache_log = logging.getLogger("torch._inductor.codecache")
@@ -366,7 +387,7 @@ def run(
             workload = make_workload(name, size, device)
             descriptions[name] = workload.description
             reference = _reference_grads(workload)
-            for config, backend in todo:
+            for config, backend in todo[name]:
                 bar.set_description(f"{name}: {config.name} ({backend})")
                 try:
                     row, timeline = measure(workload, config, backend, device, repeats, reference)
@@ -385,4 +406,4 @@ def run(
     finally:
         bar.close()
         cache_log.setLevel(cache_level)
-    return Result(_with_ratios(rows), timelines, descriptions)
+    return Result(with_baselines(rows), timelines, descriptions)

@@ -2,7 +2,7 @@
 
 No timing assertions: the machine is shared. The saved bytes are checked against
 the analytic count (what the old demo test checked), since they do not depend on
-timing.
+timing. The big model is only built, never run (a step takes seconds).
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import dataclasses
 
 import pytest
 
-from benchmarks.__main__ import main
+from benchmarks.__main__ import main, parse_args
 from benchmarks.configs import CONFIGS
-from benchmarks.report import COLUMNS, read_csv, table
-from benchmarks.run import Row
+from benchmarks.models import BIG_MODEL_CONFIGS, MODELS, make_workload
+from benchmarks.report import ABOVE, COLUMNS, read_csv, table, write_csv
+from benchmarks.run import ABOVE_TOLERANCE_MIB, Row, jobs, with_baselines
 
 MIB = 2.0**20
 
@@ -38,6 +39,10 @@ def test_quick_run_writes_one_row_per_configuration(quick_run, capsys):
             assert getattr(r, field) is not None, (r.config, field)
         # the memory model sees every compiled step that runs as recorded graphs
         assert (r.predicted_mib is not None) == (r.backend == "aot_eager" and r.config != "python hooks")
+        # every row has its baseline in this run; the baselines are not above themselves
+        assert isinstance(r.above_baseline, bool), r.config
+        if r.config in ("no hooks", "compiled"):
+            assert r.above_baseline is False
     assert (quick_run / "activation_memory.png").stat().st_size > 0
     assert (quick_run / "timeline_mlp.png").stat().st_size > 0
 
@@ -47,18 +52,29 @@ def test_saved_bytes_match_the_analytic_count(quick_run):
     width, batch, blocks, classes = 512, 1024, 4, 10  # models.mlp at --quick (size 0.5)
     # each Linear + GELU block saves the GELU input and the next Linear's input; the loss its log-softmax
     fp32 = (2 * blocks * batch * width + batch * classes) * 4 / MIB
-    # fp8 with row scales: one byte per element plus a float32 scale per row
-    fp8 = (2 * blocks * batch * (width + 4) + batch * (classes + 4)) / MIB
+    # sh.fp8(): one byte per element plus a float32 scale per block of 128 along the rows; the narrow
+    # (batch, 10) log-softmax is quantized as one flat row of blocks
+    hidden_fp8 = batch * (width + 4 * width // 128) / MIB
+    loss_fp8 = (batch * classes + 4 * batch * classes // 128) / MIB
+    fp8 = 2 * blocks * hidden_fp8 + loss_fp8
     slack = 4096 / MIB  # the loss scalar and small allocator-level tensors
     for key in ("no hooks/eager", "compiled/aot_eager"):
         assert rows[key].saved_mib == pytest.approx(fp32, abs=slack), key
-    for key in ("sh eager/eager", "sh/aot_eager", "sh + reorder/aot_eager"):
+    for key in ("sh eager/eager", "sh/aot_eager", "sh policy/aot_eager", "sh + reorder/aot_eager"):
         assert rows[key].saved_mib == pytest.approx(fp8, abs=slack), key
+    # torch's own path keeps row scales (one float32 per row of the innermost dim)
+    row_fp8 = (2 * blocks * batch * (width + 4) + batch * (classes + 4)) / MIB
     # hooks outside savedhooks pack one more (batch, classes) tensor of the loss (an alias savedhooks packs once);
     # plain Python hooks also see the compiled region's input batch, and pack a copy of it
-    loss_alias, input_fp8 = batch * (classes + 4) / MIB, batch * (width + 4) / MIB
-    assert rows["torch hooks/aot_eager"].saved_mib == pytest.approx(fp8 + loss_alias, abs=slack)
-    assert rows["python hooks/aot_eager"].saved_mib == pytest.approx(fp8 + loss_alias + input_fp8, abs=slack)
+    assert rows["torch hooks/aot_eager"].saved_mib == pytest.approx(row_fp8 + batch * (classes + 4) / MIB, abs=slack)
+    python_hooks = fp8 + loss_fp8 + hidden_fp8
+    assert rows["python hooks/aot_eager"].saved_mib == pytest.approx(python_hooks, abs=slack)
+    # checkpointing keeps whole (batch, width) tensors at block boundaries and the loss's log-softmax;
+    # with the codec on top, each of them in fp8
+    kept = (rows["checkpoint/aot_eager"].saved_mib - batch * classes * 4 / MIB) / (batch * width * 4 / MIB)
+    assert kept == pytest.approx(round(kept), abs=0.01) and round(kept) >= 1
+    both = round(kept) * hidden_fp8 + loss_fp8
+    assert rows["sh + checkpoint/aot_eager"].saved_mib == pytest.approx(both, abs=slack)
     # placement lowers the step's peak; the model predicts what is measured (within 5 %, plus the fp8
     # aten reference's workspace: a few float32 copies of a 2^18-element chunk, which no graph shows)
     assert rows["sh + reorder/aot_eager"].activation_mib < rows["sh/aot_eager"].activation_mib
@@ -76,3 +92,76 @@ def test_table_and_csv_share_the_row_schema():
     assert text.splitlines()[0].startswith("| model | config | backend | activation MiB")
     assert "| exact |" in text and "device" not in text and "error" not in text
     assert "| boom |" in table([dataclasses.replace(row, error="boom")])
+
+
+def _row(config: str, backend: str, peak: float | None, model: str = "m", error: str = "") -> Row:
+    return Row(model, config, backend, "cpu", peak_mib=peak, step_ms=None if peak is None else 10.0, error=error)
+
+
+def test_above_baseline_compares_with_the_no_hook_row_of_the_same_model_and_backend():
+    rows = [
+        _row("no hooks", "eager", 100.0),
+        _row("sh eager", "eager", 100.0 + 2 * ABOVE_TOLERANCE_MIB),  # above the eager no-hook row
+        _row("compiled", "inductor", 120.0),
+        _row("sh", "inductor", 110.0),  # above eager's 100 but below its own baseline
+        _row("sh + reorder", "inductor", 120.0 + ABOVE_TOLERANCE_MIB / 2),  # within the tolerance
+        _row("compiled", "aot_eager", 90.0),
+        _row("sh", "aot_eager", 95.0),  # above aot_eager's 90, below inductor's 120
+        _row("checkpoint", "aot_eager", None, error="boom"),  # failed: no value
+        _row("sh", "inductor", 130.0, model="other"),  # no baseline for this model
+        _row("compiled", "inductor", 500.0, model="third", error="boom"),  # a failed baseline is none
+        _row("sh", "inductor", 10.0, model="third"),
+    ]
+    marks = [(r.model, r.config, r.backend, r.above_baseline) for r in with_baselines(rows)]
+    assert marks == [
+        ("m", "no hooks", "eager", False),
+        ("m", "sh eager", "eager", True),
+        ("m", "compiled", "inductor", False),
+        ("m", "sh", "inductor", False),
+        ("m", "sh + reorder", "inductor", False),
+        ("m", "compiled", "aot_eager", False),
+        ("m", "sh", "aot_eager", True),
+        ("m", "checkpoint", "aot_eager", None),
+        ("other", "sh", "inductor", None),
+        ("third", "compiled", "inductor", None),
+        ("third", "sh", "inductor", None),
+    ]
+
+
+def test_above_baseline_is_marked_in_the_table_and_a_bool_in_the_csv(tmp_path):
+    rows = with_baselines([_row("compiled", "inductor", 10.0), _row("sh", "inductor", 11.0),
+                           _row("sh", "aot_eager", 11.0)])  # fmt: skip
+    lines = table(rows).splitlines()
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    column = header.index("above baseline")
+    marks = [line.strip("|").split("|")[column].strip() for line in lines[2:]]
+    assert marks == ["", ABOVE, ""]
+    back = read_csv(write_csv(rows, tmp_path / "rows.csv"))
+    assert [r.above_baseline for r in back] == [False, True, None]
+    assert back == rows
+
+
+def test_big_model_runs_its_reduced_job_list_by_default():
+    big = MODELS["gpt2-big"]
+    assert big.configs == BIG_MODEL_CONFIGS and big.backends == ("inductor",)
+    assert {"compiled", "sh", "checkpoint", "sh + checkpoint"} <= set(big.configs) <= set(CONFIGS)
+    assert jobs(None, None, "cpu", "gpt2-big") == [(CONFIGS[name], "inductor") for name in BIG_MODEL_CONFIGS]
+    # what the command line names replaces the model's defaults
+    assert jobs(["sh"], ["aot_eager"], "cpu", "gpt2-big") == [(CONFIGS["sh"], "aot_eager")]
+    assert [b for _, b in jobs(["compiled"], None, "cpu", "gpt2-big")] == ["inductor"]
+    # the other models run the full default matrix: every configuration with aot_eager, a few with inductor
+    small = jobs(None, None, "cpu", "mlp")
+    assert {c.name for c, _ in small} == {c.name for c in CONFIGS.values() if not c.cuda_only}
+    assert {c.name for c, b in small if b == "inductor"} == {"compiled", "sh", "sh + reorder"}
+    args = parse_args([])
+    assert args.configs is None and args.backends is None and "gpt2-big" in args.models
+
+
+def test_big_model_is_the_size_its_description_says():
+    workload = make_workload("gpt2-big", size=1.0)
+    config = workload.model.config
+    assert (config.n_embd, config.n_layer, config.n_head) == (768, 4, 12)
+    assert workload.inputs["input_ids"].shape == (1, 512)
+    params = sum(p.numel() for p in workload.model.parameters())
+    assert 25e6 < params < 35e6
+    assert "768" in workload.description and "activations" in workload.description

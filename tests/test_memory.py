@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -258,3 +259,16 @@ def test_scratch_of_our_ops_is_measured_and_never_disturbs_a_users_profiler():
     assert inside == 0  # not measured while the user profiles: no nested profiler
     assert any(e.name == "aten::add_" for e in prof.events())  # the user's trace is intact
     assert sh.memory.op_scratch_bytes(unseen) > 200 * 96  # measured once the user's profiler is gone
+
+
+def test_measuring_on_cpu_prints_no_profiler_markers_and_keeps_other_stderr(capfd):
+    x = torch.randn(64, 64)
+    assert sh.memory.measure_peak(lambda: x @ x, device="cpu") > 0
+    assert "USDT" not in capfd.readouterr().err  # kineto's profiler_start / profiler_stop lines
+    from savedhooks.memory.measure import _without_kineto_markers
+
+    with _without_kineto_markers():
+        os.write(2, b"USDT:2026-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a warning that matters\n")
+        os.write(2, b"STAGE:2026-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:51] Completed Stage: Warm Up\n")
+    assert capfd.readouterr().err == "a warning that matters\n"

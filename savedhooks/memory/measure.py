@@ -1,7 +1,11 @@
 """Measured memory: the peak of a call, and live bytes after every node of a graph.
 
 ``measure_peak`` uses the CUDA caching allocator's statistics on GPU and the
-profiler's allocation events, accumulated in time order, on CPU.
+profiler's allocation events, accumulated in time order, on CPU. Kineto (the
+C++ profiler) writes two lines to stderr per session, ``USDT:... profiler_start``
+and ``... profiler_stop``, at every log level it prints anything; they are taken
+out of what the session's start and stop write, and everything else is written
+back (see :func:`_without_kineto_markers`).
 ``profile_graph`` runs a graph node by node, dropping each value after its last
 use as compiled wrappers do, and counts the bytes of the real storages still
 alive: what the model in ``estimate.py`` predicts, measured on real tensors
@@ -10,7 +14,12 @@ alive: what the model in ``estimate.py`` predicts, measured on real tensors
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
@@ -36,8 +45,14 @@ def cpu_memory_trace(fn: Callable[[], Any]) -> list[int]:
     Raises:
         Whatever ``fn`` raises.
     """
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with _without_kineto_markers():
+        prof.__enter__()
+    try:
         fn()
+    finally:
+        with _without_kineto_markers():
+            prof.__exit__(*sys.exc_info())
     cpu = torch._C._autograd.DeviceType.CPU
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
     live, trace = 0, []
@@ -45,6 +60,44 @@ def cpu_memory_trace(fn: Callable[[], Any]) -> list[int]:
         live += event.nbytes()
         trace.append(live)
     return trace
+
+
+# kineto's session markers: "USDT:2026-01-01 12:00:00 123:123 SyncActivityProfilerHandler.cpp:52] profiler_start"
+_KINETO_MARKER = re.compile(rb"^(USDT|STAGE):[^\]]*\] (profiler_start|profiler_stop|Completed Stage: .*)$")
+
+
+@contextlib.contextmanager
+def _without_kineto_markers() -> Iterator[None]:
+    """Capture what file descriptor 2 receives inside the block; write it back without kineto's session markers.
+
+    Only the profiler's start or stop runs inside (never the measured call), so
+    what else they write to stderr, warnings included, still reaches it, after
+    the block. Where fd 2 cannot be redirected, nothing is captured.
+    """
+    _flush_stderr()
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            _flush_stderr()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            kept = [line for line in capture.read().splitlines(keepends=True)
+                    if not _KINETO_MARKER.match(line.rstrip(b"\r\n"))]  # fmt: skip
+            if kept:
+                os.write(2, b"".join(kept))
+
+
+def _flush_stderr() -> None:
+    if sys.stderr is not None:  # None under pythonw
+        sys.stderr.flush()
 
 
 def measure_peak(fn: Callable[..., Any], *args: Any, device: Any = None, **kwargs: Any) -> int:
