@@ -351,8 +351,8 @@ def inductor_placement(enabled: bool = True) -> Iterator[None]:
     Args:
         enabled: False leaves inductor's settings as they are (the opt-out).
 
-    Yields:
-        Nothing.
+    Returns:
+        A context manager (yielding nothing).
 
     Raises:
         Nothing.

@@ -1,5 +1,6 @@
 """Memory of FX graphs: the buffer model, predicted and measured peaks."""
 
+from savedhooks.memory.fusion import inlined_nodes
 from savedhooks.memory.estimate import (
     PeakEstimate,
     StepPrediction,
@@ -30,6 +31,7 @@ __all__ = [
     "GraphMemory",
     "Buffer",
     "op_scratch_bytes",
+    "inlined_nodes",
     # measure
     "measure_peak",
     "profile_graph",
