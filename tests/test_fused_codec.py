@@ -126,13 +126,29 @@ def test_codec_payloads_of_both_forms_are_the_same_bytes(make):
         assert a.stride() == b.stride() and torch.equal(a, b)
 
 
-def test_auto_traces_the_fused_form_under_compile_and_keeps_the_op_eager():
+def test_fused_backend_traces_plain_aten_ops():
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
     capture = GraphCapture()
-    train_step_grads(model, torch.compile(model, backend=capture.backend), torch.randn(16, 8), sh.fp8())
+    hooks = sh.fp8(backend="fused")
+    train_step_grads(model, torch.compile(model, backend=capture.backend), torch.randn(16, 8), hooks)
     code = capture.fw[0] + capture.bw[0]
     assert "savedhooks.fp8_" not in code and "torch.uint8" in code and "float8" not in code
     assert "aten.div.Tensor(" in code and "aten.view.dtype(" in code and "aten.__rshift__." in code
+
+
+def test_auto_is_fused_only_where_inductor_compiles():
+    """aot_eager would run each decomposed op as a full-size pass: there "auto" keeps the op, as in eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    x = torch.randn(16, 8)
+    capture = GraphCapture()
+    train_step_grads(model, torch.compile(model, backend=capture.backend), x, sh.fp8())
+    assert "savedhooks.fp8_quantize" in capture.fw[0] and "savedhooks.fp8_dequantize" in capture.bw[0]
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="inductor")
+    _, codes = run_and_get_code(lambda: train_step(model, fn, x, sh.fp8()))
+    assert "fp8_quantize" not in codes[0] and "uint8_t" in codes[0] and "fp8_dequantize" not in codes[-1]
     # eager: no hook context, "auto" runs the op (the payload is float8)
     assert pack_saved(sh.Float8(), torch.randn(4, 256))[1][0].dtype == E4M3
 

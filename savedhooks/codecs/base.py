@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -244,15 +245,28 @@ def uses_fused(backend: str) -> bool:
 
     Returns:
         True for ``"fused"``, and for ``"auto"`` while AOTAutograd traces the hook
-        into a compiled graph (:func:`savedhooks.hook_context` is set), where
-        inductor fuses the decomposed form into the neighbouring kernels. In eager
-        mode ``"auto"`` keeps the ops: there each aten op of the decomposed form
-        would be a full-size pass.
+        into a graph that inductor compiles (:func:`savedhooks.hook_context` is set
+        and inductor's compile is on the call stack): inductor fuses the decomposed
+        form into the neighbouring kernels. Elsewhere ``"auto"`` keeps the ops: in
+        eager mode and under ``aot_eager`` each aten op of the decomposed form would
+        run as a full-size pass with full-size temporaries.
 
     Raises:
         Nothing.
     """
-    return backend == FUSED or (backend == "auto" and hook_context() is not None)
+    return backend == FUSED or (backend == "auto" and hook_context() is not None and _inductor_compiling())
+
+
+def _inductor_compiling() -> bool:
+    """Whether the caller runs inside inductor's ``compile_fx`` (AOTAutograd called by inductor)."""
+    compile_fx = sys.modules.get("torch._inductor.compile_fx")  # never imported: inductor is not compiling
+    main = getattr(compile_fx, "_compile_fx_main", None)
+    frame = sys._getframe(1)
+    while main is not None and frame is not None:
+        if frame.f_code is main.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def kernel_backend(backend: str) -> str:

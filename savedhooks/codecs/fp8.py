@@ -115,9 +115,9 @@ def fp8(
         block_size: elements per block for ``"block"``.
         pow2_scale: round scales up to powers of two (re-quantizing an unpacked
             tensor then gives it back exactly).
-        backend: ``"auto"`` (under torch.compile the decomposed form that inductor
-            fuses; in eager mode the Triton kernels on CUDA when triton imports, else
-            the aten reference), ``"fused"`` (always the decomposed form),
+        backend: ``"auto"`` (in graphs inductor compiles, the decomposed form that
+            inductor fuses; elsewhere the Triton kernels on CUDA when triton imports,
+            else the aten reference), ``"fused"`` (always the decomposed form),
             ``"triton"`` or ``"aten"`` (always that op); the bytes are identical.
 
     Returns:
