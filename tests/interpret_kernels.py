@@ -55,7 +55,7 @@ def fp8_impl(impl: str):
     """``(quantize, dequantize)`` of ``impl`` with the reference's signatures and results.
 
     ``"triton"``: the Triton ops; ``"fused"``: the decomposed form (its uint8 codes
-    viewed as the fp8 dtype), ``"fused compiled"``: the same compiled by inductor.
+    viewed as the fp8 dtype).
     """
     if impl == "triton":
         from savedhooks.kernels.fp8_triton import triton_fp8_dequantize, triton_fp8_quantize
@@ -70,9 +70,6 @@ def fp8_impl(impl: str):
     def dequantize(q, scale, out_dtype, block_size):
         return fused_fp8_dequantize(q.view(torch.uint8), scale, q.dtype, out_dtype, block_size)
 
-    if impl == "fused compiled":  # a fresh compile per call: every case's shapes and constants are static
-        return (lambda *a: torch.compile(quantize, backend="inductor", fullgraph=True)(*a),
-                lambda *a: torch.compile(dequantize, backend="inductor", fullgraph=True)(*a))  # fmt: skip
     return quantize, dequantize
 
 
