@@ -35,14 +35,15 @@ CONFIGS = {
 }
 
 
-def measured_peaks(model: torch.nn.Module, backend, options, x: torch.Tensor) -> tuple[int, int]:
-    """Measured forward and backward peak bytes of one compiled step under ``sh.fp8()`` (CPU).
+def measured_peaks(model: torch.nn.Module, backend, options, x: torch.Tensor, hooks=None) -> tuple[int, int]:
+    """Measured forward and backward peak bytes of one compiled step under ``hooks`` (default ``sh.fp8()``; CPU).
 
     Args:
         model: the model (its gradients are cleared).
         backend: a ``torch.compile`` backend.
         options: inductor options, or None.
         x: the input.
+        hooks: the saved-tensor hooks, default ``sh.fp8()``.
 
     Returns:
         ``(forward peak, backward peak)`` above what was live before each.
@@ -53,8 +54,10 @@ def measured_peaks(model: torch.nn.Module, backend, options, x: torch.Tensor) ->
     compiled = torch.compile(model, backend=backend, options=options) if options else torch.compile(
         model, backend=backend)
 
+    hooks = sh.fp8() if hooks is None else hooks
+
     def forward():
-        with sh.saved_tensors_hooks(sh.fp8()):
+        with sh.saved_tensors_hooks(hooks):
             return compiled(x).square().mean()
 
     forward().backward()  # compile
