@@ -40,8 +40,9 @@ CONFIGS = {
 }
 
 
-def measured_peaks(model: torch.nn.Module, backend, options, x: torch.Tensor, reorder: bool = False) -> tuple[int, int]:
-    """Measured forward and backward peak bytes of one compiled step under ``sh.fp8()`` (CPU).
+def measured_peaks(model: torch.nn.Module, backend, options, x: torch.Tensor, reorder: bool = False,
+                   hooks=None) -> tuple[int, int]:
+    """Measured forward and backward peak bytes of one compiled step under ``hooks`` (default ``sh.fp8()``; CPU).
 
     Args:
         model: the model (its gradients are cleared).
@@ -50,6 +51,7 @@ def measured_peaks(model: torch.nn.Module, backend, options, x: torch.Tensor, re
         x: the input.
         reorder: ``saved_tensors_hooks(..., reorder=)``: whether entering the
             hooks adds the pass to inductor's config (off: torch's own order).
+        hooks: the saved-tensor hooks, default ``sh.fp8()``.
 
     Returns:
         ``(forward peak, backward peak)`` above what was live before each.
@@ -60,8 +62,10 @@ def measured_peaks(model: torch.nn.Module, backend, options, x: torch.Tensor, re
     compiled = torch.compile(model, backend=backend, options=options) if options else torch.compile(
         model, backend=backend)
 
+    hooks = sh.fp8() if hooks is None else hooks
+
     def forward():
-        with sh.saved_tensors_hooks(sh.fp8(), reorder=reorder):
+        with sh.saved_tensors_hooks(hooks, reorder=reorder):
             return compiled(x).square().mean()
 
     forward().backward()  # compile

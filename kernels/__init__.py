@@ -7,7 +7,9 @@ folder to ``savedhooks.kernels`` (setuptools ``package-dir``).
 Modules: ``fp8`` and ``bitmask`` hold the aten references (the spec) and their
 opaque ops ``savedhooks::fp8_quantize`` etc.; ``fp8_triton`` and
 ``bitmask_triton`` the Triton kernels and their ``triton_op``s
-``savedhooks::triton_fp8_quantize`` etc. (imported on demand: Triton is optional).
+``savedhooks::triton_fp8_quantize`` etc. (imported on demand: Triton is optional);
+``fp8_fused`` the decomposed fp8 form (plain aten ops, no custom op) that inductor
+fuses into neighbouring kernels.
 """
 
 from __future__ import annotations

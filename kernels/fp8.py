@@ -64,10 +64,11 @@ def _finite_amax(x3: torch.Tensor) -> torch.Tensor:
     return x3.abs().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).amax(dim=2)
 
 
-def _scale_from_amax(amax: torch.Tensor, fmax: float, pow2_scale: bool) -> torch.Tensor:
+def _scale_from_amax(amax: torch.Tensor, fmax: float, pow2_scale: bool, divide=torch.div) -> torch.Tensor:
     # A tensor divisor, not a Python scalar: CUDA divides by a CPU scalar as a multiply by
     # its reciprocal (not correctly rounded); the Triton kernels divide exactly everywhere.
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, fmax), 1.0).clamp_min(_MIN_SCALE)
+    # ``divide``: a correctly rounded float32 division (the decomposed form passes its own).
+    scale = torch.where(amax > 0, divide(amax, torch.full_like(amax, fmax)), 1.0).clamp_min(_MIN_SCALE)
     return _pow2_ceil(scale) if pow2_scale else scale
 
 
@@ -151,14 +152,14 @@ def torch_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.
             groups = q3.shape[1]
             s = s_rows[:, block_index : block_index + groups] if per_block else s_rows
             block_index += groups
-            out[r:r_end, c0:c1].view(r_end - r, -1, size).copy_(_rescale(q3, s.unsqueeze(2), out_dtype))
+            out[r:r_end, c0:c1].view(r_end - r, -1, size).copy_(_rescale(q3.float(), s.unsqueeze(2), out_dtype))
     return out
 
 
-def _rescale(q3: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _rescale(qf: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``qf * scale`` (qf: the fp8 values as float32), before the cast to ``out_dtype``."""
     # A power-of-two scale can carry a value just past the output dtype's largest
     # finite one (fp16 65504 -> 65536): clamp finite codes, keep e5m2's +-inf as inf.
-    qf = q3.float()
     top = torch.finfo(out_dtype).max
     return torch.where(torch.isinf(qf), qf, (qf * scale).clamp_(-top, top))
 
@@ -174,10 +175,11 @@ def _check_quantize_args(x: torch.Tensor, dtype: torch.dtype, granularity: str, 
         raise ValueError(f"fp8_quantize: block_size must be >= 1, got {block_size}")
 
 
-def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor) -> None:
-    if q.dim() != 2 or q.dtype not in FP8_DTYPES or scale.dtype != torch.float32 or scale.dim() != 2:
+def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor, code_dtypes: tuple[torch.dtype, ...] = FP8_DTYPES) -> None:
+    # code_dtypes: what q may be (the decomposed form stores the fp8 codes as uint8)
+    if q.dim() != 2 or q.dtype not in code_dtypes or scale.dtype != torch.float32 or scale.dim() != 2:
         raise ValueError(
-            "fp8_dequantize expects 2-D float8 q and 2-D float32 scale, got "
+            f"fp8_dequantize expects 2-D {'/'.join(map(str, code_dtypes))} q and 2-D float32 scale, got "
             f"{q.dtype}{tuple(q.shape)}, {scale.dtype}{tuple(scale.shape)}"
         )
 

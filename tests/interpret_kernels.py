@@ -51,19 +51,44 @@ def _same_bits(name: str, want: torch.Tensor, got: torch.Tensor, nan_payloads: b
     return None
 
 
-def compare_fp8(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: int, pow2: bool) -> str | None:
-    """Quantize with both, compare q and scale bits; dequantize the same payload with both."""
-    from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
-    from savedhooks.kernels.fp8_triton import triton_fp8_dequantize, triton_fp8_quantize
+def fp8_impl(impl: str):
+    """``(quantize, dequantize)`` of ``impl`` with the reference's signatures and results.
 
+    ``"triton"``: the Triton ops; ``"fused"``: the decomposed form (its uint8 codes
+    viewed as the fp8 dtype).
+    """
+    if impl == "triton":
+        from savedhooks.kernels.fp8_triton import triton_fp8_dequantize, triton_fp8_quantize
+
+        return triton_fp8_quantize, triton_fp8_dequantize
+    from savedhooks.kernels.fp8_fused import fused_fp8_dequantize, fused_fp8_quantize
+
+    def quantize(x, dtype, granularity, block_size, pow2):
+        codes, scale = fused_fp8_quantize(x, dtype, granularity, block_size, pow2)
+        return codes.view(dtype), scale
+
+    def dequantize(q, scale, out_dtype, block_size):
+        return fused_fp8_dequantize(q.view(torch.uint8), scale, q.dtype, out_dtype, block_size)
+
+    return quantize, dequantize
+
+
+def compare_fp8(
+    x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: int, pow2: bool, impl: str = "triton"
+) -> str | None:
+    """Quantize with the reference and ``impl`` (see :func:`fp8_impl`), compare q and scale bits;
+    dequantize the same payload with both."""
+    from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
+
+    quantize, dequantize = fp8_impl(impl)
     want_q, want_s = torch_fp8_quantize(x, dtype, granularity, block_size, pow2)
-    got_q, got_s = triton_fp8_quantize(x, dtype, granularity, block_size, pow2)
+    got_q, got_s = quantize(x, dtype, granularity, block_size, pow2)
     label = f"{x.dtype} {tuple(x.shape)} {dtype} {granularity} {block_size} pow2={pow2}"
     problem = _same_bits(f"{label} q", want_q, got_q) or _same_bits(f"{label} scale", want_s, got_s)
     if problem:
         return problem
     want = torch_fp8_dequantize(want_q, want_s, x.dtype, block_size)
-    return _same_bits(f"{label} dequantized", want, triton_fp8_dequantize(want_q, want_s, x.dtype, block_size), False)
+    return _same_bits(f"{label} dequantized", want, dequantize(want_q, want_s, x.dtype, block_size), False)
 
 
 def _all(checks: Iterator[str | None]) -> str | None:
@@ -71,13 +96,13 @@ def _all(checks: Iterator[str | None]) -> str | None:
     return "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "") if problems else None
 
 
-def sweep_case(shape: tuple[int, int], in_dtype: torch.dtype, device: str = "cpu") -> str | None:
+def sweep_case(shape: tuple[int, int], in_dtype: torch.dtype, device: str = "cpu", impl: str = "triton") -> str | None:
     gen = torch.Generator().manual_seed(shape[0] * 10007 + shape[1])
     x = torch.randn(shape, generator=gen) * torch.exp(2 * torch.randn(shape[0], 1, generator=gen))  # rows 1e-3..1e3
     x = x.to(device, in_dtype)
     blocks = (128, 16, 100, 7) if shape == (3, 300) else (128 if shape[1] >= 128 else 16,)
     return _all(
-        compare_fp8(x, dtype, g, b, pow2)
+        compare_fp8(x, dtype, g, b, pow2, impl)
         for dtype, g, b, pow2 in itertools.product((E4M3, E5M2), GRANULARITIES, blocks, (False, True))
         if g == "block" or b == blocks[0]
     )
@@ -111,22 +136,24 @@ def edge_inputs() -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
                                       [nan, nan, nan, nan, inf, inf, -inf, -inf]]), (8, 4, 2)  # fmt: skip
 
 
-def edge_case(x: torch.Tensor, blocks: tuple[int, ...], in_dtype: torch.dtype, device: str = "cpu") -> str | None:
+def edge_case(
+    x: torch.Tensor, blocks: tuple[int, ...], in_dtype: torch.dtype, device: str = "cpu", impl: str = "triton"
+) -> str | None:
     x = x.to(device, in_dtype)
     return _all(
-        compare_fp8(x, dtype, g, b, pow2)
+        compare_fp8(x, dtype, g, b, pow2, impl)
         for dtype, g, b, pow2 in itertools.product((E4M3, E5M2), GRANULARITIES, blocks, (False, True))
         if g == "block" or b == blocks[0]
     )
 
 
-def non_contiguous_case(kind: str, device: str = "cpu") -> str | None:
+def non_contiguous_case(kind: str, device: str = "cpu", impl: str = "triton") -> str | None:
     gen = torch.Generator().manual_seed(0)
     base = (torch.randn(40, 66, generator=gen) * torch.exp(torch.randn(40, 1, generator=gen))).to(device)
     x = {"transposed": base.t(), "column slice": base[:, ::3], "offset window": base[3:, 5:]}[kind]
     assert not x.is_contiguous()
     return _all(
-        compare_fp8(x, dtype, g, 16, pow2) for dtype, g, pow2 in itertools.product((E4M3, E5M2), GRANULARITIES, (False, True))
+        compare_fp8(x, dtype, g, 16, pow2, impl) for dtype, g, pow2 in itertools.product((E4M3, E5M2), GRANULARITIES, (False, True))
     )
 
 
@@ -181,15 +208,21 @@ def codec_inputs() -> Iterator[tuple[str, Callable[[str], torch.Tensor]]]:
     yield "bool 3-D", lambda d: (torch.rand(3, 7, 50, generator=gen) > 0.5).to(d)
 
 
-def numerics_cases(device: str = "cpu") -> dict[str, Callable[[], str | None]]:
-    """Case name -> check; ``device`` is where the tensors live (CUDA runs the compiled kernels)."""
+def fp8_cases(device: str = "cpu", impl: str = "triton") -> dict[str, Callable[[], str | None]]:
+    """fp8 case name -> check of ``impl`` (see :func:`fp8_impl`) against the reference."""
     cases: dict[str, Callable[[], str | None]] = {}
     for shape, dt in itertools.product(SHAPES, FLOATS):
-        cases[f"sweep {shape} {dt}"] = lambda s=shape, d=dt: sweep_case(s, d, device)
+        cases[f"sweep {shape} {dt}"] = lambda s=shape, d=dt: sweep_case(s, d, device, impl)
     for (name, x, blocks), dt in itertools.product(list(edge_inputs()), FLOATS):
-        cases[f"edge {name} {dt}"] = lambda x=x, b=blocks, d=dt: edge_case(x, b, d, device)
+        cases[f"edge {name} {dt}"] = lambda x=x, b=blocks, d=dt: edge_case(x, b, d, device, impl)
     for kind in ("transposed", "column slice", "offset window"):
-        cases[f"non-contiguous {kind}"] = lambda k=kind: non_contiguous_case(k, device)
+        cases[f"non-contiguous {kind}"] = lambda k=kind: non_contiguous_case(k, device, impl)
+    return cases
+
+
+def numerics_cases(device: str = "cpu") -> dict[str, Callable[[], str | None]]:
+    """Case name -> check; ``device`` is where the tensors live (CUDA runs the compiled kernels)."""
+    cases = fp8_cases(device)
     for n, step in ((1, 1), (7, 1), (8, 1), (9, 3), (100, 1), (16385, 1), (40001, 2)):
         cases[f"bitmask {n} step {step}"] = lambda n=n, s=step: bitmask_case(n, s, device)
     codecs = ("fp8 block", "fp8 e5m2 row pow2", "fp8 tensor", "bitmask", "sign bits")

@@ -253,10 +253,10 @@ def forward(self, arg0_1):
     copy_ = torch.ops.aten.copy_.default(empty_strided, getitem, True);  empty_strided = getitem = None
     empty_strided_1 = torch.ops.aten.empty_strided.default([8, 1], [1, 1], dtype = torch.float32, device = device(type='cpu'), pin_memory = True)
     copy__1 = torch.ops.aten.copy_.default(empty_strided_1, getitem_1, True);  empty_strided_1 = getitem_1 = None
-    return (0, ((copy_, copy__1, torch.float32, ((0, 1), (4, 256), ())), True, device(type='cuda', index=0), ()))""")
+    return (0, ((copy_, copy__1, torch.float32, ((0, 1), (4, 256), ()), False), True, device(type='cuda', index=0), ()))""")
         self.assertExpectedInline(unpack.code.strip(), """\
 def forward(self, arg0):
-    arg0_1, arg0_2, arg0_3, arg0_4, arg0_5, arg0_6, arg0_7, arg0_8, arg0_9, arg0_10, = fx_pytree.tree_flatten_spec([arg0], self._in_spec)
+    arg0_1, arg0_2, arg0_3, arg0_4, arg0_5, arg0_6, arg0_7, arg0_8, arg0_9, arg0_10, arg0_11, = fx_pytree.tree_flatten_spec([arg0], self._in_spec)
     _to_copy = torch.ops.aten._to_copy.default(arg0_2, dtype = torch.float8_e4m3fn, layout = torch.strided, device = device(type='cuda', index=0), non_blocking = True);  arg0_2 = None
     _to_copy_1 = torch.ops.aten._to_copy.default(arg0_3, dtype = torch.float32, layout = torch.strided, device = device(type='cuda', index=0), non_blocking = True);  arg0_3 = None
     triton_fp8_dequantize = torch.ops.savedhooks.triton_fp8_dequantize.default(_to_copy, _to_copy_1, torch.float32, 128);  _to_copy = _to_copy_1 = None

@@ -70,6 +70,8 @@ def misplaced_unpacks(nodes: list[torch.fx.Node]) -> list[str]:
     position = {node: i for i, node in enumerate(nodes)}
     wrong = []
     for node in chain - fused:
+        if node.op == "placeholder":  # inputs stay first
+            continue
         outside = [position[u] for u in node.users if u not in chain]
         if outside and any(n not in chain for n in nodes[position[node] + 1 : min(outside)]):
             wrong.append(node.name)
@@ -92,14 +94,16 @@ def _step_recording(hooks: sh.HookPair, reorder: bool) -> Recorder:
     return recorder
 
 
-@pytest.mark.parametrize("hooks", [bf16], ids=["user_hook"])
+@pytest.mark.parametrize("hooks", [sh.fp8(), bf16], ids=["fp8", "user_hook"])
 def test_plain_compile_places_each_unpack_right_before_its_first_user(hooks):
     placed = _step_recording(hooks, reorder=True)
     assert len(placed.backward) == 1
     assert has_hook_chains_in(placed.backward[0])
     assert misplaced_unpacks(placed.backward[0]) == []
+    if hooks is not bf16:
+        return  # torch's order already puts sh.fp8()'s fused dequantize chains next to their users
     torch._dynamo.reset()
-    unplaced = _step_recording(hooks, reorder=False)  # torch's order: every unpack at the start
+    unplaced = _step_recording(hooks, reorder=False)  # torch's order: the casts at the start
     assert len(unplaced.backward) == 1
     assert len(misplaced_unpacks(unplaced.backward[0])) >= 2
 
@@ -177,14 +181,19 @@ def test_inductor_graph_cache_hits_with_the_default_pass(monkeypatch, tmp_path):
 
 
 def test_plain_compile_gets_the_measured_backward_peak_of_the_pass():
-    """Measured on CPU (deterministic): the default usage as low as sh.backend("inductor"), below torch's order."""
+    """Measured on CPU (deterministic): the default usage as low as sh.backend("inductor"), below torch's order.
+
+    With the opaque op torch's order dequantized everything at the start (under
+    half with the pass); the decomposed form fuses each dequantize into its
+    consumer, so torch's own order is already much lower and the pass's gain smaller.
+    """
     make, shape = MODELS["8-layer MLP"]
     x = torch.randn(*shape)
     _, bw_torch = measured_peaks(make(), "inductor", None, x, reorder=False)
     fw_default, bw_default = measured_peaks(make(), "inductor", None, x, reorder=True)
     fw_backend, bw_backend = measured_peaks(make(), sh.backend("inductor"), None, x)
     assert bw_default == bw_backend and fw_default == fw_backend
-    assert bw_default < 0.5 * bw_torch
+    assert bw_default < 0.8 * bw_torch
 
 
 def test_gradients_are_unchanged_by_the_default_pass():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ __all__ = [
     "memory_order",
     "narrow_broadcast",
     "to_rows",
+    "uses_fused",
     "uses_triton",
 ]
 
@@ -49,6 +51,9 @@ __all__ = [
 # the Triton ops ("triton"; on CPU they run the aten reference unless Triton
 # interprets), or always the aten reference ("aten"). Same bytes either way.
 BACKENDS = ("auto", "triton", "aten")
+# Codecs with a decomposed form (plain aten ops inductor fuses) also accept "fused";
+# "auto" then picks it while a hook is traced for a compiled graph (see uses_fused).
+FUSED = "fused"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,22 +199,24 @@ def from_rows(y: torch.Tensor, layout: Layout) -> torch.Tensor:
     return out.expand(layout.expand) if layout.expand else out
 
 
-def check_backend(what: str, backend: Any) -> None:
+def check_backend(what: str, backend: Any, fused: bool = False) -> None:
     """Validate a codec's ``backend`` field.
 
     Args:
         what: the codec's name, for the message.
         backend: the value given.
+        fused: the codec has a decomposed form, so ``"fused"`` is valid too.
 
     Returns:
         None.
 
     Raises:
-        ValueError: ``backend`` is not one of :data:`BACKENDS`, or is ``"triton"``
-            without the triton package.
+        ValueError: ``backend`` is not one of :data:`BACKENDS` (or ``"fused"``), or
+            is ``"triton"`` without the triton package.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {backend!r}")
+    choices = BACKENDS + ((FUSED,) if fused else ())
+    if backend not in choices:
+        raise ValueError(f"{what}: backend must be one of {choices}, got {backend!r}")
     if backend == "triton" and not triton_available():
         raise ValueError(f"{what}: backend='triton' needs the triton package; use 'auto' or 'aten'")
 
@@ -228,6 +235,53 @@ def uses_triton(backend: str, x: torch.Tensor) -> bool:
         Nothing.
     """
     return backend == "triton" or (backend == "auto" and x.device.type == "cuda" and triton_available())
+
+
+def uses_fused(backend: str) -> bool:
+    """Whether a codec with ``backend`` uses its decomposed form (plain aten ops) rather than its ops.
+
+    Args:
+        backend: one of :data:`BACKENDS` or ``"fused"``.
+
+    Returns:
+        True for ``"fused"``, and for ``"auto"`` while AOTAutograd traces the hook
+        into a graph that inductor compiles (:func:`savedhooks.hook_context` is set
+        and inductor's compile is on the call stack): inductor fuses the decomposed
+        form into the neighbouring kernels. Elsewhere ``"auto"`` keeps the ops: in
+        eager mode and under ``aot_eager`` each aten op of the decomposed form would
+        run as a full-size pass with full-size temporaries.
+
+    Raises:
+        Nothing.
+    """
+    return backend == FUSED or (backend == "auto" and hook_context() is not None and _inductor_compiling())
+
+
+def _inductor_compiling() -> bool:
+    """Whether the caller runs inside inductor's ``compile_fx`` (AOTAutograd called by inductor)."""
+    compile_fx = sys.modules.get("torch._inductor.compile_fx")  # never imported: inductor is not compiling
+    main = getattr(compile_fx, "_compile_fx_main", None)
+    frame = sys._getframe(1)
+    while main is not None and frame is not None:
+        if frame.f_code is main.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def kernel_backend(backend: str) -> str:
+    """The kernel backend (one of :data:`BACKENDS`) for a codec without a decomposed form.
+
+    Args:
+        backend: a codec's ``backend`` field.
+
+    Returns:
+        ``backend``, or ``"auto"`` for ``"fused"``.
+
+    Raises:
+        Nothing.
+    """
+    return "auto" if backend == FUSED else backend
 
 
 class Codec:
@@ -284,7 +338,7 @@ def pack_saved(codec: Codec, x: torch.Tensor) -> tuple[int, Any]:
     if x.is_floating_point() and sign_only_in_backward():
         from savedhooks.codecs.bitmask import SignBits
 
-        return _SIGN_ONLY, SignBits(getattr(codec, "backend", "auto")).encode(x)
+        return _SIGN_ONLY, SignBits(kernel_backend(getattr(codec, "backend", "auto"))).encode(x)
     return index, codec.codecs()[index].encode(x)
 
 
@@ -296,7 +350,7 @@ def unpack_saved(codec: Codec, packed: tuple[int, Any]) -> torch.Tensor:
     if index == _SIGN_ONLY:
         from savedhooks.codecs.bitmask import SignBits
 
-        return SignBits(getattr(codec, "backend", "auto")).decode(payload)
+        return SignBits(kernel_backend(getattr(codec, "backend", "auto"))).decode(payload)
     return codec.codecs()[index].decode(payload)
 
 

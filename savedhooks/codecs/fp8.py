@@ -16,9 +16,19 @@ from typing import Any
 
 import torch
 
-from savedhooks.codecs.base import Codec, Layout, check_backend, from_rows, innermost_size, to_rows, uses_triton
+from savedhooks.codecs.base import (
+    Codec,
+    Layout,
+    check_backend,
+    from_rows,
+    innermost_size,
+    to_rows,
+    uses_fused,
+    uses_triton,
+)
 from savedhooks.kernels import kernel_op
 from savedhooks.kernels.fp8 import FP8_DTYPES, GRANULARITIES
+from savedhooks.kernels.fp8_fused import fused_fp8_dequantize, fused_fp8_quantize
 
 __all__ = ["Float8", "fp8"]
 
@@ -42,7 +52,7 @@ class Float8(Codec):
             raise ValueError(f"fp8: block_size must be a positive int, got {self.block_size!r}")
         if not isinstance(self.pow2_scale, bool):
             raise ValueError(f"fp8: pow2_scale must be a bool, got {self.pow2_scale!r}")
-        check_backend("fp8", self.backend)
+        check_backend("fp8", self.backend, fused=True)
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Non-empty fp32 / bf16 / fp16 tensors whose innermost dim is longer than 1.
@@ -54,16 +64,24 @@ class Float8(Codec):
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.numel() > 0 and innermost_size(x) > 1
 
     def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
-        """Quantize ``x``: ``(q, scale, dtype, layout constants)``."""
+        """Quantize ``x``: ``(q, scale, dtype, layout constants, fused)``.
+
+        ``fused``: q holds the fp8 codes as uint8, made by the decomposed form (same
+        bytes as the op's float8 q); a constant, so it is baked into the unpack graph.
+        """
         rows, layout = to_rows(x)
-        quantize = kernel_op("fp8_quantize", uses_triton(self.backend, x))
+        fused = uses_fused(self.backend)
+        quantize = fused_fp8_quantize if fused else kernel_op("fp8_quantize", uses_triton(self.backend, x))
         q, scale = quantize(self._groups_view(rows), self.dtype, self.granularity, self.block_size, self.pow2_scale)
-        return q, scale, x.dtype, layout.as_constants()
+        return q, scale, x.dtype, layout.as_constants(), fused
 
     def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
-        """Dequantize to the saved tensor's dtype, shape and strides."""
-        q, scale, dtype, layout = payload
-        rows = kernel_op("fp8_dequantize", uses_triton(self.backend, q))(q, scale, dtype, self.block_size)
+        """Dequantize to the saved tensor's dtype, shape and strides, in the form that made the payload."""
+        q, scale, dtype, layout, fused = payload
+        if fused:
+            rows = fused_fp8_dequantize(q, scale, self.dtype, dtype, self.block_size)
+        else:
+            rows = kernel_op("fp8_dequantize", uses_triton(self.backend, q))(q, scale, dtype, self.block_size)
         return from_rows(rows, Layout.from_constants(layout))
 
     def _groups_view(self, rows: torch.Tensor) -> torch.Tensor:
@@ -97,8 +115,10 @@ def fp8(
         block_size: elements per block for ``"block"``.
         pow2_scale: round scales up to powers of two (re-quantizing an unpacked
             tensor then gives it back exactly).
-        backend: ``"auto"`` (Triton kernels on CUDA when triton imports, else the
-            aten reference), ``"triton"`` or ``"aten"``; the bytes are identical.
+        backend: ``"auto"`` (in graphs inductor compiles, the decomposed form that
+            inductor fuses; elsewhere the Triton kernels on CUDA when triton imports,
+            else the aten reference), ``"fused"`` (always the decomposed form),
+            ``"triton"`` or ``"aten"`` (always that op); the bytes are identical.
 
     Returns:
         The cached :class:`~savedhooks.HookPair` (equal arguments, same object).

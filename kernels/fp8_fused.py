@@ -1,0 +1,226 @@
+"""Scaled float8 quantize / dequantize as plain aten ops that inductor fuses, bit-exact with the reference.
+
+Design notes
+------------
+* The spec is ``savedhooks.kernels.fp8`` (module docstring): same arguments, same
+  scale shapes and bits. These are plain Python functions of aten ops, not custom
+  ops: AOTAutograd traces through them while it inlines the hooks, and inductor
+  fuses the quantize into the kernel that reads the saved value in the forward and
+  the dequantize into the kernel that consumes it in the backward (no full-size
+  float buffer between them). In eager mode each op is a full-size pass: the
+  opaque ops (chunked aten reference, Triton) are better there.
+* No float8 dtype ever reaches a compiled kernel (torch 2.13's inductor C++ backend
+  cannot vectorize ``Float8_e4m3fn``): the quantized payload is the fp8 code as
+  ``uint8``, computed from the float32 bits with int32 arithmetic (round to nearest
+  even, subnormals included; e4m3fn: +-inf -> NaN, clamp to 448; e5m2 keeps +-inf),
+  the same arithmetic as the Triton kernels' ``_fp8_code`` / ``_fp8_value``. Decoding
+  rebuilds the float32 bits (exact) and rescales with the reference's ``_rescale``.
+* Groups: ``(rows, groups, size)`` views of the float32 input's column segments, as
+  the reference's ``_segments``: a last block shorter than ``block_size`` is its own
+  segment, and the results are concatenated. (Zero padding to whole blocks and
+  slicing back miscompiles in torch 2.13's C++ backend: the last column was never
+  written.)
+* Division must be IEEE ``x / scale``. Inductor's C++ backend prints ``a / b`` (it
+  replaces a division by a constant with a reciprocal multiply only off CPU), but its
+  Triton codegen prints float32 ``x / y`` as the approximate ``div.full.f32`` unless
+  ``eager_numerics.division_rounding`` is set. Off CPU we therefore divide in float64
+  and round to float32: for division, rounding twice (53 then 24 bits) is innocuous
+  when 53 >= 2 * 24 + 2 (Figueroa, "When is double rounding innocuous?", 1995), and
+  fp64 ``/`` is IEEE in Triton. The scale's ``amax / fmax`` has a constant divisor,
+  which inductor off CPU turns into ``amax * (1 / fmax)`` in float64; for fmax = 7 *
+  2**k (448, 57344) that is still the correctly rounded float32 quotient (amax / 7
+  lies either exactly on a float32 or at least 2**-27 relative from any midpoint,
+  far more than the 2**-52 error).
+* bf16 / fp16 inputs are widened exactly (``.float()``); outputs are cast from
+  float32 with ``.to()`` (round to nearest even, as the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from savedhooks.kernels.fp8 import (
+    FP8_DTYPES,
+    _check_dequantize_args,
+    _check_quantize_args,
+    _finite_amax,
+    _rescale,
+    _scale_from_amax,
+    _scale_shape,
+    _segments,
+)
+
+__all__ = ["fp8_code", "fp8_value", "fused_fp8_dequantize", "fused_fp8_quantize"]
+
+# fp8 dtype -> (mantissa bits, exponent bias)
+_FORMATS = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
+_E4M3_MAX_BITS = 0x43E00000  # 448.0
+_E5M2_INF_FROM = 0x47800000  # 65536.0: float32 magnitudes from here on are inf in e5m2
+_INF_BITS = 0x7F800000
+
+
+def _exact_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 ``a / b`` for inductor's C++ and Triton codegen alike (see notes)."""
+    if a.device.type == "cpu":
+        return a / b
+    return (a.double() / b.double()).float()
+
+
+def _rne_shift(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``v >> s`` rounded to nearest, ties to even (int32 ``v >= 0``, ``1 <= s <= 25``)."""
+    q = v >> s
+    rem = v & ((1 << s) - 1)
+    half = 1 << (s - 1)
+    return q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).int()
+
+
+def _round_bits(a: torch.Tensor, mantissa_bits: int, bias: int) -> torch.Tensor:
+    """Code (no sign) of the finite float32 with int32 bits ``a >= 0`` in a float of that format.
+
+    Round to nearest even with subnormals; an exponent overflow carries into the
+    all-ones exponent (the inf pattern), as c10's conversions do.
+    """
+    e = a >> 23
+    e_target = e.clamp_min(1) - 127 + bias
+    normal = e_target >= 1
+    mant = torch.where(e > 0, (a & 0x7FFFFF) | 0x800000, a & 0x7FFFFF)
+    v = torch.where(normal, a - ((127 - bias) << 23), mant)
+    s = torch.where(normal, 23 - mantissa_bits, (24 - mantissa_bits - e_target).clamp_max(25))
+    return _rne_shift(v, s)
+
+
+def fp8_code(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fp8 code of each float32 value, as the reference's cast (from the bits, int32 arithmetic).
+
+    Args:
+        y: float32 tensor (already divided by its scale).
+        dtype: ``torch.float8_e4m3fn`` (+-inf -> NaN, magnitudes clamped to 448) or
+            ``torch.float8_e5m2`` (keeps +-inf).
+
+    Returns:
+        int32 tensor of y's shape holding the codes, 0..255.
+
+    Raises:
+        KeyError: ``dtype`` is not a float8 dtype.
+    """
+    mantissa_bits, bias = _FORMATS[dtype]
+    bits = y.view(torch.int32)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    if dtype == torch.float8_e4m3fn:
+        code = _round_bits(a.clamp_max(_E4M3_MAX_BITS), mantissa_bits, bias) | sign
+        code = torch.where(a == _INF_BITS, 0x7F, code)  # no inf in e4m3fn: the reference's (positive) NaN
+    else:
+        code = torch.where(a >= _E5M2_INF_FROM, 0x7C, _round_bits(a, mantissa_bits, bias)) | sign
+    return torch.where(a > _INF_BITS, 0x7F | sign, code)  # NaN
+
+
+def fp8_value(code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float32 value of each fp8 code (exact), rebuilt from its bits.
+
+    Args:
+        code: integer tensor of fp8 codes (0..255), e.g. the ``uint8`` payload.
+        dtype: the float8 dtype the codes are in.
+
+    Returns:
+        float32 tensor of code's shape.
+
+    Raises:
+        KeyError: ``dtype`` is not a float8 dtype.
+    """
+    mantissa_bits, bias = _FORMATS[dtype]
+    code = code.int()
+    exp_mask = (1 << (7 - mantissa_bits)) - 1
+    e = (code >> mantissa_bits) & exp_mask
+    m = code & ((1 << mantissa_bits) - 1)
+    normal = (((e + 127 - bias) << 23) | (m << (23 - mantissa_bits))).view(torch.float32)
+    subnormal = m.float() * 2.0 ** (1 - bias - mantissa_bits)  # exact: a small integer times a power of two
+    magnitude = torch.where(e == 0, subnormal, normal)
+    if dtype == torch.float8_e4m3fn:
+        magnitude = torch.where((code & 0x7F) == 0x7F, float("nan"), magnitude)
+    else:
+        magnitude = torch.where(e == exp_mask, torch.where(m == 0, float("inf"), float("nan")), magnitude)
+    return torch.where((code & 0x80) != 0, -magnitude, magnitude)
+
+
+def _split(x: torch.Tensor, segments: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    """``(rows, groups, size)`` views of x's column segments (see the reference's ``_segments``)."""
+    return [x[:, c0:c1].reshape(x.shape[0], -1, size) for c0, c1, size in segments]
+
+
+def _join(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Invert :func:`_split`: the ``(rows, cols)`` result (``(rows, groups)`` for per-group values)."""
+    flat = [p.reshape(p.shape[0], -1) for p in parts]
+    return flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)
+
+
+def fused_fp8_quantize(
+    x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: int, pow2_scale: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D floating tensor to fp8 codes with float32 scales, in aten ops inductor fuses.
+
+    The codes are the bits of :func:`savedhooks.kernels.fp8.torch_fp8_quantize`'s
+    result (``q.view(torch.uint8)``), the scales are equal bit for bit.
+
+    Args:
+        x: ``(rows, cols)`` float32, bfloat16 or float16 tensor, any strides.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (the codes' format).
+        granularity: ``"tensor"``, ``"row"`` or ``"block"`` (1 x block_size along dim 1).
+        block_size: elements per block; ignored unless granularity is ``"block"``.
+        pow2_scale: round scales up to powers of two.
+
+    Returns:
+        ``(codes, scale)``: contiguous ``uint8`` codes of x's shape; float32 scale of
+        shape ``(1, 1)``, ``(rows, 1)`` or ``(rows, ceil(cols / block_size))``.
+
+    Raises:
+        ValueError: as the reference, for invalid arguments.
+    """
+    _check_quantize_args(x, dtype, granularity, block_size)
+    rows, cols = x.shape
+    scale_shape = _scale_shape(rows, cols, granularity, block_size)
+    if x.numel() == 0:
+        return x.new_empty((rows, cols), dtype=torch.uint8), x.new_ones(scale_shape, dtype=torch.float32)
+    x2 = x.float().reshape(1, -1) if granularity == "tensor" else x.float()
+    parts = _split(x2, _segments(x2.shape[1], granularity, block_size))
+    scales = [_scale_from_amax(_finite_amax(p), torch.finfo(dtype).max, pow2_scale, divide=_exact_div) for p in parts]
+    codes = [fp8_code(_exact_div(p, s.unsqueeze(2)), dtype).to(torch.uint8) for p, s in zip(parts, scales)]
+    return _join(codes).view(rows, cols), _join(scales).view(scale_shape)
+
+
+def fused_fp8_dequantize(
+    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype, block_size: int
+) -> torch.Tensor:
+    """Inverse of :func:`fused_fp8_quantize`, in aten ops inductor fuses into the consumer.
+
+    Same bits (NaN payloads aside) as :func:`savedhooks.kernels.fp8.torch_fp8_dequantize`
+    of ``codes.view(dtype)``.
+
+    Args:
+        codes: ``(rows, cols)`` ``uint8`` fp8 codes.
+        scale: float32 scales as returned by the quantize.
+        dtype: the float8 dtype of the codes.
+        out_dtype: dtype of the result (the original tensor's).
+        block_size: the block size used to quantize (only read for block scales).
+
+    Returns:
+        ``(rows, cols)`` contiguous tensor of ``out_dtype``.
+
+    Raises:
+        ValueError: shapes or dtypes of codes and scale do not fit together, or
+            ``dtype`` is not a float8 dtype.
+    """
+    _check_dequantize_args(codes, scale, (torch.uint8,))
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dequantize: dtype must be one of {FP8_DTYPES}, got {dtype}")
+    rows, cols = codes.shape
+    qf = fp8_value(codes, dtype)
+    if scale.shape[1] == 1:  # row or tensor scales broadcast as they are
+        return _rescale(qf, scale, out_dtype).to(out_dtype)
+    parts, start = [], 0  # block scales: one row of them for all rows, or one row per row
+    for c0, c1, size in _segments(cols, "block", block_size):
+        part = qf[:, c0:c1].reshape(rows, -1, size)
+        groups = part.shape[1]
+        parts.append(_rescale(part, scale[:, start : start + groups].unsqueeze(2), out_dtype))
+        start += groups
+    return _join(parts).to(out_dtype)

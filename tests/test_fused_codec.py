@@ -1,0 +1,208 @@
+"""The decomposed fp8 form (kernels/fp8_fused.py): bit-exact with the aten reference, fused by inductor.
+
+Eager: every fp8 case of the kernel tests (tests/interpret_kernels.py: shape
+sweep, edge values, non-contiguous inputs). Compiled with inductor (CPU): a few
+cases chosen for the code paths (vectorized body and scalar tail, ties and
+subnormals, non-finite values, a short last block, each granularity), each
+compile costing seconds. Then the codec: which form ``backend`` picks, the
+backward of a GELU-MLP dequantizing inside the GELU-backward kernel, and
+gradients equal to those with the opaque op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import interpret_kernels as ik
+import pytest
+import torch
+from models import GraphCapture, train_step, train_step_grads, transformer
+
+import savedhooks as sh
+from savedhooks.codecs.base import pack_saved, unpack_saved, uses_fused
+from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
+from savedhooks.kernels.fp8_fused import fp8_code, fp8_value, fused_fp8_dequantize, fused_fp8_quantize
+
+E4M3, E5M2 = ik.E4M3, ik.E5M2
+FP8_CASES = ik.fp8_cases("cpu", "fused")
+
+
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_fused_is_bit_exact_with_the_reference_eager(case):
+    problem = FP8_CASES[case]()
+    assert problem is None, problem
+
+
+def test_the_float64_division_used_off_cpu_is_bit_exact_too(monkeypatch):
+    """Off CPU the form divides in float64 and rounds (inductor's Triton ``/`` is approximate); same bits."""
+    from savedhooks.kernels import fp8_fused
+
+    monkeypatch.setattr(fp8_fused, "_exact_div", lambda a, b: (a.double() / b.double()).float())
+    names = [n for n in FP8_CASES if n.startswith(("edge", "sweep (17, 33)", "sweep (3, 300)"))]
+    problems = [p for p in (FP8_CASES[n]() for n in names) if p]
+    assert not problems, problems[:3]
+
+
+def test_every_code_round_trips():
+    for dtype in (E4M3, E5M2):
+        codes = torch.arange(256, dtype=torch.uint8)
+        want = codes.view(dtype).float()
+        got = fp8_value(codes, dtype)
+        assert ik._same_bits(f"{dtype} values", want, got, nan_payloads=False) is None
+        finite = torch.isfinite(want)
+        assert torch.equal(fp8_code(got[finite], dtype), codes[finite].int())
+
+
+EDGES = {name: x for name, x, _ in ik.edge_inputs()}
+SWEEP = torch.randn(17, 33, generator=torch.Generator().manual_seed(0)) * torch.exp(
+    2 * torch.randn(17, 1, generator=torch.Generator().manual_seed(1))
+)
+# (input, input dtype, fp8 dtype, granularity, block size, pow2): one compile each
+COMPILED = {
+    "e4m3 grid at scale 1, row": (EDGES[f"{E4M3} grid at scale 1"], torch.float32, E4M3, "row", 128, False),
+    "e5m2 grid scaled, fp16, block 64 with a short last block, pow2": (
+        EDGES[f"{E5M2} grid scaled"], torch.float16, E5M2, "block", 64, True),
+    "non-finite, block 3 (short last block), pow2": (EDGES["non-finite"], torch.float32, E4M3, "block", 3, True),
+    "non-finite, bf16, tensor": (EDGES["non-finite"], torch.bfloat16, E5M2, "tensor", 128, False),
+    "sweep (17, 33), bf16, tensor": (SWEEP, torch.bfloat16, E4M3, "tensor", 128, False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(COMPILED))
+def test_fused_is_bit_exact_with_the_reference_under_inductor(case):
+    x, in_dtype, dtype, granularity, block, pow2 = COMPILED[case]
+    x = x.to(in_dtype)
+    q, scale = torch_fp8_quantize(x, dtype, granularity, block, pow2)
+
+    def roundtrip(x, codes, scale):
+        return fused_fp8_quantize(x, dtype, granularity, block, pow2), fused_fp8_dequantize(codes, scale, dtype, in_dtype, block)
+
+    (got_q, got_scale), got = torch.compile(roundtrip, backend="inductor", fullgraph=True)(x, q.view(torch.uint8), scale)
+    want = torch_fp8_dequantize(q, scale, in_dtype, block)
+    problem = (
+        ik._same_bits("q", q.view(torch.uint8), got_q)
+        or ik._same_bits("scale", scale, got_scale)
+        or ik._same_bits("dequantized", want, got, nan_payloads=False)
+    )
+    assert problem is None, problem
+
+
+def test_bad_arguments_raise_as_the_reference():
+    with pytest.raises(ValueError, match="2-D"):
+        fused_fp8_quantize(torch.randn(4), E4M3, "row", 128, False)
+    with pytest.raises(ValueError, match="granularity"):
+        fused_fp8_quantize(torch.randn(2, 4), E4M3, "column", 128, False)
+    codes, scale = fused_fp8_quantize(torch.randn(2, 4), E4M3, "row", 128, False)
+    with pytest.raises(ValueError, match="uint8"):
+        fused_fp8_dequantize(codes.view(E4M3), scale, E4M3, torch.float32, 128)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        fused_fp8_dequantize(codes, scale, torch.uint8, torch.float32, 128)
+    empty_q, empty_scale = fused_fp8_quantize(torch.empty(0, 5), E4M3, "block", 2, False)
+    assert empty_q.shape == (0, 5) and empty_scale.shape == (0, 3)
+
+
+# --- the codec --------------------------------------------------------------------------------
+
+
+def test_backend_fused_is_valid_for_fp8_only():
+    assert sh.fp8(backend="fused") is not sh.fp8() and "backend='fused'" in sh.fp8(backend="fused").name
+    with pytest.raises(ValueError, match="backend must be one of"):
+        sh.Bitmask("fused")
+    assert uses_fused("fused") and not uses_fused("auto") and not uses_fused("aten")  # eager: no hook context
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn(4, 300) * 3, lambda: torch.randn(2, 3, 8, 10).to(memory_format=torch.channels_last)])
+def test_codec_payloads_of_both_forms_are_the_same_bytes(make):
+    x = make()
+    for codec in (sh.Float8(), sh.Float8(E5M2, "row", 128, True), sh.Float8(granularity="tensor")):
+        fused_codec = dataclasses.replace(codec, backend="fused")
+        q, scale, _, _, fused = pack_saved(fused_codec, x)[1]
+        q_op, scale_op, _, _, fused_op = pack_saved(codec, x)[1]
+        assert fused and not fused_op and q.dtype == torch.uint8 and q_op.dtype == codec.dtype
+        assert torch.equal(q, q_op.view(torch.uint8)) and torch.equal(scale, scale_op)
+        a = unpack_saved(fused_codec, pack_saved(fused_codec, x))
+        b = unpack_saved(codec, pack_saved(codec, x))
+        assert a.stride() == b.stride() and torch.equal(a, b)
+
+
+def test_fused_backend_traces_plain_aten_ops():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    capture = GraphCapture()
+    hooks = sh.fp8(backend="fused")
+    train_step_grads(model, torch.compile(model, backend=capture.backend), torch.randn(16, 8), hooks)
+    code = capture.fw[0] + capture.bw[0]
+    assert "savedhooks.fp8_" not in code and "torch.uint8" in code and "float8" not in code
+    assert "aten.div.Tensor(" in code and "aten.view.dtype(" in code and "aten.__rshift__." in code
+
+
+def test_auto_is_fused_only_where_inductor_compiles():
+    """aot_eager would run each decomposed op as a full-size pass: there "auto" keeps the op, as in eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    x = torch.randn(16, 8)
+    capture = GraphCapture()
+    train_step_grads(model, torch.compile(model, backend=capture.backend), x, sh.fp8())
+    assert "savedhooks.fp8_quantize" in capture.fw[0] and "savedhooks.fp8_dequantize" in capture.bw[0]
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="inductor")
+    _, codes = run_and_get_code(lambda: train_step(model, fn, x, sh.fp8()))
+    assert "fp8_quantize" not in codes[0] and "uint8_t" in codes[0] and "fp8_dequantize" not in codes[-1]
+    # eager: no hook context, "auto" runs the op (the payload is float8)
+    assert pack_saved(sh.Float8(), torch.randn(4, 256))[1][0].dtype == E4M3
+
+
+def _gelu_mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+
+
+def _backward_code(backend: str) -> str:
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model, x = _gelu_mlp(), torch.randn(32, 16)
+    fn = torch.compile(model, backend="inductor")
+    _, codes = run_and_get_code(lambda: train_step(model, fn, x, sh.fp8(backend=backend)))
+    return codes[-1]
+
+
+def _gelu_backward_reads_codes(code: str) -> bool:
+    """Whether the kernel computing GELU's backward reads uint8 codes of a saved tensor itself."""
+    signatures = re.findall(r"(cpp_fused\w*gelu_backward\w*) = async_compile.cpp_pybinding\(\[([^\]]*)\]", code)
+    calls = {name: re.search(rf"\n\s*{name}\(([^)]*)\)", code).group(1) for name, _ in signatures}
+    return any(
+        "const uint8_t*" in types and any(arg.strip().endswith("_hook_1") for arg in calls[name].split(","))
+        for name, types in signatures
+    )
+
+
+def _full_size_float_buffers(code: str) -> int:
+    """(32, 64) float32 buffers the backward allocates, by inductor or by an opaque op."""
+    allocated = len(re.findall(r"empty_strided_cpu\(\(32, 64\), \(64, 1\), torch\.float32\)", code))
+    return allocated + len(re.findall(r"= torch\.ops\.savedhooks\.fp8_dequantize", code))
+
+
+def test_inductor_fuses_the_dequantize_into_the_gelu_backward_kernel():
+    fused, opaque = _backward_code("fused"), _backward_code("aten")
+    assert _gelu_backward_reads_codes(fused), fused
+    assert not _gelu_backward_reads_codes(opaque)  # the check can fail: the op materializes a float tensor first
+    assert "fp8_dequantize" not in fused and "fp8_dequantize" in opaque
+    # GELU's input is dequantized inside the kernel: one full-size float buffer fewer
+    assert _full_size_float_buffers(fused) == _full_size_float_buffers(opaque) - 1
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("model", ["gelu mlp", "transformer"])
+def test_gradients_with_the_fused_form_equal_those_with_the_op(model, backend):
+    make, shape = {"gelu mlp": (_gelu_mlp, (32, 16)), "transformer": (lambda: transformer(1, 32), (2, 8, 32))}[model]
+    torch.manual_seed(0)
+    net, x = make(), torch.randn(*shape)
+    grads = {}
+    for kernels in ("aten", "fused"):
+        torch._dynamo.reset()
+        grads[kernels] = train_step_grads(net, torch.compile(net, backend=backend), x, sh.fp8(backend=kernels))
+    plain = train_step_grads(net, net, x)
+    assert any(not torch.equal(p, f) for p, f in zip(plain, grads["fused"]))  # fp8 did change something
+    for i, (a, f) in enumerate(zip(grads["aten"], grads["fused"])):
+        assert torch.equal(a, f), f"gradient {i}: max |diff| {(a - f).abs().max().item()}"
