@@ -11,7 +11,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import savedhooks as sh
 import savedhooks.passes
-from benchmarks.acceptance import MODELS
 from benchmarks.reorder_inductor import measured_peaks
 from savedhooks.memory.fusion import inlined_nodes
 from savedhooks.passes import ReorderPass, has_hook_chains, is_backward_graph
@@ -183,17 +182,18 @@ def test_inductor_graph_cache_hits_with_the_default_pass(monkeypatch, tmp_path):
 def test_plain_compile_gets_the_measured_backward_peak_of_the_pass():
     """Measured on CPU (deterministic): the default usage as low as sh.backend("inductor"), below torch's order.
 
-    With the opaque op torch's order dequantized everything at the start (under
-    half with the pass); the decomposed form fuses each dequantize into its
-    consumer, so torch's own order is already much lower and the pass's gain smaller.
+    With the opaque op torch's order dequantized everything at the start (the
+    pass halved the backward peak); the decomposed form fuses each dequantize
+    into its consumer, so torch's own order is already lower and the gain smaller
+    (0.91x here, 0.70x on the 8-layer MLP: README, "Inductor").
     """
-    make, shape = MODELS["8-layer MLP"]
-    x = torch.randn(*shape)
-    _, bw_torch = measured_peaks(make(), "inductor", None, x, reorder=False)
-    fw_default, bw_default = measured_peaks(make(), "inductor", None, x, reorder=True)
-    fw_backend, bw_backend = measured_peaks(make(), sh.backend("inductor"), None, x)
-    assert bw_default == bw_backend and fw_default == fw_backend
-    assert bw_default < 0.8 * bw_torch
+    x = torch.randn(4096, 64)  # activations dominate
+    fw_torch, bw_torch = measured_peaks(gelu_mlp(), "inductor", None, x, reorder=False)
+    fw_default, bw_default = measured_peaks(gelu_mlp(), "inductor", None, x, reorder=True)
+    fw_backend, bw_backend = measured_peaks(gelu_mlp(), sh.backend("inductor"), None, x)
+    assert (fw_default, bw_default) == (fw_backend, bw_backend)
+    assert fw_default == fw_torch  # forward graphs keep inductor's order
+    assert bw_default < 0.95 * bw_torch
 
 
 def test_gradients_are_unchanged_by_the_default_pass():
