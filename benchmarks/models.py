@@ -23,6 +23,12 @@ masked targets for backward), and torch's own hook path, one ``make_fx``'d
 GraphModule pair for every saved tensor, cannot give an int64 tensor back: it
 would fail on every model for that reason alone. It still meets the int64
 tensors that the models make themselves (max-pool indices, GPT-2's position ids).
+
+The language models run with ``use_cache=False``, as training does (nothing
+reads the KV cache; transformers turns it off itself under checkpointing). With
+it on, each layer's K and V are forward outputs as well as saved tensors, and
+torch's hook inlining packs only intermediates, never outputs: they would stay
+in float32 in every configuration with hooks (README, "Limits").
 """
 
 from __future__ import annotations
@@ -192,6 +198,7 @@ def _gpt2_model(layers: int, hidden: int, heads: int, seq: int, device: str, att
     config = transformers.GPT2Config(
         n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=_VOCAB, n_positions=seq, bos_token_id=0,
         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attention,
+        use_cache=False,
     )  # fmt: skip
     return transformers.GPT2LMHeadModel(config).to(device)
 
@@ -224,7 +231,7 @@ def _llama(size: float, device: str) -> Workload:
     config = transformers.LlamaConfig(
         num_hidden_layers=_LAYERS, hidden_size=_HIDDEN, intermediate_size=688, num_attention_heads=_HEADS,
         num_key_value_heads=2, vocab_size=_VOCAB, max_position_embeddings=seq, bos_token_id=0, eos_token_id=0,
-        pad_token_id=0,
+        pad_token_id=0, use_cache=False,
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(config).to(device)
     desc = f"{_LAYERS} layers, hidden {_HIDDEN}, GQA 4/2, seq {seq}, batch {batch}"

@@ -345,8 +345,14 @@ def inductor_placement(enabled: bool = True) -> Iterator[None]:
     a tuple of passes in order and keys its FX graph cache on all their uuids),
     and has AOTAutograd compile the backward graph together with the forward
     (``force_non_lazy_backward_lowering``): torch otherwise compiles it at the
-    first ``backward()``, after the block has exited. Entered by
-    :class:`savedhooks.saved_tensors_hooks`; both settings are restored on exit.
+    first ``backward()``, after the block has exited. It also turns off
+    inductor's buffer-reuse pool (``allow_buffer_reuse``): that pool keeps a freed
+    buffer allocated until a later buffer of the same size takes it over, so a
+    dequantized activation, freed right after its matmul, stayed allocated
+    through the next layer's backward (ViT at batch 32: 24.6 MiB across the
+    attention backward, 0.92x the step peak with it off). Freeing at the last use
+    never holds more bytes; in-place reuse (``inplace_buffers``) is kept. Entered
+    by :class:`savedhooks.saved_tensors_hooks`; all settings are restored on exit.
 
     Args:
         enabled: False leaves inductor's settings as they are (the opt-out).
@@ -364,7 +370,7 @@ def inductor_placement(enabled: bool = True) -> Iterator[None]:
     from torch._inductor import config as inductor_config
 
     slot = _with_pass(inductor_config.post_grad_custom_post_pass, _REORDER_PASSES[False, True])
-    with inductor_config.patch(post_grad_custom_post_pass=slot), \
+    with inductor_config.patch(post_grad_custom_post_pass=slot, allow_buffer_reuse=False), \
             functorch_config.patch(force_non_lazy_backward_lowering=True):  # fmt: skip
         yield
 
