@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from benchmarks.__main__ import main, parse_args
 from benchmarks.configs import CONFIGS
@@ -165,3 +166,12 @@ def test_big_model_is_the_size_its_description_says():
     params = sum(p.numel() for p in workload.model.parameters())
     assert 25e6 < params < 35e6
     assert "768" in workload.description and "activations" in workload.description
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_language_models_return_no_kv_cache(name):
+    """K and V returned by the forward would be outputs, which torch never packs: training runs without the cache."""
+    workload = make_workload(name, size=0.5)
+    with torch.no_grad():
+        out = workload.model(**workload.inputs)
+    assert out.past_key_values is None
