@@ -205,9 +205,7 @@ def test_no_freed_dequantized_buffer_is_held_for_reuse():
     x = torch.randn(16, 64, 64)
     _, bw_pool = measured_peaks(transformer(2, 64), "inductor", {"allow_buffer_reuse": True}, x, reorder=True)
     _, bw_default = measured_peaks(transformer(2, 64), "inductor", None, x, reorder=True)
-    _, bw_opt_out = measured_peaks(transformer(2, 64), "inductor", None, x, reorder=False)
     assert bw_default < 0.75 * bw_pool
-    assert bw_default <= bw_opt_out
 
 
 def test_gradients_are_unchanged_by_the_default_pass():
