@@ -26,8 +26,7 @@ Design notes
   rounds to the inf code) comes first. fp8-subnormal results are float arithmetic:
   ``torch.round(|y| * 2**(bias - 1 + mantissa bits))`` (2**9, 2**16) is exact up
   to the rounding, which is half to even, and the integer is the code (a value that
-  rounds up to the smallest normal gives its code, ``2**mantissa bits``). The result
-  equals the reference's cast for all 2**32 float32 bit patterns, in both formats.
+  rounds up to the smallest normal gives its code, ``2**mantissa bits``).
 * Groups: ``(rows, groups, size)`` views of the float32 input's column segments, as
   the reference's ``_segments``: a last block shorter than ``block_size`` is its own
   segment, and the results are concatenated. (Zero padding to whole blocks and
