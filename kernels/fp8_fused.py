@@ -11,10 +11,22 @@ Design notes
   opaque ops (chunked aten reference, Triton) are better there.
 * No float8 dtype ever reaches a compiled kernel (torch 2.13's inductor C++ backend
   cannot vectorize ``Float8_e4m3fn``): the quantized payload is the fp8 code as
-  ``uint8``, computed from the float32 bits with int32 arithmetic (round to nearest
-  even, subnormals included; e4m3fn: +-inf -> NaN, clamp to 448; e5m2 keeps +-inf),
-  the same arithmetic as the Triton kernels' ``_fp8_code`` / ``_fp8_value``. Decoding
-  rebuilds the float32 bits (exact) and rescales with the reference's ``_rescale``.
+  ``uint8``, computed from the float32 bits (round to nearest even, subnormals
+  included; e4m3fn: +-inf -> NaN, clamp to 448; e5m2 keeps +-inf). Decoding rebuilds
+  the float32 bits (exact) and rescales with the reference's ``_rescale``.
+* The encode uses constant shift amounts only, so that inductor's C++ backend
+  vectorizes the kernel it lands in (a per-element shift count, as in a generic
+  "shift right by 24 - mantissa bits - exponent" rounding, left whole fused kernels
+  as scalar loops). Two paths, selected with ``torch.where``:
+  fp8-normal results (``|y| >= 2**(1 - bias)``) round to nearest even on the int32
+  bits with constant masks (add ``2**(s-1) - 1`` plus the lowest kept bit, shift by
+  ``s = 23 - mantissa bits``: 20 for e4m3fn, 21 for e5m2; a mantissa carry runs into
+  the exponent, an exponent overflow into the inf pattern), then rebias the exponent
+  with a constant subtraction; the clamp (448 for e4m3fn, 65536 for e5m2, which
+  rounds to the inf code) comes first. fp8-subnormal results are float arithmetic:
+  ``torch.round(|y| * 2**(bias - 1 + mantissa bits))`` (2**9, 2**16) is exact up
+  to the rounding, which is half to even, and the integer is the code (a value that
+  rounds up to the smallest normal gives its code, ``2**mantissa bits``).
 * Groups: ``(rows, groups, size)`` views of the float32 input's column segments, as
   the reference's ``_segments``: a last block shorter than ``block_size`` is its own
   segment, and the results are concatenated. (Zero padding to whole blocks and
@@ -66,27 +78,30 @@ def _exact_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() / b.double()).float()
 
 
-def _rne_shift(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """``v >> s`` rounded to nearest, ties to even (int32 ``v >= 0``, ``1 <= s <= 25``)."""
-    q = v >> s
-    rem = v & ((1 << s) - 1)
-    half = 1 << (s - 1)
-    return q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).int()
+def _normal_code(a: torch.Tensor, mantissa_bits: int, bias: int) -> torch.Tensor:
+    """Code (no sign) of the float32 with int32 bits ``a`` (finite, >= 0) that is normal in the fp8 format.
 
-
-def _round_bits(a: torch.Tensor, mantissa_bits: int, bias: int) -> torch.Tensor:
-    """Code (no sign) of the finite float32 with int32 bits ``a >= 0`` in a float of that format.
-
-    Round to nearest even with subnormals; an exponent overflow carries into the
-    all-ones exponent (the inf pattern), as c10's conversions do.
+    Round to nearest even on the float32 bits with constant masks: adding
+    ``2**(s-1) - 1`` plus the lowest kept bit carries into the kept bits exactly
+    when the dropped ``s = 23 - mantissa_bits`` bits are above half, or at half with
+    an odd lowest kept bit (a mantissa carry runs into the exponent, an exponent
+    overflow into the inf pattern). Rebiasing the exponent is then a constant
+    subtraction. Constant shifts only: inductor's C++ vectorizer keeps the loop.
     """
-    e = a >> 23
-    e_target = e.clamp_min(1) - 127 + bias
-    normal = e_target >= 1
-    mant = torch.where(e > 0, (a & 0x7FFFFF) | 0x800000, a & 0x7FFFFF)
-    v = torch.where(normal, a - ((127 - bias) << 23), mant)
-    s = torch.where(normal, 23 - mantissa_bits, (24 - mantissa_bits - e_target).clamp_max(25))
-    return _rne_shift(v, s)
+    shift = 23 - mantissa_bits
+    rounded = a + ((1 << (shift - 1)) - 1) + ((a >> shift) & 1)
+    return (rounded >> shift) - ((127 - bias) << mantissa_bits)
+
+
+def _subnormal_code(magnitude: torch.Tensor, mantissa_bits: int, bias: int) -> torch.Tensor:
+    """Code of a float32 magnitude below the format's smallest normal ``2**(1 - bias)``.
+
+    ``magnitude * 2**(bias - 1 + mantissa_bits)`` is exact (a power of two, no
+    overflow) and counts the magnitude in units of the smallest subnormal, so its
+    round half to even (``torch.round``) is the code; a magnitude that rounds up to
+    the smallest normal gives ``2**mantissa_bits``, which is that normal's code.
+    """
+    return torch.round(magnitude * 2.0 ** (bias - 1 + mantissa_bits)).int()
 
 
 def fp8_code(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -107,11 +122,16 @@ def fp8_code(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     bits = y.view(torch.int32)
     sign = (bits >> 24) & 0x80
     a = bits & 0x7FFFFFFF
+    # e4m3fn clamps to 448; in e5m2 the clamp bound 65536 rounds to the inf code itself
+    top = _E4M3_MAX_BITS if dtype == torch.float8_e4m3fn else _E5M2_INF_FROM
+    subnormal = a < ((128 - bias) << 23)  # below 2**(1 - bias)
+    tiny = torch.where(subnormal, y.abs(), 0.0)  # no huge or NaN magnitude reaches the float -> int conversion
+    code = torch.where(
+        subnormal, _subnormal_code(tiny, mantissa_bits, bias), _normal_code(a.clamp_max(top), mantissa_bits, bias)
+    )
+    code = code | sign
     if dtype == torch.float8_e4m3fn:
-        code = _round_bits(a.clamp_max(_E4M3_MAX_BITS), mantissa_bits, bias) | sign
         code = torch.where(a == _INF_BITS, 0x7F, code)  # no inf in e4m3fn: the reference's (positive) NaN
-    else:
-        code = torch.where(a >= _E5M2_INF_FROM, 0x7C, _round_bits(a, mantissa_bits, bias)) | sign
     return torch.where(a > _INF_BITS, 0x7F | sign, code)  # NaN
 
 

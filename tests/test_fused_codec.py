@@ -76,9 +76,13 @@ def test_fused_is_bit_exact_with_the_reference_under_inductor(case):
     q, scale = torch_fp8_quantize(x, dtype, granularity, block, pow2)
 
     def roundtrip(x, codes, scale):
-        return fused_fp8_quantize(x, dtype, granularity, block, pow2), fused_fp8_dequantize(codes, scale, dtype, in_dtype, block)
+        return fused_fp8_quantize(x, dtype, granularity, block, pow2), fused_fp8_dequantize(
+            codes, scale, dtype, in_dtype, block
+        )
 
-    (got_q, got_scale), got = torch.compile(roundtrip, backend="inductor", fullgraph=True)(x, q.view(torch.uint8), scale)
+    (got_q, got_scale), got = torch.compile(roundtrip, backend="inductor", fullgraph=True)(
+        x, q.view(torch.uint8), scale
+    )
     want = torch_fp8_dequantize(q, scale, in_dtype, block)
     problem = (
         ik._same_bits("q", q.view(torch.uint8), got_q)
@@ -112,7 +116,9 @@ def test_backend_fused_is_valid_for_fp8_only():
     assert uses_fused("fused") and not uses_fused("auto") and not uses_fused("aten")  # eager: no hook context
 
 
-@pytest.mark.parametrize("make", [lambda: torch.randn(4, 300) * 3, lambda: torch.randn(2, 3, 8, 10).to(memory_format=torch.channels_last)])
+@pytest.mark.parametrize(
+    "make", [lambda: torch.randn(4, 300) * 3, lambda: torch.randn(2, 3, 8, 10).to(memory_format=torch.channels_last)]
+)
 def test_codec_payloads_of_both_forms_are_the_same_bytes(make):
     x = make()
     for codec in (sh.Float8(), sh.Float8(E5M2, "row", 128, True), sh.Float8(granularity="tensor")):
@@ -208,3 +214,32 @@ def test_gradients_with_the_fused_form_equal_those_with_the_op(model, backend):
     assert any(not torch.equal(p, f) for p, f in zip(plain, grads["fused"]))  # fp8 did change something
     for i, (a, f) in enumerate(zip(grads["aten"], grads["fused"])):
         assert torch.equal(a, f), f"gradient {i}: max |diff| {(a - f).abs().max().item()}"
+
+
+def _forward_code(model: torch.nn.Module, x: torch.Tensor) -> str:
+    """Inductor's (CPU) forward code of a training step with the fused fp8 hooks."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="inductor")
+    _, codes = run_and_get_code(lambda: train_step(model, fn, x, sh.fp8(backend="fused"), reorder=False))
+    return codes[0]
+
+
+def test_inductor_vectorizes_the_quantize_it_fuses():
+    """The encode's shifts are constant: inductor's C++ backend keeps the fused kernels vectorized.
+
+    A transformer block's forward quantizes the GELU output inside a kernel that
+    reads it through a reshaped view; with a per-element shift count the encode
+    made that kernel a scalar loop (``max_shift`` guards are how the scalar codegen
+    prints a shift; the vector codegen prints none).
+    """
+    torch.manual_seed(0)
+    code = _forward_code(transformer(1, 128), torch.randn(4, 96, 128))
+    kernels = re.findall(
+        r"\n(cpp_fused\w*) = async_compile.cpp_pybinding\(\[([^\]]*)\], r?'''(.*?)'''", code, re.DOTALL
+    )
+    quantizing = {name: body for name, types, body in kernels if "uint8_t*" in types}
+    assert quantizing, "no kernel writes fp8 codes"
+    scalar = [name for name, body in quantizing.items() if "max_shift" in body or "Vectorized<int32_t>" not in body]
+    assert not scalar, f"quantize kernels not vectorized: {scalar}"
