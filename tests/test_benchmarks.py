@@ -175,3 +175,12 @@ def test_language_models_return_no_kv_cache(name):
     with torch.no_grad():
         out = workload.model(**workload.inputs)
     assert out.past_key_values is None
+
+
+def test_peak_ops_finds_the_phase_of_the_peak():
+    """An MLP without hooks peaks in its backward (gradients join the saved activations), above the forward's bytes."""
+    from benchmarks.peak_ops import peak_ops
+
+    result = peak_ops("mlp", 0.25, "compiled")
+    assert result["ops"][0] == "## backward"
+    assert result["peak"] > result["forward"] > result["backward"] >= 0

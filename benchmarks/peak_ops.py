@@ -1,0 +1,102 @@
+"""Where a training step peaks: ``python -m benchmarks.peak_ops --model gpt2 --size 8 --config sh``.
+
+Runs one step of a benchmark model compiled with inductor (CPU), under the
+profiler with memory events, and prints the peak above what was live before
+the step, the ops running at that moment (outermost first), and the bytes
+alive at the end of the forward (the loss included) and of the backward. The
+configurations: ``compiled`` (no hooks), ``sh`` (``sh.fp8()``) and ``sh policy``
+(``sh.policy()``), all plain ``torch.compile(model)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from typing import Any
+
+import torch
+
+import savedhooks as sh
+from benchmarks.models import MODELS, make_workload
+from savedhooks.memory.measure import _without_kineto_markers
+
+__all__ = ["peak_ops"]
+
+_HOOKS = {"compiled": None, "sh": sh.fp8, "sh policy": sh.policy}
+_FORWARD, _BACKWARD = "## forward", "## backward"
+
+
+def peak_ops(model: str, size: float, config: str) -> dict[str, Any]:
+    """Profile one warm step; see the module docstring.
+
+    Args:
+        model: a key of ``benchmarks.models.MODELS``.
+        size: batch multiplier.
+        config: ``"compiled"``, ``"sh"`` or ``"sh policy"``.
+
+    Returns:
+        ``{"peak": bytes, "ops": [op names at the peak], "forward": bytes, "backward": bytes}``.
+
+    Raises:
+        KeyError: unknown model or configuration.
+    """
+    hooks = _HOOKS[config]() if _HOOKS[config] else None
+    workload = make_workload(model, size)
+    compiled = torch.compile(workload.model)
+
+    def step() -> None:
+        hooked = sh.saved_tensors_hooks(hooks) if hooks else contextlib.nullcontext()
+        with torch.profiler.record_function(_FORWARD), hooked:
+            loss = workload.loss(compiled)
+        with torch.profiler.record_function(_BACKWARD):
+            loss.backward()
+        workload.model.zero_grad(set_to_none=True)
+
+    step()  # compile
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with _without_kineto_markers():
+        prof.__enter__()
+    try:
+        step()
+    finally:
+        with _without_kineto_markers():
+            prof.__exit__(None, None, None)
+    events = list(prof.profiler.kineto_results.events())
+    cpu = torch._C._autograd.DeviceType.CPU
+    memory = sorted(
+        (e for e in events if e.name() == "[memory]" and e.device_type() == cpu), key=lambda e: e.start_ns()
+    )
+    live, peak, at, timeline = 0, 0, 0, []
+    for event in memory:
+        live += event.nbytes()
+        timeline.append((event.start_ns(), live))
+        if live > peak:
+            peak, at = live, event.start_ns()
+    ops = [e for e in events if e.name() != "[memory]" and e.start_ns() <= at <= e.start_ns() + e.duration_ns()]
+
+    def live_at_end(name: str) -> int:
+        end = max(e.start_ns() + e.duration_ns() for e in events if e.name() == name)
+        return max([b for t, b in timeline if t <= end][-1:] or [0])
+
+    return {"peak": peak, "ops": [e.name() for e in sorted(ops, key=lambda e: e.start_ns())],
+            "forward": live_at_end(_FORWARD), "backward": live_at_end(_BACKWARD)}  # fmt: skip
+
+
+def main() -> None:
+    """Print the peak, the ops at the peak and the live bytes after forward and backward (MiB)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.peak_ops")
+    parser.add_argument("--model", choices=list(MODELS), default="gpt2")
+    parser.add_argument("--size", type=float, default=8.0)
+    parser.add_argument("--config", choices=list(_HOOKS), default="sh")
+    args = parser.parse_args()
+    result = peak_ops(args.model, args.size, args.config)
+    mib = 2.0**20
+    print(f"{args.model} --size {args.size:g}, {args.config}: step peak {result['peak'] / mib:.1f} MiB")
+    print("ops running at the peak: " + " > ".join(op[:80] for op in result["ops"]))
+    print(
+        f"live after the forward {result['forward'] / mib:.1f} MiB, after the backward {result['backward'] / mib:.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
