@@ -190,8 +190,9 @@ def test_plain_compile_gets_the_measured_backward_peak_of_the_pass():
     fw_torch, bw_torch = measured_peaks(gelu_mlp(), "inductor", None, x, reorder=False)
     fw_default, bw_default = measured_peaks(gelu_mlp(), "inductor", None, x, reorder=True)
     fw_backend, bw_backend = measured_peaks(gelu_mlp(), sh.backend("inductor"), None, x)
-    assert (fw_default, bw_default) == (fw_backend, bw_backend)
-    assert fw_default == fw_torch  # forward graphs keep inductor's order
+    assert bw_default == bw_backend
+    # forward graphs keep inductor's order; with its reuse pool off they hold no more
+    assert fw_default <= min(fw_torch, fw_backend)
     assert bw_default < 0.95 * bw_torch
 
 
