@@ -18,7 +18,7 @@ import torch
 
 import savedhooks as sh
 from benchmarks.models import MODELS, make_workload
-from savedhooks.memory.measure import _without_kineto_markers
+from savedhooks.memory.measure import kineto_events
 
 __all__ = ["peak_ops"]
 
@@ -53,15 +53,7 @@ def peak_ops(model: str, size: float, config: str) -> dict[str, Any]:
         workload.model.zero_grad(set_to_none=True)
 
     step()  # compile
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-    with _without_kineto_markers():
-        prof.__enter__()
-    try:
-        step()
-    finally:
-        with _without_kineto_markers():
-            prof.__exit__(None, None, None)
-    events = list(prof.profiler.kineto_results.events())
+    events = kineto_events(step)
     cpu = torch._C._autograd.DeviceType.CPU
     memory = sorted(
         (e for e in events if e.name() == "[memory]" and e.device_type() == cpu), key=lambda e: e.start_ns()

@@ -27,7 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from savedhooks.memory.graph import tensor_storages
 
-__all__ = ["cpu_memory_trace", "measure_peak", "profile_graph"]
+__all__ = ["cpu_memory_trace", "kineto_events", "measure_peak", "profile_graph"]
 
 
 def cpu_memory_trace(fn: Callable[[], Any]) -> list[int]:
@@ -45,6 +45,29 @@ def cpu_memory_trace(fn: Callable[[], Any]) -> list[int]:
     Raises:
         Whatever ``fn`` raises.
     """
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = [e for e in kineto_events(fn) if e.name() == "[memory]" and e.device_type() == cpu]
+    live, trace = 0, []
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        trace.append(live)
+    return trace
+
+
+def kineto_events(fn: Callable[[], Any]) -> list[Any]:
+    """Run ``fn`` under the CPU profiler with memory events; return kineto's raw events (ops and ``[memory]``).
+
+    The session's start/stop markers on stderr are filtered (see :func:`_without_kineto_markers`).
+
+    Args:
+        fn: the call to profile.
+
+    Returns:
+        The events of ``prof.profiler.kineto_results.events()``, unsorted.
+
+    Raises:
+        Whatever ``fn`` raises.
+    """
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     with _without_kineto_markers():
         prof.__enter__()
@@ -53,13 +76,7 @@ def cpu_memory_trace(fn: Callable[[], Any]) -> list[int]:
     finally:
         with _without_kineto_markers():
             prof.__exit__(*sys.exc_info())
-    cpu = torch._C._autograd.DeviceType.CPU
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
-    live, trace = 0, []
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        trace.append(live)
-    return trace
+    return list(prof.profiler.kineto_results.events())
 
 
 # kineto's session markers: "USDT:2026-01-01 12:00:00 123:123 SyncActivityProfilerHandler.cpp:52] profiler_start"
