@@ -18,7 +18,7 @@ import torch
 
 import savedhooks as sh
 from benchmarks.models import MODELS, make_workload
-from savedhooks.memory.measure import kineto_events
+from savedhooks.memory.measure import kineto_events, live_bytes
 
 __all__ = ["peak_ops"]
 
@@ -54,16 +54,8 @@ def peak_ops(model: str, size: float, config: str) -> dict[str, Any]:
 
     step()  # compile
     events = kineto_events(step)
-    cpu = torch._C._autograd.DeviceType.CPU
-    memory = sorted(
-        (e for e in events if e.name() == "[memory]" and e.device_type() == cpu), key=lambda e: e.start_ns()
-    )
-    live, peak, at, timeline = 0, 0, 0, []
-    for event in memory:
-        live += event.nbytes()
-        timeline.append((event.start_ns(), live))
-        if live > peak:
-            peak, at = live, event.start_ns()
+    timeline = live_bytes(events)
+    at, peak = max(timeline, key=lambda point: point[1], default=(0, 0))
     ops = [e for e in events if e.name() != "[memory]" and e.start_ns() <= at <= e.start_ns() + e.duration_ns()]
 
     def live_at_end(name: str) -> int:

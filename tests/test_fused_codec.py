@@ -163,16 +163,21 @@ def _gelu_mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
 
 
-def _backward_code(backend: str) -> str:
+def _step_code(model: torch.nn.Module, x: torch.Tensor, backend: str) -> list[str]:
+    """Inductor's (CPU) code of a training step under ``sh.fp8(backend=backend)``: forward first, backward last."""
     from torch._inductor.utils import run_and_get_code
 
-    torch.manual_seed(0)
-    model, x = _gelu_mlp(), torch.randn(32, 16)
+    torch._dynamo.reset()
     fn = torch.compile(model, backend="inductor")
     # reorder=False: torch's own order on both sides, so that only the codec differs (the pass
     # changes which freed buffers inductor reuses, and with them the count of allocations)
     _, codes = run_and_get_code(lambda: train_step(model, fn, x, sh.fp8(backend=backend), reorder=False))
-    return codes[-1]
+    return codes
+
+
+def _backward_code(backend: str) -> str:
+    torch.manual_seed(0)
+    return _step_code(_gelu_mlp(), torch.randn(32, 16), backend)[-1]
 
 
 def _gelu_backward_reads_codes(code: str) -> bool:
@@ -216,16 +221,6 @@ def test_gradients_with_the_fused_form_equal_those_with_the_op(model, backend):
         assert torch.equal(a, f), f"gradient {i}: max |diff| {(a - f).abs().max().item()}"
 
 
-def _forward_code(model: torch.nn.Module, x: torch.Tensor) -> str:
-    """Inductor's (CPU) forward code of a training step with the fused fp8 hooks."""
-    from torch._inductor.utils import run_and_get_code
-
-    torch._dynamo.reset()
-    fn = torch.compile(model, backend="inductor")
-    _, codes = run_and_get_code(lambda: train_step(model, fn, x, sh.fp8(backend="fused"), reorder=False))
-    return codes[0]
-
-
 def test_inductor_vectorizes_the_quantize_it_fuses():
     """The encode's shifts are constant: inductor's C++ backend keeps the fused kernels vectorized.
 
@@ -235,7 +230,7 @@ def test_inductor_vectorizes_the_quantize_it_fuses():
     prints a shift; the vector codegen prints none).
     """
     torch.manual_seed(0)
-    code = _forward_code(transformer(1, 128), torch.randn(4, 96, 128))
+    code = _step_code(transformer(1, 128), torch.randn(4, 96, 128), "fused")[0]
     kernels = re.findall(
         r"\n(cpp_fused\w*) = async_compile.cpp_pybinding\(\[([^\]]*)\], r?'''(.*?)'''", code, re.DOTALL
     )

@@ -27,7 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from savedhooks.memory.graph import tensor_storages
 
-__all__ = ["cpu_memory_trace", "kineto_events", "measure_peak", "profile_graph"]
+__all__ = ["cpu_memory_trace", "kineto_events", "live_bytes", "measure_peak", "profile_graph"]
 
 
 def cpu_memory_trace(fn: Callable[[], Any]) -> list[int]:
@@ -45,13 +45,28 @@ def cpu_memory_trace(fn: Callable[[], Any]) -> list[int]:
     Raises:
         Whatever ``fn`` raises.
     """
+    return [live for _, live in live_bytes(kineto_events(fn))]
+
+
+def live_bytes(events: list[Any]) -> list[tuple[int, int]]:
+    """CPU live bytes after each allocation or free among kineto ``events``, in time order.
+
+    Args:
+        events: raw kineto events, as :func:`kineto_events` returns them.
+
+    Returns:
+        ``(start_ns, live bytes relative to the first event)`` per CPU ``[memory]`` event.
+
+    Raises:
+        Nothing.
+    """
     cpu = torch._C._autograd.DeviceType.CPU
-    events = [e for e in kineto_events(fn) if e.name() == "[memory]" and e.device_type() == cpu]
-    live, trace = 0, []
-    for event in sorted(events, key=lambda e: e.start_ns()):
+    memory = [e for e in events if e.name() == "[memory]" and e.device_type() == cpu]
+    live, timeline = 0, []
+    for event in sorted(memory, key=lambda e: e.start_ns()):
         live += event.nbytes()
-        trace.append(live)
-    return trace
+        timeline.append((event.start_ns(), live))
+    return timeline
 
 
 def kineto_events(fn: Callable[[], Any]) -> list[Any]:
