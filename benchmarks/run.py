@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import statistics
 import time
 import traceback
@@ -173,21 +172,9 @@ def _saved_bytes(step: Step, device: str) -> int:
 
 
 def _grad_sqnr(model: torch.nn.Module, reference: list[torch.Tensor | None]) -> float:
-    """Lowest SQNR over the parameters' gradients; gradients that are rounding noise in the reference are skipped.
-
-    A gradient whose reference norm is under 1e-5 of the largest one is
-    mathematically zero (an attention key bias, which softmax ignores; a bias
-    before batch norm): its SQNR compares noise with noise.
-    """
-    largest = max((float(ref.norm()) for ref in reference if ref is not None), default=0.0)
-    worst = math.inf
-    for p, ref in zip(model.parameters(), reference):
-        if ref is None or float(ref.norm()) <= 1e-5 * largest:
-            continue
-        if p.grad is None:
-            raise RuntimeError("a parameter got no gradient")
-        worst = min(worst, sh.sqnr(ref, p.grad.detach().cpu()))
-    return worst
+    """Lowest SQNR over the parameters' gradients, skipping those that are rounding noise in the reference."""
+    grads = {str(i): p.grad for i, p in enumerate(model.parameters())}
+    return sh.metrics.worst_sqnr({str(i): ref for i, ref in enumerate(reference)}, grads)[0]
 
 
 def _predict(log: GraphLog | None) -> tuple[int | None, tuple[list[int], int] | None]:

@@ -13,7 +13,8 @@ from savedhooks.codecs import (
     offload,
     policy,
 )
-from savedhooks import memory, schedule
+from savedhooks import fidelity, memory, schedule
+from savedhooks.fidelity import sensitivity
 from savedhooks.metrics import sqnr
 from savedhooks.passes import backend, reorder_pass
 from savedhooks.identity import UnfingerprintableError, fingerprint
@@ -61,6 +62,8 @@ __all__ = [
     "memory",
     "schedule",
     "sqnr",
+    "fidelity",
+    "sensitivity",
     # errors
     "HookError",
     "HookMismatchError",

@@ -1,0 +1,133 @@
+"""Pack only some saved tensors, named by keys that are the same from run to run.
+
+Design notes
+------------
+* A key names one saved tensor. Under ``torch.compile`` it is the forward graph's
+  number (in the order the graphs are traced) and the saved value's node name,
+  ``"g0:mm_3"``; names repeat across graphs only. In eager mode (the loss run
+  after a compiled model, or no compile at all) it is the pack call's position in
+  the forward, ``"eager:12"``. Both are stable across runs of the same model and
+  inputs: dynamo retraces the same graphs in the same order, and eager autograd
+  saves the same tensors in the same order.
+* Keys are handed out while a :func:`keyed_run` is active, by the codecs below
+  (their ``choose`` runs once per saved tensor: at trace time under compile, at
+  every forward in eager mode). A new key set is a new codec, hence a new hook
+  pair, hence a recompile under torch.compile: the hooks are part of the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator
+
+import torch
+
+from savedhooks.codecs.base import Codec
+from savedhooks.codecs.policy import producing_op
+from savedhooks.hooks import hook_context
+
+__all__ = ["Census", "SavedTensor", "Selected", "keyed_run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedTensor:
+    """One saved tensor that a codec would pack.
+
+    Attributes:
+        key: stable name (see the module notes).
+        op: the producing op (aten overload-packet name under compile, autograd
+            node name without ``Backward0`` in eager mode), or None.
+        shape: its shape (concrete sizes; symbolic ones as strings).
+        dtype: its dtype.
+        bytes: ``numel * element_size`` before packing.
+    """
+
+    key: str
+    op: str | None
+    shape: tuple[int | str, ...]
+    dtype: torch.dtype
+    bytes: int
+
+
+@dataclasses.dataclass
+class _Run:
+    eager_calls: int = 0
+    graphs: list[torch.fx.Graph] = dataclasses.field(default_factory=list)
+    census: list[SavedTensor] = dataclasses.field(default_factory=list)
+
+
+_RUN: _Run | None = None
+
+
+@contextlib.contextmanager
+def keyed_run() -> Iterator[_Run]:
+    """Number saved tensors from the start: one forward (and its compiles) per run.
+
+    Yields:
+        The run's state; ``census`` lists what a :class:`Census` codec saw.
+
+    Raises:
+        RuntimeError: a keyed run is already active (runs do not nest).
+    """
+    global _RUN
+    if _RUN is not None:
+        raise RuntimeError("savedhooks.fidelity: keyed runs do not nest")
+    _RUN = _Run()
+    try:
+        yield _RUN
+    finally:
+        _RUN = None
+
+
+def _key(x: torch.Tensor) -> tuple[str, str | None]:
+    if _RUN is None:
+        raise RuntimeError("savedhooks.fidelity codecs only run inside savedhooks.fidelity.keyed_run()")
+    ctx = hook_context()
+    if ctx is None:
+        _RUN.eager_calls += 1
+        name = type(x.grad_fn).__name__.removesuffix("Backward0") if x.grad_fn is not None else None
+        return f"eager:{_RUN.eager_calls - 1}", name
+    index = next((i for i, g in enumerate(_RUN.graphs) if g is ctx.fw_graph), None)
+    if index is None:
+        _RUN.graphs.append(ctx.fw_graph)
+        index = len(_RUN.graphs) - 1
+    return f"g{index}:{ctx.node.name}", producing_op(ctx.node)
+
+
+def _size(s: object) -> int | str:
+    return int(s) if isinstance(s, int) else str(s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Census(Codec):
+    """Packs nothing; records every saved tensor that ``inner`` would pack."""
+
+    inner: Codec
+
+    def codecs(self) -> tuple[Codec, ...]:
+        return self.inner.codecs()
+
+    def choose(self, x: torch.Tensor) -> int:
+        key, op = _key(x)
+        # AOTAutograd may trace a hook more than once per saved value: list it once
+        if self.inner.choose(x) >= 0 and all(t.key != key for t in _RUN.census):
+            nbytes = x.numel() * x.element_size()
+            _RUN.census.append(SavedTensor(key, op, tuple(map(_size, x.shape)), x.dtype, int(nbytes)))
+        return -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Selected(Codec):
+    """Applies ``inner`` to the saved tensors named in ``keys`` (or, with ``invert``, to all others)."""
+
+    inner: Codec
+    keys: frozenset[str]
+    invert: bool = False
+
+    def codecs(self) -> tuple[Codec, ...]:
+        return self.inner.codecs()
+
+    def choose(self, x: torch.Tensor) -> int:
+        key, _ = _key(x)
+        return self.inner.choose(x) if (key in self.keys) != self.invert else -1

@@ -1,0 +1,107 @@
+"""sh.sensitivity: which saved tensors hurt the gradients when packed, and the worst-gradient metric."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import savedhooks as sh
+from savedhooks.fidelity import Selected, keyed_run
+
+
+def _classifier(batch: int = 1024) -> tuple[nn.Module, torch.Tensor, callable]:
+    """An MLP whose eager cross-entropy saves a (batch, 10) log-softmax: the tensor fp8 hurts most.
+
+    Its values share a binade, so their rounding errors have one sign and add up
+    over the batch in the gradients (3.5 dB all packed, 30 dB with it kept).
+    """
+    blocks = [m for _ in range(3) for m in (nn.Linear(256, 256), nn.GELU())]
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), *blocks, nn.Linear(256, 10))
+    x = torch.randn(batch, 64)
+    targets = nn.functional.one_hot(torch.randint(0, 10, (batch,)), 10).float()
+    return model, x, lambda logits: nn.functional.cross_entropy(logits, targets)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_sensitivity_finds_the_loss_heads_log_softmax(backend):
+    model, x, loss_fn = _classifier()
+    before = [p.detach().clone() for p in model.parameters()]
+    report = sh.sensitivity(model, (x,), loss_fn=loss_fn, backend=backend, individually=2, verbose=False)
+
+    worst = report.groups[0]
+    # the eager loss, under both backends (eager autograd may hand it over twice: log-softmax, nll)
+    assert {(t.op, t.shape) for t in worst.tensors} == {("LogSoftmax", (1024, 10))}
+    assert all(t.key.startswith("eager:") for t in worst.tensors)
+    # alone it costs as much as everything packed; keeping it recovers more than 20 dB
+    assert worst.only_db < report.all_db + 1
+    assert worst.all_but_db > report.all_db + 20
+    assert all(g.only_db > worst.only_db + 20 for g in report.groups[1:])
+    # bounded cost, stated: the 2 largest alone, the rest by producing op, 2 steps each
+    assert report.backward_passes == 2 + 2 * len(report.groups)
+    assert sum(len(g.tensors) == 1 for g in report.groups) >= 2
+    # the model comes back as it was, without gradients
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    table = report.table()
+    assert "LogSoftmax" in table and f"{report.backward_passes} backward passes" in table
+
+
+def test_sensitivity_keys_name_compiled_nodes_and_groups_stay_within_individually():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    report = sh.sensitivity(model, torch.randn(256, 32), backend="aot_eager", individually=8, verbose=False)
+    keys = [t.key for g in report.groups for t in g.tensors]
+    assert keys and all(k.startswith("g0:") for k in keys) and len(set(keys)) == len(keys)
+    assert all(len(g.tensors) == 1 for g in report.groups)  # fewer than 8 saved: each alone
+    assert {"relu", "tanh"} <= {g.op for g in report.groups}
+    assert all(20 < g.only_db < 80 for g in report.groups)  # packed lossily, not broken
+
+
+def test_sensitivity_rejects_bad_arguments():
+    model, x, _ = _classifier(8)
+    with pytest.raises(ValueError, match="individually"):
+        sh.sensitivity(model, (x,), individually=-1)
+    with pytest.raises(TypeError, match="codec"):
+        sh.sensitivity(model, (x,), codec="fp8")
+    with pytest.raises(TypeError, match="Module"):
+        sh.sensitivity(lambda x: x, (x,))
+    with pytest.raises(ValueError, match="no floating tensor"):
+        sh.sensitivity(_IntOutput(), (torch.randn(2, 4),), backend=None, verbose=False)
+
+
+class _IntOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).argmax(-1)
+
+
+def test_selected_codec_needs_a_keyed_run_and_runs_do_not_nest():
+    codec = Selected(sh.Float8(), frozenset())
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="keyed_run"):
+        with sh.saved_tensors_hooks(codec.hooks()):
+            (x.exp() * 2).sum()
+    with keyed_run(), pytest.raises(RuntimeError, match="nest"):
+        with keyed_run():
+            pass
+
+
+def test_worst_sqnr_skips_noise_and_ranks_nan_worst():
+    big = torch.randn(100)
+    noise = torch.full((3,), 1e-9)
+    reference = {"w": big, "noise": noise, "frozen": None}
+    # noise is "wrong" by 100 %, but its reference is rounding noise: skipped
+    db, name = sh.metrics.worst_sqnr(reference, {"w": big * 1.01, "noise": -noise})
+    assert name == "w" and db == pytest.approx(40.0, abs=0.01)
+    nan = big.clone()
+    nan[3] = float("nan")
+    assert math.isnan(sh.metrics.worst_sqnr(reference, {"w": nan, "noise": noise})[0])
+    assert sh.metrics.worst_sqnr(reference, {"w": big, "noise": noise}) == (math.inf, "w")
+    with pytest.raises(ValueError, match="no approximation"):
+        sh.metrics.worst_sqnr(reference, {"noise": noise})
+    inf = big.clone()
+    inf[0] = float("inf")
+    assert sh.sqnr(big, inf) == -math.inf
