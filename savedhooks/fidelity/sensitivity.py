@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -92,9 +93,12 @@ class Sensitivity:
 
     def table(self) -> str:
         """A Markdown table, one row per group, most harmful first."""
-        lines = [
+        heading = (
             f"codec {self.codec!r}: {len(self.groups)} groups, {self.backward_passes} backward passes; "
-            f"all packed: {_db(self.all_db)} dB (worst {self.all_worst})",
+            f"all packed: {_db(self.all_db)} dB (worst {self.all_worst})"
+        )
+        lines = [
+            heading,
             "",
             "| saved | op | MiB | only this packed dB | all but this packed dB | worst parameter |",
             "|---|---|---:|---:|---:|---|",
