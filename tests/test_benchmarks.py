@@ -7,6 +7,7 @@ timing. The big model is only built, never run (a step takes seconds).
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 
 import pytest
@@ -184,3 +185,33 @@ def test_peak_ops_finds_the_phase_of_the_peak():
     result = peak_ops("mlp", 0.25, "compiled")
     assert result["ops"][0] == "## backward"
     assert result["peak"] > result["forward"] > result["backward"] >= 0
+
+
+def test_train_learns_and_reports_each_configuration_against_no_hooks(tmp_path, capsys):
+    from benchmarks import train
+
+    assert train.main(["--models", "mlp", "--configs", "no hooks", "sh.fp8()", "--steps", "12", "--size", "0.25",
+                       "--out", str(tmp_path)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    rows = list(csv.DictReader((tmp_path / "train.csv").open()))
+    assert [r["config"] for r in rows] == ["no hooks", "sh.fp8()"]
+    assert list(rows[0])[: len(train.COLUMNS)] == [c[0] for c in train.COLUMNS]
+    for r in rows:
+        losses = [float(v) for v in r["losses"].split()]
+        assert len(losses) == 12 and losses[-1] < 0.8 * losses[0]  # the teacher's task is learnable
+    assert float(rows[0]["final_vs_no_hooks"]) == 0.0
+    # the same data and init: fp8 changes the curve a little, not at all would mean no packing
+    assert rows[0]["losses"] != rows[1]["losses"] and abs(float(rows[1]["final_vs_no_hooks"])) < 10
+    assert "| mlp | sh.fp8() | 12 |" in out and (tmp_path / "train_loss.png").stat().st_size > 0
+
+
+def test_train_tasks_are_the_same_for_every_configuration_and_lm_text_follows_the_chain():
+    from benchmarks import train
+    from benchmarks.models import make_workload
+
+    workload = make_workload("gpt2", 0.5)
+    (a, _), (b, _) = train._task("gpt2", workload, 3), train._task("gpt2", workload, 3)
+    assert torch.equal(a["input_ids"], b["input_ids"]) and not torch.equal(a["input_ids"], train._task("gpt2", workload, 4)[0]["input_ids"])
+    ids = a["input_ids"]
+    pairs = {(int(x), int(y)) for x, y in zip(ids[:, :-1].flatten(), ids[:, 1:].flatten())}
+    assert ids.max() < 64 and len(pairs) <= 64 * 4  # each token has at most 4 successors

@@ -10,11 +10,11 @@ import re
 import expecttest
 import pytest
 import torch
+from models import GraphCapture, mlp, train_step_grads, transformer
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
-from models import GraphCapture, mlp, train_step_grads, transformer
 from savedhooks.codecs.base import narrow_broadcast, pack_saved, unpack_saved
 from savedhooks.codecs.fp8 import Float8
 
@@ -164,10 +164,10 @@ def test_downcast_to_the_same_dtype_is_exact_end_to_end(backend):
 # --- policy -------------------------------------------------------------------------------
 
 
-def _layer_norm_stats_and_packed(keep_ops) -> tuple[list[str], list[str]]:
+def _layer_norm_stats_and_packed(keep_ops, relative_bytes: float = 0.0) -> tuple[list[str], list[str]]:
     model = transformer(layers=1)
     capture = GraphCapture()
-    hooks = sh.policy(min_bytes=0, keep_ops=keep_ops)
+    hooks = sh.policy(min_bytes=0, keep_ops=keep_ops, relative_bytes=relative_bytes)
     train_step_grads(model, torch.compile(model, backend=capture.backend), torch.randn(2, 32, 64), hooks)
     fw = capture.fw[0]
     # native_layer_norm returns (out, mean, rstd); a stat saved as is keeps its getitem as the saved output

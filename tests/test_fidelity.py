@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import savedhooks as sh
-from savedhooks.fidelity import Selected, keyed_run
+from savedhooks.fidelity import Census, Selected, keyed_run
 
 
 def _classifier(batch: int = 1024) -> tuple[nn.Module, torch.Tensor, callable]:
@@ -103,3 +103,59 @@ def test_worst_sqnr_skips_noise_and_ranks_nan_worst():
     inf = big.clone()
     inf[0] = float("inf")
     assert sh.sqnr(big, inf) == -math.inf
+
+
+# --- the policy's rules, from the sensitivity evidence ------------------------------------------
+
+
+def _census(codec, fn, *inputs) -> list[tuple]:
+    """Shapes of the saved tensors that ``codec`` would pack in one forward of ``fn``."""
+    with keyed_run() as run, sh.saved_tensors_hooks(Census(codec).hooks()):
+        fn(*inputs)
+    return [t.shape for t in run.census]
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_policy_keeps_the_narrow_loss_head_and_beats_fp8(backend):
+    model, x, loss_fn = _classifier()
+    fp8 = sh.sensitivity(model, (x,), loss_fn=loss_fn, backend=backend, individually=0, verbose=False)
+    policy = sh.sensitivity(
+        model, (x,), codec=sh.policy(), loss_fn=loss_fn, backend=backend, individually=0, verbose=False
+    )
+    assert fp8.all_db < 10 and policy.all_db > fp8.all_db + 15
+    assert (1024, 10) not in [t.shape for g in policy.groups for t in g.tensors]
+    # a wide softmax is packed: the rule is about rows of few classes
+    wide = sh.Policy(narrow_softmax=8)
+    assert (1024, 10) in _census(wide, lambda: loss_fn(model(x)).backward())
+
+
+class _Rotary(nn.Module):
+    """A batch-independent (T, C) table multiplies every sequence, as rotary embeddings do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(128, 128)
+        self.register_buffer("freq", torch.randn(1, 128))
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], dtype=x.dtype).view(-1, 1)
+        table = torch.sin(positions @ self.freq)  # a matmul: saved, not recomputed in backward
+        return nn.functional.gelu(self.lin(x) * table)
+
+
+def test_policy_keeps_what_is_small_next_to_the_graphs_largest_saved_tensor():
+    model, x = _Rotary(), torch.randn(32, 64, 128)  # table 32 KiB, activations 1 MiB
+    fn = torch.compile(model, backend="aot_eager")
+    packed = _census(sh.Policy(), fn, x)
+    assert packed == [(2048, 128)]
+    assert sorted(_census(sh.Policy(relative_bytes=0), fn, x)) == [(64, 128), (2048, 128)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"narrow_softmax": -1}, "narrow_softmax"), ({"narrow_softmax": True}, "narrow_softmax"),
+     ({"relative_bytes": 1.0}, "relative_bytes"), ({"relative_bytes": "1/16"}, "relative_bytes")],
+)  # fmt: skip
+def test_policy_rejects_bad_rules(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sh.policy(**kwargs)

@@ -18,7 +18,15 @@ from savedhooks.codecs.bitmask import Bitmask
 from savedhooks.codecs.fp8 import Float8
 from savedhooks.hooks import hook_context
 
-__all__ = ["DEFAULT_KEEP_OPS", "Policy", "is_statistic_of", "policy", "producing_op"]
+__all__ = [
+    "DEFAULT_KEEP_OPS",
+    "Policy",
+    "is_narrow_softmax",
+    "is_statistic_of",
+    "largest_saved_bytes",
+    "policy",
+    "producing_op",
+]
 
 # Statistics saved by normalization and fused attention: small, and their error is
 # amplified (rstd multiplies every element of a row; the logsumexp of attention
@@ -36,6 +44,11 @@ DEFAULT_KEEP_OPS = (
     "_native_batch_norm_legit_no_training",
     "_fused_rms_norm",
 )
+
+
+# (log-)softmax outputs: autograd node names in eager mode, aten op names in graphs
+_SOFTMAX_NODES = ("LogSoftmaxBackward0", "SoftmaxBackward0")
+_SOFTMAX_OPS = ("_log_softmax", "_softmax", "log_softmax", "softmax")
 
 
 def _through_aliases(node: torch.fx.Node) -> torch.fx.Node:
@@ -99,6 +112,58 @@ def is_statistic_of(node: torch.fx.Node, ops: tuple[str, ...]) -> bool:
     return _numel(node) < _largest_input_numel(node, original)
 
 
+def is_narrow_softmax(x: torch.Tensor, node: torch.fx.Node | None, classes: int) -> bool:
+    """Whether a saved value is a (log-)softmax output over at most ``classes`` values per row.
+
+    A classifier's loss head saves its log-softmax (``(batch, 10)`` after 10
+    classes); the values of a row sit in a few binades, so fp8's rounding errors
+    share a sign and add up over the batch in every gradient (sh.sensitivity on a
+    10-class MLP: 3.5 dB with it packed, 30 dB with it kept).
+
+    Args:
+        x: the saved tensor (its last dim is the softmax dim).
+        node: its node in the forward graph under compile, None in eager mode
+            (then the autograd node that made ``x`` decides).
+        classes: the largest row length that counts as narrow.
+
+    Returns:
+        True when ``x`` should be kept as it is.
+
+    Raises:
+        Nothing.
+    """
+    if x.dim() == 0 or not isinstance(x.shape[-1], int) or x.shape[-1] > classes:
+        return False
+    if node is None:
+        return type(x.grad_fn).__name__ in _SOFTMAX_NODES
+    return producing_op(node) in _SOFTMAX_OPS or _op_name(node.meta.get("original_aten")) in _SOFTMAX_OPS
+
+
+def largest_saved_bytes(bw_graph: torch.fx.Graph) -> int | None:
+    """Bytes of the largest tensor a compiled forward saves for its backward.
+
+    Args:
+        bw_graph: the backward graph being compiled (its placeholders are the
+            saved values and the tangents).
+
+    Returns:
+        The size in bytes, or None when a saved size is symbolic.
+
+    Raises:
+        Nothing.
+    """
+    largest = 0
+    for node in bw_graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if node.name.startswith("tangents") or not isinstance(val, torch.Tensor):
+            continue
+        numel = val.numel()
+        if not isinstance(numel, int):
+            return None
+        largest = max(largest, numel * val.element_size())
+    return largest
+
+
 def _numel(node: torch.fx.Node) -> int:
     val = node.meta.get("val")
     return val.numel() if isinstance(val, torch.Tensor) else 0
@@ -130,6 +195,8 @@ class Policy(Codec):
     integer: Codec | None = None
     min_bytes: int = 1024
     keep_ops: tuple[str, ...] = DEFAULT_KEEP_OPS
+    narrow_softmax: int = 256
+    relative_bytes: float = 1 / 16
 
     def __post_init__(self) -> None:
         for name in ("floating", "boolean", "integer"):
@@ -139,17 +206,34 @@ class Policy(Codec):
         if isinstance(self.keep_ops, str) or not all(isinstance(op, str) for op in self.keep_ops):
             raise ValueError(f"policy: keep_ops must be a tuple of op names, got {self.keep_ops!r}")
         object.__setattr__(self, "keep_ops", tuple(self.keep_ops))
+        if not isinstance(self.narrow_softmax, int) or isinstance(self.narrow_softmax, bool) or self.narrow_softmax < 0:
+            raise ValueError(f"policy: narrow_softmax must be a non-negative int, got {self.narrow_softmax!r}")
+        if not isinstance(self.relative_bytes, (int, float)) or not 0 <= self.relative_bytes < 1:
+            raise ValueError(f"policy: relative_bytes must be a number in [0, 1), got {self.relative_bytes!r}")
 
     def codecs(self) -> tuple[Codec, ...]:
         """The configured codecs, in the fixed order floating, boolean, integer."""
         return tuple(c for c in (self.floating, self.boolean, self.integer) if c is not None)
 
+    def keeps(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is stored as it is whatever its dtype (the rules of :func:`policy`)."""
+        nbytes = x.numel() * x.element_size()
+        if nbytes < self.min_bytes:
+            return True
+        ctx = hook_context()
+        node = ctx.node if ctx is not None else None
+        if x.is_floating_point() and is_narrow_softmax(x, node, self.narrow_softmax):
+            return True
+        if ctx is None:
+            return False
+        if is_statistic_of(ctx.node, self.keep_ops):
+            return True
+        largest = largest_saved_bytes(ctx.bw_graph) if self.relative_bytes else None
+        return largest is not None and isinstance(nbytes, int) and nbytes < self.relative_bytes * largest
+
     def choose(self, x: torch.Tensor) -> int:
         """Pick the codec for ``x`` (index into :meth:`codecs`), or -1 to keep it as is."""
-        if x.numel() * x.element_size() < self.min_bytes:
-            return -1
-        ctx = hook_context()
-        if ctx is not None and is_statistic_of(ctx.node, self.keep_ops):
+        if self.keeps(x):
             return -1
         if x.dtype == torch.bool:
             codec = self.boolean
@@ -168,8 +252,18 @@ def policy(
     integer: Any = None,
     min_bytes: int = 1024,
     keep_ops: tuple[str, ...] = DEFAULT_KEEP_OPS,
+    narrow_softmax: int = 256,
+    relative_bytes: float = 1 / 16,
 ):
-    """Hooks that pick a codec for each saved tensor.
+    """Hooks that pick a codec for each saved tensor, and keep the ones that lossy packing hurts.
+
+    Kept as they are (the rules, from ``sh.sensitivity`` on the benchmark models;
+    see the README's "Fidelity"): tensors under ``min_bytes``; normalization and
+    attention statistics (``keep_ops``); a (log-)softmax over at most
+    ``narrow_softmax`` classes (a classifier's loss head); under compile, tensors
+    smaller than ``relative_bytes`` of the largest one the same graph saves (a
+    rotary table shared by the whole batch: its error is the same in every
+    sequence). The rest: fp8 for floating tensors, bitmasks for bool ones.
 
     Args:
         floating: codec for floating tensors (default fp8 e4m3 block 128), or None.
@@ -182,12 +276,17 @@ def policy(
             (layer norm's mean and rstd, not its normalized output), the output
             of a single-output op (add ``"_softmax"`` to keep attention
             probabilities). Known only under ``torch.compile``.
+        narrow_softmax: (log-)softmax outputs whose last dim is at most this are
+            stored as they are (0: none).
+        relative_bytes: under compile, tensors smaller than this fraction of the
+            largest tensor saved by the same graph are stored as they are (0: none).
 
     Returns:
         The cached :class:`~savedhooks.HookPair`.
 
     Raises:
         TypeError: a codec argument is not a savedhooks codec.
-        ValueError: ``min_bytes`` or ``keep_ops`` is malformed.
+        ValueError: ``min_bytes``, ``keep_ops``, ``narrow_softmax`` or
+            ``relative_bytes`` is malformed.
     """
-    return Policy(floating, boolean, integer, min_bytes, tuple(keep_ops)).hooks()
+    return Policy(floating, boolean, integer, min_bytes, tuple(keep_ops), narrow_softmax, relative_bytes).hooks()
