@@ -15,10 +15,12 @@ Numerics (the spec the Triton kernels must match bit for bit):
   normal float32 so that tiny groups never divide by zero; with ``pow2_scale``
   rounded up to a power of two (exact: a mantissa carry on the bits).
 * ``q = fp8(clamp(x / scale, -fmax, fmax))`` with round-to-nearest-even. Non-finite
-  values are never made finite: NaN stays NaN; +-inf stays +-inf in e5m2 and
-  becomes NaN in e4m3fn, which has no infinity (torch's own cast would saturate
-  it to +-448). Finite neighbours keep full accuracy: amax skips non-finite values.
-* ``x' = q * scale`` in float32, clamped to the output dtype's finite range for
+  values are never made finite. e5m2 keeps NaN and +-inf as they are. e4m3fn has
+  no infinity (torch's own cast would saturate it to +-448): its two NaN codes,
+  0x7F and 0xFF, carry +inf and -inf, so an additive attention mask's -inf comes
+  back exact, and a NaN comes back as the infinity of its sign bit (still not
+  finite). Finite neighbours keep full accuracy: amax skips non-finite values.
+* ``x' = q * scale`` in float32 (e4m3fn codes 0x7F / 0xFF: +-inf), clamped to the output dtype's finite range for
   finite codes (a power-of-two scale can round fp16's 65504 up to 65536), then
   cast to the output dtype.
 """
@@ -77,9 +79,18 @@ def _scale_from_amax(amax: torch.Tensor, fmax: float, pow2_scale: bool, divide=t
 def _cast(y: torch.Tensor, dtype: torch.dtype, fmax: float) -> torch.Tensor:
     # |y| <= fmax up to rounding, as the scale comes from the group's amax.
     if dtype == torch.float8_e4m3fn:
-        # No inf in e4m3fn: +-inf becomes NaN (torch's cast would saturate it to +-448).
-        y.masked_fill_(torch.isinf(y), float("nan")).clamp_(-fmax, fmax)
+        # No inf in e4m3fn: +-inf takes the NaN code of its sign (torch's cast would saturate
+        # it to +-448, and keeps a NaN's sign), which decoding turns back into +-inf.
+        y = torch.where(torch.isinf(y), torch.full_like(y, float("nan")).copysign(y), y).clamp_(-fmax, fmax)
     return y.to(dtype)  # e5m2 keeps +-inf and NaN as they are
+
+
+def _code_value(q: torch.Tensor) -> torch.Tensor:
+    """float32 value of fp8 ``q``; e4m3fn's NaN codes are +-inf (see the numerics above)."""
+    qf = q.float()
+    if q.dtype == torch.float8_e4m3fn:
+        qf = torch.where(torch.isnan(qf), torch.full_like(qf, float("inf")).copysign(qf), qf)
+    return qf
 
 
 def torch_fp8_quantize(
@@ -154,7 +165,7 @@ def torch_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.
             groups = q3.shape[1]
             s = s_rows[:, block_index : block_index + groups] if per_block else s_rows
             block_index += groups
-            out[r:r_end, c0:c1].view(r_end - r, -1, size).copy_(_rescale(q3.float(), s.unsqueeze(2), out_dtype))
+            out[r:r_end, c0:c1].view(r_end - r, -1, size).copy_(_rescale(_code_value(q3), s.unsqueeze(2), out_dtype))
     return out
 
 

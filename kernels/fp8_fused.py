@@ -12,7 +12,8 @@ Design notes
 * No float8 dtype ever reaches a compiled kernel (torch 2.13's inductor C++ backend
   cannot vectorize ``Float8_e4m3fn``): the quantized payload is the fp8 code as
   ``uint8``, computed from the float32 bits (round to nearest even, subnormals
-  included; e4m3fn: +-inf -> NaN, clamp to 448; e5m2 keeps +-inf). Decoding rebuilds
+  included; e4m3fn: +-inf and NaN -> the NaN code of their sign, decoded as +-inf,
+  clamp to 448; e5m2 keeps +-inf). Decoding rebuilds
   the float32 bits (exact) and rescales with the reference's ``_rescale``.
 * The encode uses constant shift amounts only, so that inductor's C++ backend
   vectorizes the kernel it lands in (a per-element shift count, as in a generic
@@ -109,8 +110,8 @@ def fp8_code(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     Args:
         y: float32 tensor (already divided by its scale).
-        dtype: ``torch.float8_e4m3fn`` (+-inf -> NaN, magnitudes clamped to 448) or
-            ``torch.float8_e5m2`` (keeps +-inf).
+        dtype: ``torch.float8_e4m3fn`` (+-inf and NaN -> the NaN code of their sign,
+            magnitudes clamped to 448) or ``torch.float8_e5m2`` (keeps +-inf and NaN).
 
     Returns:
         int32 tensor of y's shape holding the codes, 0..255.
@@ -131,7 +132,7 @@ def fp8_code(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     )
     code = code | sign
     if dtype == torch.float8_e4m3fn:
-        code = torch.where(a == _INF_BITS, 0x7F, code)  # no inf in e4m3fn: the reference's (positive) NaN
+        code = torch.where(a == _INF_BITS, 0x7F | sign, code)  # no inf in e4m3fn: the NaN code of its sign
     return torch.where(a > _INF_BITS, 0x7F | sign, code)  # NaN
 
 
@@ -157,7 +158,7 @@ def fp8_value(code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     subnormal = m.float() * 2.0 ** (1 - bias - mantissa_bits)  # exact: a small integer times a power of two
     magnitude = torch.where(e == 0, subnormal, normal)
     if dtype == torch.float8_e4m3fn:
-        magnitude = torch.where((code & 0x7F) == 0x7F, float("nan"), magnitude)
+        magnitude = torch.where((code & 0x7F) == 0x7F, float("inf"), magnitude)  # the NaN codes carry +-inf
     else:
         magnitude = torch.where(e == exp_mask, torch.where(m == 0, float("inf"), float("nan")), magnitude)
     return torch.where((code & 0x80) != 0, -magnitude, magnitude)

@@ -82,14 +82,14 @@ def _round_bits(a, MB: tl.constexpr, BIAS: tl.constexpr):
 
 @triton.jit
 def _fp8_code(y, IS_E4M3: tl.constexpr):
-    """float32 -> fp8 code as the reference's ``_cast`` (e4m3fn: inf -> NaN, clamp to 448; e5m2: as is)."""
+    """float32 -> fp8 code as the reference's ``_cast`` (e4m3fn: +-inf -> NaN code of its sign, clamp to 448; e5m2: as is)."""
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     a = bits & 0x7FFFFFFF
     is_nan = a > 0x7F800000
     if IS_E4M3:
         code = _round_bits(tl.minimum(a, 0x43E00000), 3, 7) | sign  # 0x43E00000 = 448.0
-        code = tl.where(a == 0x7F800000, 0x7F, code)  # inf -> the reference's (positive) NaN
+        code = tl.where(a == 0x7F800000, 0x7F | sign, code)  # inf -> the NaN code of its sign
     else:
         code = tl.where(a >= 0x47800000, 0x7C, _round_bits(a, 2, 15)) | sign  # >= 65536.0 -> inf
     return tl.where(is_nan, 0x7F | sign, code)
@@ -105,7 +105,7 @@ def _fp8_value(code, IS_E4M3: tl.constexpr):
         bits = ((e + 120) << 23) | (m << 20)
         tiny = m.to(tl.float32) * 0.001953125  # subnormal: m * 2**-9
         special = (code & 0x7F) == 0x7F
-        special_value = float("nan")
+        special_value = float("inf")  # e4m3fn's NaN codes carry +-inf
     else:
         e = (code >> 2) & 0x1F
         m = code & 0x3
