@@ -96,7 +96,11 @@ def _key(x: torch.Tensor) -> tuple[str, str | None]:
 
 
 def _size(s: object) -> int | str:
-    return int(s) if isinstance(s, int) else str(s)
+    """A concrete size: the value, or a symbolic size's hint (dynamic shapes), else its expression."""
+    if isinstance(s, int):
+        return s
+    hint = getattr(getattr(s, "node", None), "hint", None)
+    return int(hint) if hint is not None else str(s)
 
 
 @dataclasses.dataclass(frozen=True)
