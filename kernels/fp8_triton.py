@@ -117,7 +117,7 @@ def _random_bits(index, seed):
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)  # arithmetic shift: the reference's floor division
     lo = (index & 0xFFFFFFFF).to(tl.uint32)
     hi = (index >> 32).to(tl.uint32)
-    return _mix32(_mix32(lo ^ k0) ^ hi ^ k1)
+    return _mix32(lo ^ k0 ^ ((hi ^ k1) * 0x61C88647))
 
 
 @triton.jit

@@ -77,14 +77,14 @@ COMPILED = {
     # stochastic rounding: fp8 subnormals, ties, a short last block, inf / NaN, a negative 64-bit seed
     "stochastic, e4m3 grid scaled, block 64 with a short last block": (
         EDGES[f"{E4M3} grid scaled"], torch.float32, E4M3, "block", 64, False, ik.SEEDS[2]),
-    "stochastic, e5m2 grid at scale 1, fp16, row, pow2": (
-        EDGES[f"{E5M2} grid at scale 1"], torch.float16, E5M2, "row", 128, True, ik.SEEDS[1]),
     "stochastic, non-finite, bf16, tensor": (EDGES["non-finite"], torch.bfloat16, E5M2, "tensor", 128, False, 7),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(COMPILED))
 def test_fused_is_bit_exact_with_the_reference_under_inductor(case):
+    from torch._inductor.utils import run_and_get_code
+
     x, in_dtype, dtype, granularity, block, pow2, seed = COMPILED[case]
     x = x.to(in_dtype)
     seed = None if seed is None else torch.tensor(seed)
@@ -95,9 +95,12 @@ def test_fused_is_bit_exact_with_the_reference_under_inductor(case):
             codes, scale, dtype, in_dtype, block
         )
 
-    (got_q, got_scale), got = torch.compile(roundtrip, backend="inductor", fullgraph=True)(
-        x, q.view(torch.uint8), scale, seed
-    )
+    compiled = torch.compile(roundtrip, backend="inductor", fullgraph=True)
+    ((got_q, got_scale), got), codes = run_and_get_code(compiled, x, q.view(torch.uint8), scale, seed)
+    if seed is not None:  # the hash vectorizes too (a transformer step, as below, takes ~85 s to compile with it)
+        quantizing = _quantize_kernels(codes[0])
+        assert quantizing and not _scalar(quantizing), _scalar(quantizing)
+        assert all("VectorizedN<int64_t,2>" in body and str(0x21F0AAAD) in body for body in quantizing.values())
     want = torch_fp8_dequantize(q, scale, in_dtype, block)
     problem = (
         ik._same_bits("q", q.view(torch.uint8), got_q)
@@ -178,16 +181,15 @@ def _gelu_mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
 
 
-def _step_code(model: torch.nn.Module, x: torch.Tensor, backend: str, rounding: str = "nearest") -> list[str]:
+def _step_code(model: torch.nn.Module, x: torch.Tensor, backend: str) -> list[str]:
     """Inductor's (CPU) code of a training step under ``sh.fp8(backend=backend)``: forward first, backward last."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     fn = torch.compile(model, backend="inductor")
-    hooks = sh.fp8(backend=backend, rounding=rounding)
     # reorder=False: torch's own order on both sides, so that only the codec differs (the pass
     # changes which freed buffers inductor reuses, and with them the count of allocations)
-    _, codes = run_and_get_code(lambda: train_step(model, fn, x, hooks, reorder=False))
+    _, codes = run_and_get_code(lambda: train_step(model, fn, x, sh.fp8(backend=backend), reorder=False))
     return codes
 
 
@@ -237,24 +239,30 @@ def test_gradients_with_the_fused_form_equal_those_with_the_op(model, backend):
         assert torch.equal(a, f), f"gradient {i}: max |diff| {(a - f).abs().max().item()}"
 
 
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_inductor_vectorizes_the_quantize_it_fuses(rounding):
+def _quantize_kernels(code: str) -> dict[str, str]:
+    """Inductor's C++ kernels that write fp8 codes (a non-const ``uint8_t*`` argument): name -> body."""
+    kernels = re.findall(
+        r"\n(cpp_fused\w*) = async_compile.cpp_pybinding\(\[([^\]]*)\], r?'''(.*?)'''", code, re.DOTALL
+    )
+    return {name: body for name, types, body in kernels if "'uint8_t*'" in types}
+
+
+def _scalar(kernels: dict[str, str]) -> list[str]:
+    """Names of the kernels inductor left as scalar loops (a ``max_shift`` guard is how scalar code shifts)."""
+    return [name for name, body in kernels.items() if "max_shift" in body or "Vectorized<int32_t>" not in body]
+
+
+def test_inductor_vectorizes_the_quantize_it_fuses():
     """The encode's shifts are constant: inductor's C++ backend keeps the fused kernels vectorized.
 
     A transformer block's forward quantizes the GELU output inside a kernel that
     reads it through a reshaped view; with a per-element shift count the encode
     made that kernel a scalar loop (``max_shift`` guards are how the scalar codegen
-    prints a shift; the vector codegen prints none). Stochastic rounding adds the
-    int64 hash of the flat index (``VectorizedN<int64_t,2>``) and the seed.
+    prints a shift; the vector codegen prints none). Stochastic rounding is checked
+    on the compiled bit-exact cases above: with its hash this step compiles for
+    ~85 s (its quantize kernels were vectorized too when checked).
     """
     torch.manual_seed(0)
-    code = _step_code(transformer(1, 128), torch.randn(4, 96, 128), "fused", rounding)[0]
-    kernels = re.findall(
-        r"\n(cpp_fused\w*) = async_compile.cpp_pybinding\(\[([^\]]*)\], r?'''(.*?)'''", code, re.DOTALL
-    )
-    quantizing = {name: body for name, types, body in kernels if "uint8_t*" in types}
+    quantizing = _quantize_kernels(_step_code(transformer(1, 128), torch.randn(4, 96, 128), "fused")[0])
     assert quantizing, "no kernel writes fp8 codes"
-    scalar = [name for name, body in quantizing.items() if "max_shift" in body or "Vectorized<int32_t>" not in body]
-    assert not scalar, f"quantize kernels not vectorized: {scalar}"
-    if rounding == "stochastic":  # the check can fail: the hash is there, vectorized
-        assert all("VectorizedN<int64_t,2>" in body and str(0x21F0AAAD) in body for body in quantizing.values())
+    assert not _scalar(quantizing), f"quantize kernels not vectorized: {_scalar(quantizing)}"
