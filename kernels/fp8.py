@@ -145,7 +145,8 @@ def torch_fp8_quantize(
                 block_index += s.shape[1]
             y = x3 / s.unsqueeze(2)
             if seed is not None:
-                bits = random_bits(_chunk_index(r, r_end, c0, c1, cols, x.device), seed)
+                index = _chunk_index(r, r_end, c0, c1, cols, x.device)
+                bits = random_bits(index, seed, below_2_32=rows * cols <= 1 << 32)
                 y = stochastic_round(y, bits.view(y.shape), dtype)
             q[r:r_end, c0:c1].view(r_end - r, -1, size).copy_(_cast(y, dtype, fmax))
     return q, scale

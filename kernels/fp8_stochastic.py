@@ -119,12 +119,14 @@ def seed_keys(seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return k0, torch.div(seed, 1 << 32, rounding_mode="floor") & _M32
 
 
-def random_bits(index: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+def random_bits(index: torch.Tensor, seed: torch.Tensor, below_2_32: bool = False) -> torch.Tensor:
     """32 random bits per element: the hash of (seed, flat index) (see the design notes).
 
     Args:
         index: int64 tensor of non-negative flat indices in the op's ``(rows, cols)`` view.
         seed: 0-d int64 tensor.
+        below_2_32: every index is below 2**32 (the caller knows): the high word's
+            term is the same for all, computed once (same bits, fewer full-size ops).
 
     Returns:
         int64 tensor of index's shape, values in ``[0, 2**32)``.
@@ -133,7 +135,9 @@ def random_bits(index: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
         Nothing.
     """
     k0, k1 = seed_keys(seed)
-    high = (((index >> 32) ^ k1) * KEY_MULTIPLIER) & _M32  # k1 * KEY_MULTIPLIER below 2**32 elements
+    if below_2_32:
+        return mix32(index ^ (k0 ^ ((k1 * KEY_MULTIPLIER) & _M32)))
+    high = (((index >> 32) ^ k1) * KEY_MULTIPLIER) & _M32
     return mix32((index & _M32) ^ k0 ^ high)
 
 

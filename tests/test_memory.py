@@ -280,7 +280,7 @@ def test_measuring_on_cpu_prints_no_profiler_markers_and_keeps_other_stderr(capf
 def test_the_fp8_references_scratch_stays_under_256_kib_per_call(op):
     """Measured on CPU: the aten reference's temporaries on a 16 MiB tensor (its work is chunked by rows).
 
-    Stochastic rounding's int64 random bits take a quarter of the elements per chunk (about 200 KiB).
+    Stochastic rounding's int64 random bits take a quarter of the elements per chunk (about 230 KiB).
     """
     from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
     from savedhooks.memory.scratch import _scratch
