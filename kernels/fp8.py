@@ -14,7 +14,9 @@ Numerics (the spec the Triton kernels must match bit for bit):
   (or all-non-finite) group so zeros come back exact, at least the smallest
   normal float32 so that tiny groups never divide by zero; with ``pow2_scale``
   rounded up to a power of two (exact: a mantissa carry on the bits).
-* ``q = fp8(clamp(x / scale, -fmax, fmax))`` with round-to-nearest-even. Non-finite
+* ``q = fp8(clamp(x / scale, -fmax, fmax))`` with round-to-nearest-even, or, given
+  a ``seed``, stochastic rounding with the random bits of (seed, flat index)
+  (``savedhooks.kernels.fp8_stochastic``: unbiased, same scales). Non-finite
   values are never made finite. e5m2 keeps NaN and +-inf as they are. e4m3fn has
   no infinity (torch's own cast would saturate it to +-448): its two NaN codes,
   0x7F and 0xFF, carry +inf and -inf, so an additive attention mask's -inf comes
@@ -28,6 +30,8 @@ Numerics (the spec the Triton kernels must match bit for bit):
 from __future__ import annotations
 
 import torch
+
+from savedhooks.kernels.fp8_stochastic import random_bits, stochastic_round
 
 __all__ = ["FP8_DTYPES", "GRANULARITIES", "torch_fp8_dequantize", "torch_fp8_quantize"]
 
@@ -49,10 +53,13 @@ def _pow2_ceil(v: torch.Tensor) -> torch.Tensor:
 # size (groups never span rows, so chunking changes no bits). 1 << 18 held up to
 # 3.3 MiB and was no faster on CPU.
 _CHUNK_ELEMS = 1 << 14
+# Stochastic rounding adds int64 temporaries (the random bits): a quarter of the elements per step.
+_STOCHASTIC_CHUNK_SHIFT = 2
 
 
-def _row_chunks(rows: int, cols: int) -> range:
-    return range(0, rows, max(1, _CHUNK_ELEMS // max(cols, 1)))
+def _row_chunks(rows: int, cols: int, stochastic: bool = False) -> range:
+    elems = _CHUNK_ELEMS >> (_STOCHASTIC_CHUNK_SHIFT if stochastic else 0)
+    return range(0, rows, max(1, elems // max(cols, 1)))
 
 
 def _segments(cols: int, granularity: str, block_size: int) -> list[tuple[int, int, int]]:
@@ -76,6 +83,12 @@ def _scale_from_amax(amax: torch.Tensor, fmax: float, pow2_scale: bool, divide=t
     return _pow2_ceil(scale) if pow2_scale else scale
 
 
+def _chunk_index(r: int, r_end: int, c0: int, c1: int, cols: int, device: torch.device) -> torch.Tensor:
+    """int64 flat indices ``row * cols + col`` of rows ``r:r_end``, columns ``c0:c1``."""
+    rows = torch.arange(r, r_end, dtype=torch.int64, device=device).unsqueeze(1) * cols
+    return rows + torch.arange(c0, c1, dtype=torch.int64, device=device)
+
+
 def _cast(y: torch.Tensor, dtype: torch.dtype, fmax: float) -> torch.Tensor:
     # |y| <= fmax up to rounding, as the scale comes from the group's amax.
     if dtype == torch.float8_e4m3fn:
@@ -94,7 +107,12 @@ def _code_value(q: torch.Tensor) -> torch.Tensor:
 
 
 def torch_fp8_quantize(
-    x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: int, pow2_scale: bool
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    granularity: str,
+    block_size: int,
+    pow2_scale: bool,
+    seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D floating tensor to float8 with per-group float32 scales (aten reference).
 
@@ -104,20 +122,24 @@ def torch_fp8_quantize(
         granularity: ``"tensor"``, ``"row"`` or ``"block"`` (1 x block_size along dim 1).
         block_size: elements per block; ignored unless granularity is ``"block"``.
         pow2_scale: round scales up to powers of two.
+        seed: None (round to nearest even), or a 0-d int64 tensor on x's device:
+            stochastic rounding with the random bits of (seed, flat index), see
+            ``savedhooks.kernels.fp8_stochastic``. Scales are the same either way.
 
     Returns:
         ``(q, scale)``: q has x's shape and ``dtype``; scale is float32 of shape
         ``(1, 1)``, ``(rows, 1)`` or ``(rows, ceil(cols / block_size))``.
 
     Raises:
-        ValueError: x is not 2-D floating point, or dtype / granularity / block_size is invalid.
+        ValueError: x is not 2-D floating point, dtype / granularity / block_size is
+            invalid, or seed is not a 0-d int64 tensor.
     """
-    _check_quantize_args(x, dtype, granularity, block_size)
+    _check_quantize_args(x, dtype, granularity, block_size, seed)
     rows, cols = x.shape
     fmax = torch.finfo(dtype).max
     q = torch.empty((rows, cols), dtype=dtype, device=x.device)
     scale = torch.ones(_scale_shape(rows, cols, granularity, block_size), dtype=torch.float32, device=x.device)
-    chunks, segments = _row_chunks(rows, cols), _segments(cols, granularity, block_size)
+    chunks, segments = _row_chunks(rows, cols, seed is not None), _segments(cols, granularity, block_size)
     if granularity == "tensor" and x.numel():
         amax = max(_finite_amax(x[r : r + chunks.step].float().view(1, -1, cols)).amax() for r in chunks)
         scale.copy_(_scale_from_amax(amax.reshape(1, 1), fmax, pow2_scale))
@@ -132,7 +154,12 @@ def torch_fp8_quantize(
                 s = _scale_from_amax(_finite_amax(x3), fmax, pow2_scale)
                 scale[r:r_end, block_index : block_index + s.shape[1]] = s
                 block_index += s.shape[1]
-            q[r:r_end, c0:c1].view(r_end - r, -1, size).copy_(_cast(x3 / s.unsqueeze(2), dtype, fmax))
+            y = x3 / s.unsqueeze(2)
+            if seed is not None:
+                index = _chunk_index(r, r_end, c0, c1, cols, x.device)
+                bits = random_bits(index, seed, below_2_32=rows * cols <= 1 << 32)
+                y = stochastic_round(y, bits.view(y.shape), dtype)
+            q[r:r_end, c0:c1].view(r_end - r, -1, size).copy_(_cast(y, dtype, fmax))
     return q, scale
 
 
@@ -177,7 +204,9 @@ def _rescale(qf: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> t
     return torch.where(torch.isinf(qf), qf, (qf * scale).clamp_(-top, top))
 
 
-def _check_quantize_args(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: int) -> None:
+def _check_quantize_args(
+    x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: int, seed: torch.Tensor | None = None
+) -> None:
     if x.dim() != 2 or not x.is_floating_point() or x.dtype in FP8_DTYPES:
         raise ValueError(f"fp8_quantize expects a 2-D float32/bfloat16/float16 tensor, got {x.dtype}{tuple(x.shape)}")
     if dtype not in FP8_DTYPES:
@@ -186,6 +215,11 @@ def _check_quantize_args(x: torch.Tensor, dtype: torch.dtype, granularity: str, 
         raise ValueError(f"fp8_quantize: granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if block_size < 1:
         raise ValueError(f"fp8_quantize: block_size must be >= 1, got {block_size}")
+    if seed is not None and (not isinstance(seed, torch.Tensor) or seed.dim() != 0 or seed.dtype != torch.int64):
+        got = f"{seed.dtype}{tuple(seed.shape)}" if isinstance(seed, torch.Tensor) else repr(seed)
+        raise ValueError(f"fp8_quantize: seed must be None or a 0-d int64 tensor, got {got}")
+    if seed is not None and seed.device != x.device:
+        raise ValueError(f"fp8_quantize: seed must be on x's device {x.device}, got {seed.device}")
 
 
 def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor, code_dtypes: tuple[torch.dtype, ...] = FP8_DTYPES) -> None:
@@ -210,15 +244,20 @@ def _scale_shape(rows: int, cols: int, granularity: str, block_size: int) -> tup
 
 @torch.library.custom_op("savedhooks::fp8_quantize", mutates_args=())
 def fp8_quantize(
-    x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: int, pow2_scale: bool
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    granularity: str,
+    block_size: int,
+    pow2_scale: bool,
+    seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.savedhooks.fp8_quantize``: see :func:`torch_fp8_quantize`."""
-    return torch_fp8_quantize(x, dtype, granularity, block_size, pow2_scale)
+    return torch_fp8_quantize(x, dtype, granularity, block_size, pow2_scale, seed)
 
 
 @fp8_quantize.register_fake
-def _(x, dtype, granularity, block_size, pow2_scale):
-    _check_quantize_args(x, dtype, granularity, block_size)
+def _(x, dtype, granularity, block_size, pow2_scale, seed=None):
+    _check_quantize_args(x, dtype, granularity, block_size, seed)
     rows, cols = x.shape
     scale = x.new_empty(_scale_shape(rows, cols, granularity, block_size), dtype=torch.float32)
     return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format), scale  # as the real op: contiguous

@@ -28,6 +28,13 @@ Design notes
   ``torch.round(|y| * 2**(bias - 1 + mantissa bits))`` (2**9, 2**16) is exact up
   to the rounding, which is half to even, and the integer is the code (a value that
   rounds up to the smallest normal gives its code, ``2**mantissa bits``).
+* Stochastic rounding (a ``seed``): the same two paths with the random bits of
+  ``savedhooks.kernels.fp8_stochastic`` added before the truncation (its design
+  notes give the arithmetic). The bits come from the hash of the flat index, an
+  ``arange`` that inductor turns into index expressions: nothing random is loaded
+  or materialized, the hash's int64 arithmetic vectorizes (``VectorizedN<int64_t,
+  2>``), and its shifts are constant too, so the quantize kernels stay vectorized
+  (``test_inductor_vectorizes_the_quantize_it_fuses`` covers both roundings).
 * Groups: ``(rows, groups, size)`` views of the float32 input's column segments, as
   the reference's ``_segments``: a last block shorter than ``block_size`` is its own
   segment, and the results are concatenated. (Zero padding to whole blocks and
@@ -62,11 +69,10 @@ from savedhooks.kernels.fp8 import (
     _scale_shape,
     _segments,
 )
+from savedhooks.kernels.fp8_stochastic import FMAX_BITS, SUBNORMAL_BITS, random_bits
+from savedhooks.kernels.fp8_stochastic import FP8_FORMATS as _FORMATS
 
 __all__ = ["fp8_code", "fp8_value", "fused_fp8_dequantize", "fused_fp8_quantize"]
-
-# fp8 dtype -> (mantissa bits, exponent bias)
-_FORMATS = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
 _E4M3_MAX_BITS = 0x43E00000  # 448.0
 _E5M2_INF_FROM = 0x47800000  # 65536.0: float32 magnitudes from here on are inf in e5m2
 _INF_BITS = 0x7F800000
@@ -105,13 +111,38 @@ def _subnormal_code(magnitude: torch.Tensor, mantissa_bits: int, bias: int) -> t
     return torch.round(magnitude * 2.0 ** (bias - 1 + mantissa_bits)).int()
 
 
-def fp8_code(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _stochastic_normal_code(a: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Code (no sign) of float32 bits ``a >= 0`` normal in the fp8 format, rounded stochastically.
+
+    Clamp to fmax's bits, add the random low ``s = 23 - mantissa_bits`` bits, drop
+    them (a carry rounds up), rebias: constant shifts and masks only.
+    """
+    mantissa_bits, bias = _FORMATS[dtype]
+    shift = 23 - mantissa_bits
+    rounded = a.clamp_max(FMAX_BITS[dtype]) + (bits & ((1 << shift) - 1)).int()
+    return (rounded >> shift) - ((127 - bias) << mantissa_bits)
+
+
+def _stochastic_subnormal_code(magnitude: torch.Tensor, bits: torch.Tensor, mantissa_bits: int, bias: int) -> torch.Tensor:
+    """Code of a float32 magnitude below ``2**(1 - bias)``, rounded stochastically.
+
+    The count of smallest subnormals in fixed point (24 fraction bits, truncated)
+    plus 24 random bits, shifted right by 24.
+    """
+    units = (magnitude * 2.0 ** (bias - 1 + mantissa_bits + SUBNORMAL_BITS)).int()
+    return (units + (bits & ((1 << SUBNORMAL_BITS) - 1)).int()) >> SUBNORMAL_BITS
+
+
+def fp8_code(y: torch.Tensor, dtype: torch.dtype, random: torch.Tensor | None = None) -> torch.Tensor:
     """The fp8 code of each float32 value, as the reference's cast (from the bits, int32 arithmetic).
 
     Args:
         y: float32 tensor (already divided by its scale).
         dtype: ``torch.float8_e4m3fn`` (+-inf and NaN -> the NaN code of their sign,
             magnitudes clamped to 448) or ``torch.float8_e5m2`` (keeps +-inf and NaN).
+        random: None (round to nearest even), or int64 random bits in ``[0, 2**32)``
+            broadcastable to y (``fp8_stochastic.random_bits``): stochastic rounding,
+            finite values saturate at fmax in both formats.
 
     Returns:
         int32 tensor of y's shape holding the codes, 0..255.
@@ -127,12 +158,16 @@ def fp8_code(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     top = _E4M3_MAX_BITS if dtype == torch.float8_e4m3fn else _E5M2_INF_FROM
     subnormal = a < ((128 - bias) << 23)  # below 2**(1 - bias)
     tiny = torch.where(subnormal, y.abs(), 0.0)  # no huge or NaN magnitude reaches the float -> int conversion
-    code = torch.where(
-        subnormal, _subnormal_code(tiny, mantissa_bits, bias), _normal_code(a.clamp_max(top), mantissa_bits, bias)
-    )
-    code = code | sign
+    if random is None:
+        small, large = _subnormal_code(tiny, mantissa_bits, bias), _normal_code(a.clamp_max(top), mantissa_bits, bias)
+    else:
+        small = _stochastic_subnormal_code(tiny, random, mantissa_bits, bias)
+        large = _stochastic_normal_code(a, random, dtype)
+    code = torch.where(subnormal, small, large) | sign
     if dtype == torch.float8_e4m3fn:
         code = torch.where(a == _INF_BITS, 0x7F | sign, code)  # no inf in e4m3fn: the NaN code of its sign
+    elif random is not None:
+        code = torch.where(a == _INF_BITS, 0x7C | sign, code)  # the fmax clamp took e5m2's inf: put it back
     return torch.where(a > _INF_BITS, 0x7F | sign, code)  # NaN
 
 
@@ -176,7 +211,12 @@ def _join(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def fused_fp8_quantize(
-    x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: int, pow2_scale: bool
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    granularity: str,
+    block_size: int,
+    pow2_scale: bool,
+    seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D floating tensor to fp8 codes with float32 scales, in aten ops inductor fuses.
 
@@ -189,6 +229,8 @@ def fused_fp8_quantize(
         granularity: ``"tensor"``, ``"row"`` or ``"block"`` (1 x block_size along dim 1).
         block_size: elements per block; ignored unless granularity is ``"block"``.
         pow2_scale: round scales up to powers of two.
+        seed: None (round to nearest even) or a 0-d int64 tensor: stochastic
+            rounding, the reference's bytes for the same seed.
 
     Returns:
         ``(codes, scale)``: contiguous ``uint8`` codes of x's shape; float32 scale of
@@ -197,15 +239,21 @@ def fused_fp8_quantize(
     Raises:
         ValueError: as the reference, for invalid arguments.
     """
-    _check_quantize_args(x, dtype, granularity, block_size)
+    _check_quantize_args(x, dtype, granularity, block_size, seed)
     rows, cols = x.shape
     scale_shape = _scale_shape(rows, cols, granularity, block_size)
     if x.numel() == 0:
         return x.new_empty((rows, cols), dtype=torch.uint8), x.new_ones(scale_shape, dtype=torch.float32)
     x2 = x.float().reshape(1, -1) if granularity == "tensor" else x.float()
-    parts = _split(x2, _segments(x2.shape[1], granularity, block_size))
+    segments = _segments(x2.shape[1], granularity, block_size)
+    parts = _split(x2, segments)
     scales = [_scale_from_amax(_finite_amax(p), torch.finfo(dtype).max, pow2_scale, divide=_exact_div) for p in parts]
-    codes = [fp8_code(_exact_div(p, s.unsqueeze(2)), dtype).to(torch.uint8) for p, s in zip(parts, scales)]
+    if seed is None:
+        bits = [None] * len(parts)
+    else:  # the flat index in the (rows, cols) view: an arange, index expressions for inductor
+        index = torch.arange(x2.numel(), dtype=torch.int64, device=x.device).view(x2.shape)
+        bits = [random_bits(i, seed) for i in _split(index, segments)]
+    codes = [fp8_code(_exact_div(p, s.unsqueeze(2)), dtype, b).to(torch.uint8) for p, s, b in zip(parts, scales, bits)]
     return _join(codes).view(rows, cols), _join(scales).view(scale_shape)
 
 

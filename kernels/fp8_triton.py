@@ -21,6 +21,11 @@ Design notes
   a multiply by a reciprocal.
 * fp8 codes are stored through a ``uint8`` view, bf16 / fp16 outputs through an
   ``int16`` view: no fp8 pointer types are needed.
+* Stochastic rounding (a ``seed`` tensor, ``STOCHASTIC``): the random bits are the
+  hash of ``savedhooks.kernels.fp8_stochastic`` in uint32 (wrapping multiplies)
+  on the element's flat index ``row * cols + col``, the seed loaded from device
+  memory (no host sync); the code is rounded as there, on the float32 bits
+  (:func:`_fp8_code_stochastic`).
 * NaN payloads are not part of the spec: NaN positions (and fp8 NaN codes) match,
   the payload bits of a NaN in the dequantized output may differ from torch's.
 """
@@ -93,6 +98,57 @@ def _fp8_code(y, IS_E4M3: tl.constexpr):
     else:
         code = tl.where(a >= 0x47800000, 0x7C, _round_bits(a, 2, 15)) | sign  # >= 65536.0 -> inf
     return tl.where(is_nan, 0x7F | sign, code)
+
+
+@triton.jit
+def _mix32(x):
+    """The lowbias32-style finalizer of fp8_stochastic.mix32, on uint32 (multiplies wrap)."""
+    x = x ^ (x >> 16)
+    x = x * 0x21F0AAAD
+    x = x ^ (x >> 15)
+    x = x * 0x735A2D97
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _random_bits(index, seed):
+    """uint32 bits of (int64 seed, int64 flat index), as fp8_stochastic.random_bits."""
+    k0 = ((seed & 0xFFFFFFFF).to(tl.uint32) ^ 0x1B873593) * 0x61C88647  # the scrambled low word
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)  # arithmetic shift: the reference's floor division
+    lo = (index & 0xFFFFFFFF).to(tl.uint32)
+    hi = (index >> 32).to(tl.uint32)
+    return _mix32(lo ^ k0 ^ ((hi ^ k1) * 0x61C88647))
+
+
+@triton.jit
+def _stochastic_bits(a, y, r, MB: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, SUB_SCALE: tl.constexpr):
+    """Code (no sign) of finite float32 bits ``a >= 0`` (value y), rounded stochastically with bits r.
+
+    Normal: clamp to TOP (fmax's bits), add the random low 23 - MB bits, truncate,
+    rebias. Subnormal: ``|y| * SUB_SCALE`` (2**(BIAS - 1 + MB + 24)) as int32, plus
+    24 random bits, shifted right by 24.
+    """
+    normal = ((tl.minimum(a, TOP) + (r & ((1 << (23 - MB)) - 1)).to(tl.int32)) >> (23 - MB)) - ((127 - BIAS) << MB)
+    is_subnormal = a < ((128 - BIAS) << 23)
+    tiny = tl.where(is_subnormal, tl.abs(y), 0.0)
+    units = (tiny * SUB_SCALE).to(tl.int32)
+    subnormal = (units + (r & 0xFFFFFF).to(tl.int32)) >> 24
+    return tl.where(is_subnormal, subnormal, normal)
+
+
+@triton.jit
+def _fp8_code_stochastic(y, r, IS_E4M3: tl.constexpr):
+    """float32 -> fp8 code with stochastic rounding (uint32 random bits r); non-finite as :func:`_fp8_code`."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    if IS_E4M3:  # fmax 448 = 0x43E00000; subnormal scale 2**33
+        code = _stochastic_bits(a, y, r, 3, 7, 0x43E00000, 8589934592.0) | sign
+        code = tl.where(a == 0x7F800000, 0x7F | sign, code)  # inf -> the NaN code of its sign
+    else:  # fmax 57344 = 0x47600000; subnormal scale 2**40
+        code = _stochastic_bits(a, y, r, 2, 15, 0x47600000, 1099511627776.0) | sign
+        code = tl.where(a == 0x7F800000, 0x7C | sign, code)  # inf stays inf
+    return tl.where(a > 0x7F800000, 0x7F | sign, code)
 
 
 @triton.jit
@@ -171,12 +227,13 @@ def _group_tile(pid, step, n_groups, cols, groups_per_row, group_size, GROUPS: t
 
 @triton.jit
 def fp8_quantize_kernel(
-    x_ptr, q_ptr, scale_ptr, n_groups, cols, groups_per_row, group_size, stride_r, stride_c,
+    x_ptr, q_ptr, scale_ptr, seed_ptr, n_groups, cols, groups_per_row, group_size, stride_r, stride_c,
     FMAX: tl.constexpr, IS_E4M3: tl.constexpr, POW2: tl.constexpr, MODE: tl.constexpr, BF16_BITS: tl.constexpr,
-    GROUPS: tl.constexpr, BLOCK: tl.constexpr,
+    STOCHASTIC: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Quantize GROUPS groups. MODE 0: own scales (row / block), stored at ``scale_ptr[g]``;
-    1: only the program's amax, stored at ``scale_ptr[pid]``; 2: the one scale at ``scale_ptr[0]``."""
+    1: only the program's amax, stored at ``scale_ptr[pid]``; 2: the one scale at ``scale_ptr[0]``.
+    STOCHASTIC: round stochastically with the int64 seed at ``seed_ptr`` (else never read)."""
     pid = tl.program_id(0)
     if MODE != 2:
         amax = tl.zeros([GROUPS], dtype=tl.float32)
@@ -197,7 +254,11 @@ def fp8_quantize_kernel(
         for step in range(0, group_size, BLOCK):
             g, row, col, mask = _group_tile(pid, step, n_groups, cols, groups_per_row, group_size, GROUPS, BLOCK)
             x = _load_f32(x_ptr + row * stride_r + col * stride_c, mask, BF16_BITS)
-            code = _fp8_code(tl.div_rn(x, scale + tl.zeros_like(x)), IS_E4M3)
+            y = tl.div_rn(x, scale + tl.zeros_like(x))
+            if STOCHASTIC:
+                code = _fp8_code_stochastic(y, _random_bits(row * cols + col, tl.load(seed_ptr)), IS_E4M3)
+            else:
+                code = _fp8_code(y, IS_E4M3)
             tl.store(q_ptr + row * cols + col, code.to(tl.uint8), mask=mask)
 
 
@@ -257,7 +318,12 @@ def _groups(rows: int, cols: int, group_size: int) -> tuple[int, int, int]:
 
 
 def triton_fp8_quantize(
-    x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: int, pow2_scale: bool
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    granularity: str,
+    block_size: int,
+    pow2_scale: bool,
+    seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D tensor to float8 with float32 scales (Triton; ``torch.ops.savedhooks.triton_fp8_quantize``).
 
@@ -271,6 +337,8 @@ def triton_fp8_quantize(
         granularity: ``"tensor"`` (two passes), ``"row"`` or ``"block"`` (one pass).
         block_size: elements per block; ignored unless granularity is ``"block"``.
         pow2_scale: round scales up to powers of two.
+        seed: None (round to nearest even) or a 0-d int64 tensor on x's device:
+            stochastic rounding, the reference's bytes for the same seed.
 
     Returns:
         ``(q, scale)``: contiguous q of x's shape and ``dtype``; float32 scale of
@@ -279,9 +347,9 @@ def triton_fp8_quantize(
     Raises:
         ValueError: as the reference, for invalid arguments.
     """
-    _check_quantize_args(x, dtype, granularity, block_size)
+    _check_quantize_args(x, dtype, granularity, block_size, seed)
     if not runs_triton(fp8_quantize_kernel, x):
-        return fp8_quantize(x, dtype, granularity, block_size, pow2_scale)
+        return fp8_quantize(x, dtype, granularity, block_size, pow2_scale, seed)
     rows, cols = x.shape
     q = torch.empty((rows, cols), dtype=dtype, device=x.device)
     if x.numel() == 0:
@@ -291,23 +359,24 @@ def triton_fp8_quantize(
     consts = {"FMAX": torch.finfo(dtype).max, "IS_E4M3": dtype == torch.float8_e4m3fn, "POW2": pow2_scale,
               "BF16_BITS": bf16_bits}  # fmt: skip
     args = (x.view(torch.int16) if bf16_bits else x, q.view(torch.uint8))
+    stochastic = seed is not None
     if granularity != "tensor":
         n_groups, per_row, size = _groups(rows, cols, block_size if granularity == "block" else cols)
         groups, block = _tile(size)
         grid = (triton.cdiv(n_groups, groups),)
-        launch(fp8_quantize_kernel, grid, *args, scale, n_groups, cols, per_row, size, *x.stride(),
-               MODE=0, GROUPS=groups, BLOCK=block, **consts)  # fmt: skip
+        launch(fp8_quantize_kernel, grid, *args, scale, seed if stochastic else scale, n_groups, cols, per_row, size,
+               *x.stride(), MODE=0, STOCHASTIC=stochastic, GROUPS=groups, BLOCK=block, **consts)  # fmt: skip
         return q, scale
     n_groups, per_row, size = _groups(rows, cols, _TILE)
     groups, block = _tile(size)
     grid = (triton.cdiv(n_groups, groups),)
     partial = torch.empty(grid[0], dtype=torch.float32, device=x.device)
-    launch(fp8_quantize_kernel, grid, *args, partial, n_groups, cols, per_row, size, *x.stride(),
-           MODE=1, GROUPS=groups, BLOCK=block, **consts)  # fmt: skip
+    launch(fp8_quantize_kernel, grid, *args, partial, partial, n_groups, cols, per_row, size, *x.stride(),
+           MODE=1, STOCHASTIC=False, GROUPS=groups, BLOCK=block, **consts)  # fmt: skip
     launch(fp8_tensor_scale_kernel, (1,), partial, scale, grid[0], FMAX=consts["FMAX"], POW2=pow2_scale,
            BLOCK=_REDUCE_BLOCK)  # fmt: skip
-    launch(fp8_quantize_kernel, grid, *args, scale, n_groups, cols, per_row, size, *x.stride(),
-           MODE=2, GROUPS=groups, BLOCK=block, **consts)  # fmt: skip
+    launch(fp8_quantize_kernel, grid, *args, scale, seed if stochastic else scale, n_groups, cols, per_row, size,
+           *x.stride(), MODE=2, STOCHASTIC=stochastic, GROUPS=groups, BLOCK=block, **consts)  # fmt: skip
     return q, scale
 
 

@@ -52,7 +52,7 @@ def _same_bits(name: str, want: torch.Tensor, got: torch.Tensor, nan_payloads: b
 
 
 def fp8_impl(impl: str):
-    """``(quantize, dequantize)`` of ``impl`` with the reference's signatures and results.
+    """``(quantize, dequantize)`` of ``impl`` with the reference's signatures (seed included) and results.
 
     ``"triton"``: the Triton ops; ``"fused"``: the decomposed form (its uint8 codes
     viewed as the fp8 dtype).
@@ -63,8 +63,8 @@ def fp8_impl(impl: str):
         return triton_fp8_quantize, triton_fp8_dequantize
     from savedhooks.kernels.fp8_fused import fused_fp8_dequantize, fused_fp8_quantize
 
-    def quantize(x, dtype, granularity, block_size, pow2):
-        codes, scale = fused_fp8_quantize(x, dtype, granularity, block_size, pow2)
+    def quantize(x, dtype, granularity, block_size, pow2, seed=None):
+        codes, scale = fused_fp8_quantize(x, dtype, granularity, block_size, pow2, seed)
         return codes.view(dtype), scale
 
     def dequantize(q, scale, out_dtype, block_size):
@@ -74,16 +74,23 @@ def fp8_impl(impl: str):
 
 
 def compare_fp8(
-    x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: int, pow2: bool, impl: str = "triton"
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    granularity: str,
+    block_size: int,
+    pow2: bool,
+    impl: str = "triton",
+    seed: int | None = None,
 ) -> str | None:
     """Quantize with the reference and ``impl`` (see :func:`fp8_impl`), compare q and scale bits;
-    dequantize the same payload with both."""
+    dequantize the same payload with both. ``seed``: stochastic rounding with that seed."""
     from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
 
     quantize, dequantize = fp8_impl(impl)
-    want_q, want_s = torch_fp8_quantize(x, dtype, granularity, block_size, pow2)
-    got_q, got_s = quantize(x, dtype, granularity, block_size, pow2)
-    label = f"{x.dtype} {tuple(x.shape)} {dtype} {granularity} {block_size} pow2={pow2}"
+    s = None if seed is None else torch.tensor(seed, dtype=torch.int64, device=x.device)
+    want_q, want_s = torch_fp8_quantize(x, dtype, granularity, block_size, pow2, s)
+    got_q, got_s = quantize(x, dtype, granularity, block_size, pow2, s)
+    label = f"{x.dtype} {tuple(x.shape)} {dtype} {granularity} {block_size} pow2={pow2} seed={seed}"
     problem = _same_bits(f"{label} q", want_q, got_q) or _same_bits(f"{label} scale", want_s, got_s)
     if problem:
         return problem
@@ -96,13 +103,15 @@ def _all(checks: Iterator[str | None]) -> str | None:
     return "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "") if problems else None
 
 
-def sweep_case(shape: tuple[int, int], in_dtype: torch.dtype, device: str = "cpu", impl: str = "triton") -> str | None:
+def sweep_case(
+    shape: tuple[int, int], in_dtype: torch.dtype, device: str = "cpu", impl: str = "triton", seed: int | None = None
+) -> str | None:
     gen = torch.Generator().manual_seed(shape[0] * 10007 + shape[1])
     x = torch.randn(shape, generator=gen) * torch.exp(2 * torch.randn(shape[0], 1, generator=gen))  # rows 1e-3..1e3
     x = x.to(device, in_dtype)
     blocks = (128, 16, 100, 7) if shape == (3, 300) else (128 if shape[1] >= 128 else 16,)
     return _all(
-        compare_fp8(x, dtype, g, b, pow2, impl)
+        compare_fp8(x, dtype, g, b, pow2, impl, seed)
         for dtype, g, b, pow2 in itertools.product((E4M3, E5M2), GRANULARITIES, blocks, (False, True))
         if g == "block" or b == blocks[0]
     )
@@ -137,23 +146,28 @@ def edge_inputs() -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
 
 
 def edge_case(
-    x: torch.Tensor, blocks: tuple[int, ...], in_dtype: torch.dtype, device: str = "cpu", impl: str = "triton"
+    x: torch.Tensor,
+    blocks: tuple[int, ...],
+    in_dtype: torch.dtype,
+    device: str = "cpu",
+    impl: str = "triton",
+    seed: int | None = None,
 ) -> str | None:
     x = x.to(device, in_dtype)
     return _all(
-        compare_fp8(x, dtype, g, b, pow2, impl)
+        compare_fp8(x, dtype, g, b, pow2, impl, seed)
         for dtype, g, b, pow2 in itertools.product((E4M3, E5M2), GRANULARITIES, blocks, (False, True))
         if g == "block" or b == blocks[0]
     )
 
 
-def non_contiguous_case(kind: str, device: str = "cpu", impl: str = "triton") -> str | None:
+def non_contiguous_case(kind: str, device: str = "cpu", impl: str = "triton", seed: int | None = None) -> str | None:
     gen = torch.Generator().manual_seed(0)
     base = (torch.randn(40, 66, generator=gen) * torch.exp(torch.randn(40, 1, generator=gen))).to(device)
     x = {"transposed": base.t(), "column slice": base[:, ::3], "offset window": base[3:, 5:]}[kind]
     assert not x.is_contiguous()
     return _all(
-        compare_fp8(x, dtype, g, 16, pow2, impl) for dtype, g, pow2 in itertools.product((E4M3, E5M2), GRANULARITIES, (False, True))
+        compare_fp8(x, dtype, g, 16, pow2, impl, seed) for dtype, g, pow2 in itertools.product((E4M3, E5M2), GRANULARITIES, (False, True))
     )
 
 
@@ -208,21 +222,45 @@ def codec_inputs() -> Iterator[tuple[str, Callable[[str], torch.Tensor]]]:
     yield "bool 3-D", lambda d: (torch.rand(3, 7, 50, generator=gen) > 0.5).to(d)
 
 
-def fp8_cases(device: str = "cpu", impl: str = "triton") -> dict[str, Callable[[], str | None]]:
-    """fp8 case name -> check of ``impl`` (see :func:`fp8_impl`) against the reference."""
+# Seeds of the stochastic-rounding cases: high 32 bits zero, set, and a negative int64.
+SEEDS = (12345, (0x1E3779B9 << 32) + 7, -0x61C8864680B583EB)
+
+
+def _with_dtypes(items: list, every_dtype: bool) -> list[tuple]:
+    """(item, input dtype) pairs: every dtype for each item, or the dtypes taken in turn."""
+    if every_dtype:
+        return list(itertools.product(items, FLOATS))
+    return list(zip(items, itertools.cycle(FLOATS)))
+
+
+def fp8_cases(
+    device: str = "cpu", impl: str = "triton", stochastic: bool = False, every_dtype: bool = True
+) -> dict[str, Callable[[], str | None]]:
+    """fp8 case name -> check of ``impl`` (see :func:`fp8_impl`) against the reference.
+
+    ``stochastic``: the same cases with stochastic rounding, named ``"stochastic ..."``,
+    the seed cycling through :data:`SEEDS`. ``every_dtype=False``: each shape and edge
+    input with one input dtype (they take turns), a third of the cases.
+    """
     cases: dict[str, Callable[[], str | None]] = {}
-    for shape, dt in itertools.product(SHAPES, FLOATS):
-        cases[f"sweep {shape} {dt}"] = lambda s=shape, d=dt: sweep_case(s, d, device, impl)
-    for (name, x, blocks), dt in itertools.product(list(edge_inputs()), FLOATS):
-        cases[f"edge {name} {dt}"] = lambda x=x, b=blocks, d=dt: edge_case(x, b, d, device, impl)
+    prefix = "stochastic " if stochastic else ""
+    seeds = itertools.cycle(SEEDS if stochastic else (None,))
+    for shape, dt in _with_dtypes(SHAPES, every_dtype):
+        seed = next(seeds)
+        cases[f"{prefix}sweep {shape} {dt}"] = lambda s=shape, d=dt, k=seed: sweep_case(s, d, device, impl, k)
+    for (name, x, blocks), dt in _with_dtypes(list(edge_inputs()), every_dtype):
+        seed = next(seeds)
+        cases[f"{prefix}edge {name} {dt}"] = lambda x=x, b=blocks, d=dt, k=seed: edge_case(x, b, d, device, impl, k)
     for kind in ("transposed", "column slice", "offset window"):
-        cases[f"non-contiguous {kind}"] = lambda k=kind: non_contiguous_case(k, device, impl)
+        seed = next(seeds)
+        cases[f"{prefix}non-contiguous {kind}"] = lambda k=kind, s=seed: non_contiguous_case(k, device, impl, s)
     return cases
 
 
 def numerics_cases(device: str = "cpu") -> dict[str, Callable[[], str | None]]:
     """Case name -> check; ``device`` is where the tensors live (CUDA runs the compiled kernels)."""
-    cases = fp8_cases(device)
+    # stochastic rounding: on CPU (the interpreter, ~1 s a case) each input with one input dtype
+    cases = {**fp8_cases(device), **fp8_cases(device, stochastic=True, every_dtype=device != "cpu")}
     for n, step in ((1, 1), (7, 1), (8, 1), (9, 3), (100, 1), (16385, 1), (40001, 2)):
         cases[f"bitmask {n} step {step}"] = lambda n=n, s=step: bitmask_case(n, s, device)
     codecs = ("fp8 block", "fp8 e5m2 row pow2", "fp8 tensor", "bitmask", "sign bits")

@@ -26,11 +26,19 @@ from savedhooks.kernels.fp8_fused import fp8_code, fp8_value, fused_fp8_dequanti
 
 E4M3, E5M2 = ik.E4M3, ik.E5M2
 FP8_CASES = ik.fp8_cases("cpu", "fused")
+STOCHASTIC_CASES = ik.fp8_cases("cpu", "fused", stochastic=True)
 
 
 @pytest.mark.parametrize("case", list(FP8_CASES))
 def test_fused_is_bit_exact_with_the_reference_eager(case):
     problem = FP8_CASES[case]()
+    assert problem is None, problem
+
+
+@pytest.mark.parametrize("case", list(STOCHASTIC_CASES))
+def test_fused_stochastic_rounding_is_bit_exact_with_the_reference_eager(case):
+    """Same seed, same bytes: the hash of the flat index and the rounding on the bits agree with the reference."""
+    problem = STOCHASTIC_CASES[case]()
     assert problem is None, problem
 
 
@@ -59,31 +67,41 @@ EDGES = {name: x for name, x, _ in ik.edge_inputs()}
 SWEEP = torch.randn(17, 33, generator=torch.Generator().manual_seed(0)) * torch.exp(
     2 * torch.randn(17, 1, generator=torch.Generator().manual_seed(1))
 )
-# (input, input dtype, fp8 dtype, granularity, block size, pow2): one compile each
+# (input, input dtype, fp8 dtype, granularity, block size, pow2, seed): one compile each
 COMPILED = {
-    "e4m3 grid at scale 1, row": (EDGES[f"{E4M3} grid at scale 1"], torch.float32, E4M3, "row", 128, False),
+    "e4m3 grid at scale 1, row": (EDGES[f"{E4M3} grid at scale 1"], torch.float32, E4M3, "row", 128, False, None),
     "e5m2 grid scaled, fp16, block 64 with a short last block, pow2": (
-        EDGES[f"{E5M2} grid scaled"], torch.float16, E5M2, "block", 64, True),
-    "non-finite, block 3 (short last block), pow2": (EDGES["non-finite"], torch.float32, E4M3, "block", 3, True),
-    "non-finite, bf16, tensor": (EDGES["non-finite"], torch.bfloat16, E5M2, "tensor", 128, False),
-    "sweep (17, 33), bf16, tensor": (SWEEP, torch.bfloat16, E4M3, "tensor", 128, False),
+        EDGES[f"{E5M2} grid scaled"], torch.float16, E5M2, "block", 64, True, None),
+    "non-finite, block 3 (short last block), pow2": (EDGES["non-finite"], torch.float32, E4M3, "block", 3, True, None),
+    "non-finite, bf16, tensor": (EDGES["non-finite"], torch.bfloat16, E5M2, "tensor", 128, False, None),
+    "sweep (17, 33), bf16, tensor": (SWEEP, torch.bfloat16, E4M3, "tensor", 128, False, None),
+    # stochastic rounding: fp8 subnormals, ties, a short last block, inf / NaN, a negative 64-bit seed
+    "stochastic, e4m3 grid scaled, block 64 with a short last block": (
+        EDGES[f"{E4M3} grid scaled"], torch.float32, E4M3, "block", 64, False, ik.SEEDS[2]),
+    "stochastic, non-finite, bf16, tensor": (EDGES["non-finite"], torch.bfloat16, E5M2, "tensor", 128, False, 7),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(COMPILED))
 def test_fused_is_bit_exact_with_the_reference_under_inductor(case):
-    x, in_dtype, dtype, granularity, block, pow2 = COMPILED[case]
-    x = x.to(in_dtype)
-    q, scale = torch_fp8_quantize(x, dtype, granularity, block, pow2)
+    from torch._inductor.utils import run_and_get_code
 
-    def roundtrip(x, codes, scale):
-        return fused_fp8_quantize(x, dtype, granularity, block, pow2), fused_fp8_dequantize(
+    x, in_dtype, dtype, granularity, block, pow2, seed = COMPILED[case]
+    x = x.to(in_dtype)
+    seed = None if seed is None else torch.tensor(seed)
+    q, scale = torch_fp8_quantize(x, dtype, granularity, block, pow2, seed)
+
+    def roundtrip(x, codes, scale, seed):
+        return fused_fp8_quantize(x, dtype, granularity, block, pow2, seed), fused_fp8_dequantize(
             codes, scale, dtype, in_dtype, block
         )
 
-    (got_q, got_scale), got = torch.compile(roundtrip, backend="inductor", fullgraph=True)(
-        x, q.view(torch.uint8), scale
-    )
+    compiled = torch.compile(roundtrip, backend="inductor", fullgraph=True)
+    ((got_q, got_scale), got), codes = run_and_get_code(compiled, x, q.view(torch.uint8), scale, seed)
+    if seed is not None:  # the hash vectorizes too (a transformer step, as below, takes ~85 s to compile with it)
+        quantizing = _quantize_kernels(codes[0])
+        assert quantizing and not _scalar(quantizing), _scalar(quantizing)
+        assert all("VectorizedN<int64_t,2>" in body and str(0x21F0AAAD) in body for body in quantizing.values())
     want = torch_fp8_dequantize(q, scale, in_dtype, block)
     problem = (
         ik._same_bits("q", q.view(torch.uint8), got_q)
@@ -222,20 +240,30 @@ def test_gradients_with_the_fused_form_equal_those_with_the_op(model, backend):
         assert torch.equal(a, f), f"gradient {i}: max |diff| {(a - f).abs().max().item()}"
 
 
+def _quantize_kernels(code: str) -> dict[str, str]:
+    """Inductor's C++ kernels that write fp8 codes (a non-const ``uint8_t*`` argument): name -> body."""
+    kernels = re.findall(
+        r"\n(cpp_fused\w*) = async_compile.cpp_pybinding\(\[([^\]]*)\], r?'''(.*?)'''", code, re.DOTALL
+    )
+    return {name: body for name, types, body in kernels if "'uint8_t*'" in types}
+
+
+def _scalar(kernels: dict[str, str]) -> list[str]:
+    """Names of the kernels inductor left as scalar loops (a ``max_shift`` guard is how scalar code shifts)."""
+    return [name for name, body in kernels.items() if "max_shift" in body or "Vectorized<int32_t>" not in body]
+
+
 def test_inductor_vectorizes_the_quantize_it_fuses():
     """The encode's shifts are constant: inductor's C++ backend keeps the fused kernels vectorized.
 
     A transformer block's forward quantizes the GELU output inside a kernel that
     reads it through a reshaped view; with a per-element shift count the encode
     made that kernel a scalar loop (``max_shift`` guards are how the scalar codegen
-    prints a shift; the vector codegen prints none).
+    prints a shift; the vector codegen prints none). Stochastic rounding is checked
+    on the compiled bit-exact cases above: with its hash this step compiles for
+    ~85 s (its quantize kernels were vectorized too when checked).
     """
     torch.manual_seed(0)
-    code = _step_code(transformer(1, 128), torch.randn(4, 96, 128), "fused")[0]
-    kernels = re.findall(
-        r"\n(cpp_fused\w*) = async_compile.cpp_pybinding\(\[([^\]]*)\], r?'''(.*?)'''", code, re.DOTALL
-    )
-    quantizing = {name: body for name, types, body in kernels if "uint8_t*" in types}
+    quantizing = _quantize_kernels(_step_code(transformer(1, 128), torch.randn(4, 96, 128), "fused")[0])
     assert quantizing, "no kernel writes fp8 codes"
-    scalar = [name for name, body in quantizing.items() if "max_shift" in body or "Vectorized<int32_t>" not in body]
-    assert not scalar, f"quantize kernels not vectorized: {scalar}"
+    assert not _scalar(quantizing), f"quantize kernels not vectorized: {_scalar(quantizing)}"

@@ -102,10 +102,11 @@ def test_fake_impls_give_the_aten_ops_shapes_and_dtypes(device, granularity):
             torch.empty(64, 48, dtype=torch.float16, device=device).t(),
             torch.empty(0, 5, device=device),
         ]
+        seed = torch.empty((), dtype=torch.int64, device=device)
         for x in inputs:
-            for dtype in (E4M3, E5M2):
-                got = ops.triton_fp8_quantize(x, dtype, granularity, 128, True)
-                want = ops.fp8_quantize(x, dtype, granularity, 128, True)
+            for dtype, s in ((E4M3, None), (E5M2, None), (E4M3, seed)):
+                got = ops.triton_fp8_quantize(x, dtype, granularity, 128, True, s)
+                want = ops.fp8_quantize(x, dtype, granularity, 128, True, s)
                 assert all(_same(g, w) for g, w in zip(got, want)), (x.shape, granularity)
                 y, y_ref = ops.triton_fp8_dequantize(*got, x.dtype, 128), ops.fp8_dequantize(*want, x.dtype, 128)
                 assert _same(y, y_ref) and y.shape == x.shape
@@ -281,10 +282,13 @@ def test_kernels_compile_for_a_cuda_target_and_divide_exactly():
 
     groups = {name: "i32" for name in ("n_groups", "cols", "groups_per_row", "group_size", "stride_r", "stride_c")}
     ptx = []
-    for mode, e4m3, bf16 in ((0, True, False), (0, False, True), (1, True, False), (2, False, False)):
-        signature = {"x_ptr": "*i16" if bf16 else "*fp32", "q_ptr": "*u8", "scale_ptr": "*fp32", **groups}
+    variants = ((0, True, False, False), (0, False, True, False), (1, True, False, False), (2, False, False, False),
+                (0, True, False, True), (2, False, True, True))  # fmt: skip
+    for mode, e4m3, bf16, stochastic in variants:
+        signature = {"x_ptr": "*i16" if bf16 else "*fp32", "q_ptr": "*u8", "scale_ptr": "*fp32",
+                     "seed_ptr": "*i64" if stochastic else "*fp32", **groups}  # fmt: skip
         consts = {"FMAX": 448.0 if e4m3 else 57344.0, "IS_E4M3": e4m3, "POW2": mode == 0, "MODE": mode,
-                  "BF16_BITS": bf16, "GROUPS": 32, "BLOCK": 128}  # fmt: skip
+                  "BF16_BITS": bf16, "STOCHASTIC": stochastic, "GROUPS": 32, "BLOCK": 128}  # fmt: skip
         ptx.append(_compile_for_sm90(fp8_quantize_kernel, signature, consts))
     signature = {"partial_ptr": "*fp32", "scale_ptr": "*fp32", "n": "i32"}
     ptx.append(_compile_for_sm90(fp8_tensor_scale_kernel, signature, {"FMAX": 448.0, "POW2": True, "BLOCK": 1024}))
@@ -298,5 +302,7 @@ def test_kernels_compile_for_a_cuda_target_and_divide_exactly():
     ptx.append(_compile_for_sm90(bitmask_pack_kernel, signature, {"BYTES": 2048}))
     signature = {"packed_ptr": "*u8", "out_ptr": "*u8", "n": "i32"}
     ptx.append(_compile_for_sm90(bitmask_unpack_kernel, signature, {"BLOCK": 16384}))
-    quantize = "\n".join(ptx[:5])
+    quantize = "\n".join(ptx[:7])
+    multiplier = str(0x21F0AAAD)  # the stochastic variants hash; the others do not
+    assert all(multiplier in p for p in ptx[4:6]) and not any(multiplier in p for p in ptx[:4])
     assert "div.rn.f32" in quantize and "div.full.f32" not in quantize and "div.approx.f32" not in quantize

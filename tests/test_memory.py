@@ -276,16 +276,21 @@ def test_measuring_on_cpu_prints_no_profiler_markers_and_keeps_other_stderr(capf
     assert capfd.readouterr().err == "a warning that matters\n"
 
 
-@pytest.mark.parametrize("op", ["quantize", "dequantize"])
+@pytest.mark.parametrize("op", ["quantize", "dequantize", "stochastic quantize"])
 def test_the_fp8_references_scratch_stays_under_256_kib_per_call(op):
-    """Measured on CPU: the aten reference's temporaries on a 16 MiB tensor (its work is chunked by rows)."""
+    """Measured on CPU: the aten reference's temporaries on a 16 MiB tensor (its work is chunked by rows).
+
+    Stochastic rounding's int64 random bits take a quarter of the elements per chunk (about 230 KiB).
+    """
     from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
     from savedhooks.memory.scratch import _scratch
 
     x = torch.randn(32768, 128)
     q, scale = torch_fp8_quantize(x, torch.float8_e4m3fn, "block", 128, False)
-    if op == "quantize":
-        scratch = _scratch(lambda: torch_fp8_quantize(x, torch.float8_e4m3fn, "block", 128, False))
+    if op != "dequantize":
+        seed = torch.tensor(7) if op.startswith("stochastic") else None
+        x = x[:8192] if seed is not None else x  # 4 MiB: 256 of its (4096-element) chunks
+        scratch = _scratch(lambda: torch_fp8_quantize(x, torch.float8_e4m3fn, "block", 128, False, seed))
     else:
         scratch = _scratch(lambda: torch_fp8_dequantize(q, scale, torch.float32, 128))
     assert 0 < scratch <= 256 * 1024

@@ -4,6 +4,12 @@ The numerics live in ``savedhooks.kernels.fp8`` (the aten reference is the spec;
 Triton kernels must match it bit for bit). This file is the codec around them:
 configuration checks, layout, and what unpack needs to rebuild the tensor.
 
+Rounding: to nearest even (default), or stochastic (``rounding="stochastic"``):
+unbiased, each pack draws an int64 seed from torch's generator on the tensor's
+device (``torch.randint``; reproducible under ``torch.manual_seed``, a graph op
+under torch.compile) and the kernels derive each element's random bits from
+(seed, index), so every backend writes the same bytes for the same seed.
+
 Non-finite values: NaN stays NaN; +-inf stays +-inf with e5m2 and comes back as
 NaN with e4m3fn (it has no infinity). Scales ignore non-finite values, so the
 finite values of the same group keep full accuracy.
@@ -30,7 +36,9 @@ from savedhooks.kernels import kernel_op
 from savedhooks.kernels.fp8 import FP8_DTYPES, GRANULARITIES
 from savedhooks.kernels.fp8_fused import fused_fp8_dequantize, fused_fp8_quantize
 
-__all__ = ["Float8", "fp8"]
+__all__ = ["ROUNDINGS", "Float8", "fp8"]
+
+ROUNDINGS = ("nearest", "stochastic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +50,7 @@ class Float8(Codec):
     block_size: int = 128
     pow2_scale: bool = False
     backend: str = "auto"
+    rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         if self.dtype not in FP8_DTYPES:
@@ -53,6 +62,8 @@ class Float8(Codec):
         if not isinstance(self.pow2_scale, bool):
             raise ValueError(f"fp8: pow2_scale must be a bool, got {self.pow2_scale!r}")
         check_backend("fp8", self.backend, fused=True)
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"fp8: rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Non-empty fp32 / bf16 / fp16 tensors whose innermost dim is longer than 1.
@@ -68,12 +79,26 @@ class Float8(Codec):
 
         ``fused``: q holds the fp8 codes as uint8, made by the decomposed form (same
         bytes as the op's float8 q); a constant, so it is baked into the unpack graph.
+        Stochastic rounding draws the seed here (:meth:`_seed`); the payload does not
+        need it.
         """
         rows, layout = to_rows(x)
         fused = uses_fused(self.backend)
         quantize = fused_fp8_quantize if fused else kernel_op("fp8_quantize", uses_triton(self.backend, x))
-        q, scale = quantize(self._groups_view(rows), self.dtype, self.granularity, self.block_size, self.pow2_scale)
+        args = (self._groups_view(rows), self.dtype, self.granularity, self.block_size, self.pow2_scale)
+        q, scale = quantize(*args) if self.rounding == "nearest" else quantize(*args, self._seed(x))
         return q, scale, x.dtype, layout.as_constants(), fused
+
+    @staticmethod
+    def _seed(x: torch.Tensor) -> torch.Tensor:
+        """A 0-d int64 seed in ``[0, 2**32)`` from torch's generator on x's device.
+
+        Uniform low 32 bits make every element's random bits exactly uniform (see
+        ``savedhooks.kernels.fp8_stochastic``). ``torch.randint``, not Python's
+        random: ``torch.manual_seed`` reproduces it, and under torch.compile it is a
+        node of the traced forward graph (inductor generates its own draw).
+        """
+        return torch.randint(0, 1 << 32, (), dtype=torch.int64, device=x.device)
 
     def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
         """Dequantize to the saved tensor's dtype, shape and strides, in the form that made the payload."""
@@ -103,6 +128,7 @@ def fp8(
     block_size: int = 128,
     pow2_scale: bool = False,
     backend: str = "auto",
+    rounding: str = "nearest",
 ):
     """Hooks that keep saved floating tensors in float8 with float32 scales.
 
@@ -119,12 +145,19 @@ def fp8(
             inductor fuses; elsewhere the Triton kernels on CUDA when triton imports,
             else the aten reference), ``"fused"`` (always the decomposed form),
             ``"triton"`` or ``"aten"`` (always that op); the bytes are identical.
+        rounding: ``"nearest"`` (round to nearest even) or ``"stochastic"``: round
+            up or down with probability proportional to the distance, so the
+            dequantized value is unbiased (``E[x'] = x``) at about 3 dB less SQNR.
+            Each pack draws a seed with ``torch.randint`` on the tensor's device,
+            so it advances torch's generator (reproducible under
+            ``torch.manual_seed``).
 
     Returns:
         The cached :class:`~savedhooks.HookPair` (equal arguments, same object).
         Integer, bool and float64 tensors are stored as they are.
 
     Raises:
-        ValueError: an argument is out of range, or ``backend="triton"`` without triton.
+        ValueError: an argument is out of range, ``rounding`` is not one of
+            ``"nearest"`` / ``"stochastic"``, or ``backend="triton"`` without triton.
     """
-    return Float8(dtype, granularity, block_size, pow2_scale, backend).hooks()
+    return Float8(dtype, granularity, block_size, pow2_scale, backend, rounding).hooks()

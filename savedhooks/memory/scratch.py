@@ -44,12 +44,13 @@ def _scratch(run) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _fp8_quantize_scratch(dtype: torch.dtype, rows: int, cols: int, args: tuple) -> int:
+def _fp8_quantize_scratch(dtype: torch.dtype, rows: int, cols: int, args: tuple, stochastic: bool = False) -> int:
     from savedhooks.kernels.fp8 import torch_fp8_quantize
 
     with unset_fake_temporarily():  # called by compilers, inside AOTAutograd's fake mode
         x = torch.zeros(rows, cols, dtype=dtype)
-        return _scratch(lambda: torch_fp8_quantize(x, *args))
+        seed = torch.zeros((), dtype=torch.int64) if stochastic else None
+        return _scratch(lambda: torch_fp8_quantize(x, *args, seed))
 
 
 @functools.lru_cache(maxsize=256)
@@ -102,8 +103,9 @@ def op_scratch_bytes(node: torch.fx.Node) -> int:
     if rows * cols == 0:
         return 0
     chunk = _chunk_rows(rows, cols)
-    if name == "savedhooks::fp8_quantize":
-        return _fp8_quantize_scratch(first.dtype, chunk, cols, tuple(node.args[1:]))
+    if name == "savedhooks::fp8_quantize":  # the seed (stochastic rounding) is a graph node: only whether there is one
+        seed = node.args[5] if len(node.args) > 5 else node.kwargs.get("seed")
+        return _fp8_quantize_scratch(first.dtype, chunk, cols, tuple(node.args[1:5]), seed is not None)
     scale = node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
     if not isinstance(scale, torch.Tensor):
         return 0
