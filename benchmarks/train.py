@@ -10,7 +10,8 @@ every step (the same data for every configuration):
 * mlp, cnn, vit: 10 classes given by a fixed random linear teacher on the input
   (the label is the argmax of ``W x``).
 
-Configurations (``CONFIGS``): no hooks, ``sh.policy()`` and ``sh.fp8()``; AdamW, the model compiled with ``--backend``
+Configurations (``CONFIGS``): no hooks, ``sh.policy()``, ``sh.fp8()`` and
+``sh.fp8(rounding="stochastic")``; AdamW, the model compiled with ``--backend``
 (default aot_eager, which saves the tensors that inductor would and compiles in
 seconds on CPU). One row per model and configuration, one schema for the table
 and the CSV, and a PNG of the loss curves. Losses are compared with no hooks as
@@ -39,6 +40,7 @@ CONFIGS: dict[str, Callable[[], Any] | None] = {
     "no hooks": None,
     "sh.policy()": sh.policy,
     "sh.fp8()": sh.fp8,
+    "fp8 stochastic": lambda: sh.fp8(rounding="stochastic"),
 }
 
 
