@@ -24,6 +24,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("peak_mib", "peak MiB", "{:.1f}"),
     ("above_baseline", "above baseline", ABOVE),
     ("saved_mib", "saved MiB", "{:.1f}"),
+    ("saved_ratio", "saved / no hooks", "{:.2f}"),
     ("step_ms", "step ms", "{:.0f}"),
     ("step_ratio", "step / compiled", "{:.2f}"),
     ("compile_s", "compile s", "{:.1f}"),

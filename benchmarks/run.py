@@ -68,6 +68,8 @@ class Row:
             "compiled" row of the same model and backend, or for eager rows the
             "no hooks" row (``None`` where either has no peak).
         saved_mib: measured memory the forward leaves alive for backward.
+        saved_ratio: ``saved_mib`` over the no-hook baseline row's (same baseline
+            as ``above_baseline``).
         step_ms: median step time.
         step_ratio: ``step_ms`` over the no-hook compiled step's.
         compile_s: first step's time minus ``step_ms`` (compiled configurations).
@@ -84,6 +86,7 @@ class Row:
     peak_mib: float | None = None
     above_baseline: bool | None = None
     saved_mib: float | None = None
+    saved_ratio: float | None = None
     step_ms: float | None = None
     step_ratio: float | None = None
     compile_s: float | None = None
@@ -285,7 +288,7 @@ def _reference_grads(workload: Workload) -> list[torch.Tensor | None]:
 
 
 def with_baselines(rows: list[Row]) -> list[Row]:
-    """Fill in each row's ``step_ratio`` and ``above_baseline`` from the no-hook rows of the same model.
+    """Fill in each row's ``step_ratio``, ``above_baseline`` and ``saved_ratio`` from the no-hook rows of the same model.
 
     A compiled row's baseline is the "compiled" row of its model and backend; an
     eager row's step time is compared with the compiled step (inductor's, else
@@ -304,16 +307,17 @@ def with_baselines(rows: list[Row]) -> list[Row]:
     """
     ok = [r for r in rows if not r.error]
     step = {(r.model, r.backend): r.step_ms for r in ok if r.config == "compiled"}
-    peak = {(r.model, r.backend): r.peak_mib for r in ok if r.config == ("no hooks" if r.backend == "eager"
-                                                                          else "compiled")}  # fmt: skip
+    baseline = {(r.model, r.backend): r for r in ok if r.config == ("no hooks" if r.backend == "eager" else "compiled")}
     out = []
     for r in rows:
         backends = ("inductor", "aot_eager") if r.backend == "eager" else (r.backend,)
         ref = next((step[(r.model, b)] for b in backends if (r.model, b) in step), None)
         ratio = r.step_ms / ref if (ref and r.step_ms is not None) else None
-        base = peak.get((r.model, r.backend))
+        b = baseline.get((r.model, r.backend))
+        base = b.peak_mib if b is not None else None
         above = None if (base is None or r.peak_mib is None) else r.peak_mib > base + ABOVE_TOLERANCE_MIB
-        out.append(dataclasses.replace(r, step_ratio=ratio, above_baseline=above))
+        saved = r.saved_mib / b.saved_mib if (b is not None and b.saved_mib and r.saved_mib is not None) else None
+        out.append(dataclasses.replace(r, step_ratio=ratio, above_baseline=above, saved_ratio=saved))
     return out
 
 

@@ -148,7 +148,7 @@ def train(
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return TrainRow(name, config, steps, losses[0], _mean(losses[-_LAST:]), _mean(losses), losses=tuple(losses))
 
 

@@ -215,3 +215,11 @@ def test_train_tasks_are_the_same_for_every_configuration_and_lm_text_follows_th
     ids = a["input_ids"]
     pairs = {(int(x), int(y)) for x, y in zip(ids[:, :-1].flatten(), ids[:, 1:].flatten())}
     assert ids.max() < 64 and len(pairs) <= 64 * 4  # each token has at most 4 successors
+
+
+def test_saved_ratio_divides_by_the_no_hook_rows_saved_bytes():
+    rows = [dataclasses.replace(r, saved_mib=s) for r, s in zip(
+        [_row("compiled", "inductor", 10.0), _row("sh policy", "inductor", 9.0), _row("sh", "aot_eager", 9.0),
+         _row("no hooks", "eager", 10.0), _row("sh eager", "eager", 9.0)], [20.0, 5.0, 5.0, 40.0, 8.0])]  # fmt: skip
+    assert [r.saved_ratio for r in with_baselines(rows)] == [1.0, 0.25, None, 1.0, 0.2]
+    assert "saved / no hooks" in table(with_baselines(rows)).splitlines()[0]
