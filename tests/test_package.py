@@ -13,8 +13,10 @@ import torch
 
 import savedhooks
 import savedhooks.codecs
+import savedhooks.fidelity
 import savedhooks.kernels
 import savedhooks.memory
+import savedhooks.metrics
 import savedhooks.passes
 import savedhooks.schedule
 
@@ -37,7 +39,8 @@ def test_kernels_resolve_to_this_repo_and_never_as_bare_kernels():
 
 def test_public_functions_document_args_returns_raises():
     missing = []
-    namespaces = [savedhooks, savedhooks.codecs, savedhooks.memory, savedhooks.passes, savedhooks.schedule]
+    namespaces = [savedhooks, savedhooks.codecs, savedhooks.fidelity, savedhooks.memory, savedhooks.metrics,
+                  savedhooks.passes, savedhooks.schedule]
     namespaces += [savedhooks.kernels] + [importlib.import_module(f"savedhooks.kernels.{m}") for m in ("fp8", "bitmask")]
     if importlib.util.find_spec("triton") is not None:
         names = ("triton_support", "fp8_triton", "bitmask_triton")

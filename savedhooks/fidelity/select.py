@@ -64,8 +64,12 @@ _RUN: _Run | None = None
 def keyed_run() -> Iterator[_Run]:
     """Number saved tensors from the start: one forward (and its compiles) per run.
 
-    Yields:
-        The run's state; ``census`` lists what a :class:`Census` codec saw.
+    Args:
+        None.
+
+    Returns:
+        A context manager yielding the run's state; ``census`` lists what a
+        :class:`Census` codec saw.
 
     Raises:
         RuntimeError: a keyed run is already active (runs do not nest).
