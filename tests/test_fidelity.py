@@ -159,3 +159,51 @@ def test_policy_keeps_what_is_small_next_to_the_graphs_largest_saved_tensor():
 def test_policy_rejects_bad_rules(kwargs, match):
     with pytest.raises(ValueError, match=match):
         sh.policy(**kwargs)
+
+
+def _pool_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 8, 3, padding=1),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.LazyLinear(4))  # fmt: skip
+
+
+# planes 32x32 and 16x16 fit int16; 256x256 (65536 indices) needs int32, its pooled 128x128 int16
+@pytest.mark.parametrize("side, narrow", [(32, {torch.int16}), (256, {torch.int32, torch.int16})])
+def test_policy_narrows_max_pool_indices_losslessly_under_compile(side, narrow, monkeypatch):
+    model, x = _pool_net(), torch.randn(2, 3, side, side)
+    model(x)  # materialize the lazy layer
+    reference = [g.clone() for g in _grads(model, model, x, None)]
+    widths = []
+    encode = sh.codecs.PoolIndices.encode
+    monkeypatch.setattr(sh.codecs.PoolIndices, "encode", lambda self, t: widths.append(encode(self, t)[0].dtype) or encode(self, t))
+    got = _grads(model, torch.compile(model, backend="aot_eager"), x, sh.policy(floating=None, boolean=None))
+    assert set(widths) == narrow and len(widths) >= 2  # both pools' indices (traced once or more each)
+    assert all(torch.equal(a, b) for a, b in zip(reference, got))  # lossless: the same gradients, bit for bit
+
+
+def _grads(model, fn, x, hooks):
+    model.zero_grad(set_to_none=True)
+    with sh.saved_tensors_hooks(hooks) if hooks is not None else torch.enable_grad():
+        fn(x).square().sum().backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_pool_plane_reads_the_input_plane_of_the_indices_only():
+    model, x = _pool_net(), torch.randn(2, 3, 32, 32)
+    model(x)
+    seen = []
+
+    @sh.hook
+    def record(t):
+        ctx = sh.hook_context()
+        if ctx is not None:
+            seen.append((str(t.dtype), sh.codecs.indices.pool_plane(ctx.node)))
+        return t
+
+    @record.unpack
+    def record(t):
+        return t
+
+    with sh.saved_tensors_hooks(record):
+        torch.compile(model, backend="aot_eager")(x).sum().backward()
+    assert sorted(set(p for d, p in seen if d == "torch.int64")) == [16 * 16, 32 * 32]  # traced once or more
+    assert all(p is None for d, p in seen if d != "torch.int64")

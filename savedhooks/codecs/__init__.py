@@ -4,6 +4,7 @@ from savedhooks.codecs.base import Codec
 from savedhooks.codecs.bitmask import Bitmask, bitmask
 from savedhooks.codecs.downcast import Downcast, downcast
 from savedhooks.codecs.fp8 import Float8, fp8
+from savedhooks.codecs.indices import PoolIndices
 from savedhooks.codecs.offload import Offload, offload
 from savedhooks.codecs.policy import DEFAULT_KEEP_OPS, Policy, policy, producing_op
 
@@ -14,6 +15,7 @@ __all__ = [
     "Float8",
     "Offload",
     "Policy",
+    "PoolIndices",
     "DEFAULT_KEEP_OPS",
     "bitmask",
     "downcast",

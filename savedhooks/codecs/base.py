@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import sys
 from typing import Any
 
@@ -42,6 +43,7 @@ __all__ = [
     "is_broadcast",
     "memory_order",
     "narrow_broadcast",
+    "producing_op",
     "to_rows",
     "uses_fused",
     "uses_triton",
@@ -391,6 +393,36 @@ def sign_only_in_backward() -> bool:
         and user.args[2] == 0
         for user, value in uses
     )
+
+
+def _through_aliases(node: torch.fx.Node) -> torch.fx.Node:
+    while node.op == "call_function" and node.target in ALIAS_OPS:
+        node = node.args[0]
+    return node
+
+
+def producing_op(node: torch.fx.Node) -> str | None:
+    """Name of the aten op that produced a saved value, looking through ``detach`` and ``getitem``.
+
+    Args:
+        node: the saved value's node in the forward graph.
+
+    Returns:
+        The op's overload-packet name (``"native_layer_norm"``), or None when the
+        node is not an op call.
+
+    Raises:
+        Nothing.
+    """
+    node = _through_aliases(node)
+    while node.op == "call_function" and node.target is operator.getitem:
+        node = _through_aliases(node.args[0])
+    return _op_name(node.target)
+
+
+def _op_name(target: Any) -> str | None:
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet, "__name__", None) if packet is not None else getattr(target, "__name__", None)
 
 
 def as_codec(value: Any, what: str) -> Codec | None:

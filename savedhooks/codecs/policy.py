@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from savedhooks.codecs.base import ALIAS_OPS, Codec, as_codec
+from savedhooks.codecs.base import Codec, _op_name, _through_aliases, as_codec, producing_op
+from savedhooks.codecs.indices import PoolIndices
 from savedhooks.codecs.bitmask import Bitmask
 from savedhooks.codecs.fp8 import Float8
 from savedhooks.hooks import hook_context
@@ -49,36 +50,6 @@ DEFAULT_KEEP_OPS = (
 # (log-)softmax outputs: autograd node names in eager mode, aten op names in graphs
 _SOFTMAX_NODES = ("LogSoftmaxBackward0", "SoftmaxBackward0")
 _SOFTMAX_OPS = ("_log_softmax", "_softmax", "log_softmax", "softmax")
-
-
-def _through_aliases(node: torch.fx.Node) -> torch.fx.Node:
-    while node.op == "call_function" and node.target in ALIAS_OPS:
-        node = node.args[0]
-    return node
-
-
-def producing_op(node: torch.fx.Node) -> str | None:
-    """Name of the aten op that produced a saved value, looking through ``detach`` and ``getitem``.
-
-    Args:
-        node: the saved value's node in the forward graph.
-
-    Returns:
-        The op's overload-packet name (``"native_layer_norm"``), or None when the
-        node is not an op call.
-
-    Raises:
-        Nothing.
-    """
-    node = _through_aliases(node)
-    while node.op == "call_function" and node.target is operator.getitem:
-        node = _through_aliases(node.args[0])
-    return _op_name(node.target)
-
-
-def _op_name(target: Any) -> str | None:
-    packet = getattr(target, "overloadpacket", None)
-    return getattr(packet, "__name__", None) if packet is not None else getattr(target, "__name__", None)
 
 
 def is_statistic_of(node: torch.fx.Node, ops: tuple[str, ...]) -> bool:
@@ -192,7 +163,7 @@ class Policy(Codec):
 
     floating: Codec | None = Float8()
     boolean: Codec | None = Bitmask()
-    integer: Codec | None = None
+    integer: Codec | None = PoolIndices()
     min_bytes: int = 1024
     keep_ops: tuple[str, ...] = DEFAULT_KEEP_OPS
     narrow_softmax: int = 256
@@ -249,7 +220,7 @@ class Policy(Codec):
 def policy(
     floating: Any = Float8(),
     boolean: Any = Bitmask(),
-    integer: Any = None,
+    integer: Any = PoolIndices(),
     min_bytes: int = 1024,
     keep_ops: tuple[str, ...] = DEFAULT_KEEP_OPS,
     narrow_softmax: int = 256,
@@ -263,12 +234,14 @@ def policy(
     ``narrow_softmax`` classes (a classifier's loss head); under compile, tensors
     smaller than ``relative_bytes`` of the largest one the same graph saves (a
     rotary table shared by the whole batch: its error is the same in every
-    sequence). The rest: fp8 for floating tensors, bitmasks for bool ones.
+    sequence). The rest: fp8 for floating tensors, bitmasks for bool ones,
+    max-pool indices in int16 or int32 (lossless).
 
     Args:
         floating: codec for floating tensors (default fp8 e4m3 block 128), or None.
         boolean: codec for bool tensors (default bitmask), or None.
-        integer: codec for integer tensors (default None: stored as they are).
+        integer: codec for integer tensors (default: max-pool indices narrowed to
+            int16 / int32 under compile, lossless; others stored as they are), or None.
         min_bytes: tensors smaller than this are stored as they are (a kernel
             launch costs more than it saves).
         keep_ops: ops (aten overload-packet names) whose saved statistics are
