@@ -9,14 +9,14 @@ from savedhooks.codecs.offload import Offload, offload
 from savedhooks.codecs.policy import DEFAULT_KEEP_OPS, Policy, policy, producing_op
 
 __all__ = [
-    "Codec",
+    "DEFAULT_KEEP_OPS",
     "Bitmask",
+    "Codec",
     "Downcast",
     "Float8",
     "Offload",
     "Policy",
     "PoolIndices",
-    "DEFAULT_KEEP_OPS",
     "bitmask",
     "downcast",
     "fp8",

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from savedhooks.codecs.base import Codec, _op_name, _through_aliases, as_codec, producing_op
-from savedhooks.codecs.indices import PoolIndices
 from savedhooks.codecs.bitmask import Bitmask
 from savedhooks.codecs.fp8 import Float8
+from savedhooks.codecs.indices import PoolIndices
 from savedhooks.hooks import hook_context
 
 __all__ = [
