@@ -205,5 +205,5 @@ def test_pool_plane_reads_the_input_plane_of_the_indices_only():
 
     with sh.saved_tensors_hooks(record):
         torch.compile(model, backend="aot_eager")(x).sum().backward()
-    assert sorted(set(p for d, p in seen if d == "torch.int64")) == [16 * 16, 32 * 32]  # traced once or more
+    assert sorted({p for d, p in seen if d == "torch.int64"}) == [16 * 16, 32 * 32]  # traced once or more
     assert all(p is None for d, p in seen if d != "torch.int64")
