@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import GraphCapture, bf16, train_step_grads
+from models import GraphCapture, bf16, train_step_grads, transformer
 
 import savedhooks as sh
 from benchmarks.acceptance import MODELS
@@ -93,4 +93,6 @@ def test_inductor_with_the_pass_is_never_above_inductors_own_order():
 
 
 def test_inductor_gradients_are_identical_with_the_pass():
-    _assert_same_gradients(*MODELS["4-layer transformer"], "inductor", sh.backend("inductor"))
+    # 2 blocks of the acceptance transformer: every kind of graph the pass reorders, half the compile time
+    _assert_same_gradients(lambda: transformer(layers=2, dim=64), MODELS["4-layer transformer"][1], "inductor",
+                           sh.backend("inductor"))  # fmt: skip
