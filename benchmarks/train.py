@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 import savedhooks as sh
-from benchmarks.models import make_workload
+from benchmarks.models import _cross_entropy, make_workload
 
 __all__ = ["CONFIGS", "TrainRow", "main", "train"]
 
@@ -84,7 +84,7 @@ COLUMNS = (
 )
 
 
-def _task(name: str, workload, step: int) -> tuple[dict[str, torch.Tensor], Callable[[Any], torch.Tensor]]:
+def _task(workload, step: int) -> tuple[dict[str, torch.Tensor], Callable[[Any], torch.Tensor]]:
     """Inputs and loss of one step of the model's task (see the module docstring), seeded by the step."""
     g = torch.Generator().manual_seed(1000 + step)
     ((key, example),) = workload.inputs.items()
@@ -98,18 +98,12 @@ def _task(name: str, workload, step: int) -> tuple[dict[str, torch.Tensor], Call
         for t in range(seq):
             ids[:, t + 1] = successors[ids[:, t], picks[:, t]]
         targets = torch.nn.functional.one_hot(ids[:, 1:], vocab).float()
-        return {key: ids[:, :-1]}, lambda out: _cross_entropy(out.logits, targets)
+        loss_of = _cross_entropy(targets)  # the benchmark's own soft-target loss
+        return {key: ids[:, :-1]}, lambda out: loss_of(out.logits)
     x = torch.randn(example.shape, generator=g)
     teacher = torch.randn(x[0].numel(), 10, generator=torch.Generator().manual_seed(7))
     labels = (x.flatten(1) @ teacher).argmax(1)
-    return {key: x}, lambda out: _cross_entropy(getattr(out, "logits", out), labels)
-
-
-def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Soft (one-hot float) targets over the last dim, or class indices."""
-    if targets.is_floating_point():
-        return torch.nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten(0, -2))
-    return torch.nn.functional.cross_entropy(logits, targets)
+    return {key: x}, lambda out: torch.nn.functional.cross_entropy(getattr(out, "logits", out), labels)
 
 
 def train(
@@ -141,7 +135,7 @@ def train(
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        inputs, loss_of = _task(name, workload, step)
+        inputs, loss_of = _task(workload, step)
         context = sh.saved_tensors_hooks(make_hooks()) if make_hooks else contextlib.nullcontext()
         with context:
             loss = loss_of(fn(**inputs))

@@ -213,8 +213,8 @@ def test_train_tasks_are_the_same_for_every_configuration_and_lm_text_follows_th
     from benchmarks.models import make_workload
 
     workload = make_workload("gpt2", 0.5)
-    (a, _), (b, _) = train._task("gpt2", workload, 3), train._task("gpt2", workload, 3)
-    assert torch.equal(a["input_ids"], b["input_ids"]) and not torch.equal(a["input_ids"], train._task("gpt2", workload, 4)[0]["input_ids"])
+    (a, _), (b, _) = train._task(workload, 3), train._task(workload, 3)
+    assert torch.equal(a["input_ids"], b["input_ids"]) and not torch.equal(a["input_ids"], train._task(workload, 4)[0]["input_ids"])
     ids = a["input_ids"]
     pairs = {(int(x), int(y)) for x, y in zip(ids[:, :-1].flatten(), ids[:, 1:].flatten())}
     assert ids.max() < 64 and len(pairs) <= 64 * 4  # each token has at most 4 successors
