@@ -28,7 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from savedhooks.contract import HookError, _HookFunctions, _pack_checked, _unpack_checked
+from savedhooks.contract import HookError, _HookFunctions, _pack_checked, _unpack_checked, hook_context
+from savedhooks.torchfixes import align_rng_state_names
 
 
 class _Passthrough:
@@ -107,6 +108,9 @@ def _local_trampoline(fns: _HookFunctions, stage: str) -> Callable[[Any], Any]:
 
 def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
     if not _is_eager(x):
+        ctx = hook_context()
+        if ctx is not None:
+            align_rng_state_names(ctx)  # torch 2.13: checkpointed random ops (savedhooks.torchfixes)
         return _pack_checked(fns, x)
     if _frees_nothing(x):
         return _Passthrough(x)

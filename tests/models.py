@@ -56,9 +56,12 @@ def cnn() -> torch.nn.Module:
 class TransformerBlock(torch.nn.Module):
     """Pre-norm attention + MLP block (layer norm, sdpa, GELU), as in GPT-2."""
 
-    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+    def __init__(self, dim: int = 64, heads: int = 4, dropout: float | None = None) -> None:
         super().__init__()
         self.heads = heads
+        # dropout given (0.0 included), SDPA is passed dropout_p as transformers' models pass it:
+        # then it is a random op, whose generator state checkpointing saves for the recompute
+        self.dropout = dropout
         self.ln1, self.ln2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
         self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
         self.fc, self.out = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
@@ -66,15 +69,16 @@ class TransformerBlock(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        kwargs = {} if self.dropout is None else {"dropout_p": self.dropout}
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
         x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
         return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
 
 
-def transformer(layers: int = 2, dim: int = 64) -> torch.nn.Module:
+def transformer(layers: int = 2, dim: int = 64, dropout: float | None = None) -> torch.nn.Module:
     # The head matters: sum(LayerNorm(x)^2) is constant per row, so without it every
     # gradient before the final norm is rounding noise.
-    blocks = [TransformerBlock(dim) for _ in range(layers)]
+    blocks = [TransformerBlock(dim, dropout=dropout) for _ in range(layers)]
     return torch.nn.Sequential(*blocks, torch.nn.LayerNorm(dim), torch.nn.Linear(dim, 16))
 
 

@@ -12,6 +12,7 @@ import operator
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from savedhooks.codecs.base import Codec, _op_name, _through_aliases, as_codec, producing_op
 from savedhooks.codecs.bitmask import Bitmask
@@ -189,7 +190,8 @@ class Policy(Codec):
     def keeps(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is stored as it is whatever its dtype (the rules of :func:`policy`)."""
         nbytes = x.numel() * x.element_size()
-        if nbytes < self.min_bytes:
+        # a symbolic size (dynamic shapes) is small only if it is at every size: comparing it would add a guard
+        if statically_known_true(nbytes < self.min_bytes):
             return True
         ctx = hook_context()
         node = ctx.node if ctx is not None else None
