@@ -253,29 +253,41 @@ def _round_up(nbytes: int, alignment: int) -> int:
 
 
 class _OverlapIndex:
-    """Placed lifetimes, found by overlap with a query range.
+    """Placed buffers, found by overlap of their lifetimes with a query range.
 
-    Lifetimes are kept by start, in classes of length ``[2^(k-1), 2^k)``: in
-    class ``k`` a lifetime overlapping ``[s, e]`` starts in ``[s - 2^k + 2, e]``,
-    one bisect away.
+    Short lifetimes are kept by start, in classes of length ``[2^(k-1), 2^k)``:
+    in class ``k`` a lifetime overlapping ``[s, e]`` starts in ``[s - 2^k + 2, e]``,
+    one bisect away. Long ones (:data:`_LONG` positions or more: outputs, saved
+    activations) overlap most queries: they are kept as ``(offset, top, start,
+    end)`` sorted by offset, so that the overlapping ones come out sorted.
     """
 
     def __init__(self, starts: Sequence[int], ends: Sequence[int]) -> None:
         self.starts, self.ends = starts, ends
         self.classes: dict[int, tuple[list[int], list[int]]] = {}
+        self.long: list[tuple[int, int, int, int]] = []
 
-    def add(self, i: int) -> None:
-        keys, ids = self.classes.setdefault((self.ends[i] - self.starts[i] + 1).bit_length(), ([], []))
-        at = bisect.bisect_right(keys, self.starts[i])
-        keys.insert(at, self.starts[i])
+    def add(self, i: int, offset: int, top: int) -> None:
+        s, e = self.starts[i], self.ends[i]
+        if e - s + 1 >= _LONG:
+            bisect.insort(self.long, (offset, top, s, e))
+            return
+        keys, ids = self.classes.setdefault((e - s + 1).bit_length(), ([], []))
+        at = bisect.bisect_right(keys, s)
+        keys.insert(at, s)
         ids.insert(at, i)
 
-    def overlapping(self, s: int, e: int) -> list[int]:
+    def short(self, s: int, e: int) -> list[int]:
+        """The short placed lifetimes overlapping ``[s, e]``."""
         ends, out = self.ends, []
         for k, (keys, ids) in self.classes.items():
-            lo, hi = bisect.bisect_left(keys, s - (1 << k) + 2), bisect.bisect_right(keys, e)
-            out += [j for j in ids[lo:hi] if ends[j] >= s]
+            lo, mid = bisect.bisect_left(keys, s - (1 << k) + 2), bisect.bisect_left(keys, s)
+            out += [j for j in ids[lo:mid] if ends[j] >= s]  # started before s: alive at s?
+            out += ids[mid : bisect.bisect_right(keys, e)]  # started in [s, e]: overlapping
         return out
+
+
+_LONG = 64
 
 
 def _best_fit(sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int], priority: Sequence[int]) -> list[int]:
@@ -284,17 +296,22 @@ def _best_fit(sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int], 
     spans: list[tuple[int, int]] = [(0, 0)] * len(sizes)  # (offset, offset + size) once placed
     placed = _OverlapIndex(starts, ends)
     for i in priority:
-        size = sizes[i]
+        size, s, e = sizes[i], starts[i], ends[i]
         if not size:
             continue
+        taken = sorted(map(spans.__getitem__, placed.short(s, e)))
+        if placed.long:  # two sorted runs: the sort merges them
+            taken += [(lo, hi) for lo, hi, a, b in placed.long if a <= e and b >= s]
+            taken.sort()
         best_gap, best_at, top = None, 0, 0
-        for lo, hi in sorted(map(spans.__getitem__, placed.overlapping(starts[i], ends[i]))):
+        for lo, hi in taken:
             if lo - top >= size and (best_gap is None or lo - top < best_gap):
                 best_gap, best_at = lo - top, top
-            top = max(top, hi)
+            if hi > top:  # noqa: PLR1730 (not max(): a call per pair is a fifth of the planning time)
+                top = hi
         offsets[i] = best_at if best_gap is not None else top
         spans[i] = (offsets[i], offsets[i] + size)
-        placed.add(i)
+        placed.add(i, *spans[i])
     return offsets
 
 
