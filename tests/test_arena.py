@@ -76,13 +76,14 @@ def test_greedy_by_size_beats_linear_scan_on_a_hand_made_case():
     # Greedy by breadth: the widest position is 2 (4 B): C then B there, then A into the 3 B gap under B.
     breadth = plan_lifetimes(lifetimes, "greedy_by_breadth")
     assert (breadth.offsets, breadth.arena_bytes) == ((0, 3, 0), 4)
+    # Iterated greedy, round one (longest first): B at 0, C above B at 1, A (not alive with C) above B at 1;
+    # round two puts C (at the top) first and finds 4 again, so round one's plan stays.
+    iterated = plan_lifetimes(lifetimes, "iterated_greedy")
+    assert (iterated.offsets, iterated.arena_bytes) == ((1, 0, 1), 4)
     best = plan_lifetimes(lifetimes, "best")
-    assert (best.strategy, best.arena_bytes, best.scores) == (
-        "greedy_by_size",
-        4,
-        {"greedy_by_size": 4, "greedy_by_breadth": 4, "linear_scan": 6},
-    )
-    for plan in (scan, size, breadth, best):
+    scores = {"greedy_by_size": 4, "greedy_by_breadth": 4, "linear_scan": 6, "iterated_greedy": 4}
+    assert (best.strategy, best.arena_bytes, best.scores) == ("greedy_by_size", 4, scores)
+    for plan in (scan, size, breadth, iterated, best):
         validate_arena(plan)
     # Linear scan gives a block at the top back to the top: D's 4 B are reused by the larger E.
     scan = plan_lifetimes([Lifetime("D", 4, 0, 0), Lifetime("E", 8, 1, 1)], "linear_scan")

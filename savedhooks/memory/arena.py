@@ -42,7 +42,13 @@ Design notes
     smallest free block that fits, or the top of the arena. On buffers of one
     size it reaches the liveness peak (interval partitioning).
 
-  ``strategy="best"`` runs all three and keeps the smallest arena (the first
+  - ``iterated_greedy``: TorchScript's greedy by longest lifetime (then size),
+    then a few rounds that put the buffers reaching the top of the last plan
+    first and place again, keeping the smallest. Not in the issue's list; added
+    because on the reorder pass's orders none of the three above stays within
+    10 % of the liveness peak on every benchmark graph (GPT-2's forward: 12 %).
+
+  ``strategy="best"`` runs all of them and keeps the smallest arena (the first
   listed on ties), logging every figure.
 * Planning is O(n log n) for linear scan; the greedy placements look up only
   the placed buffers whose lifetime overlaps, through an index of lifetimes by
@@ -72,6 +78,7 @@ __all__ = [
     "buffer_lifetimes",
     "greedy_by_breadth",
     "greedy_by_size",
+    "iterated_greedy",
     "linear_scan",
     "liveness_peak",
     "plan_arena",
@@ -436,10 +443,43 @@ def _give_back(free_at: list[int], free_size: list[int], at: int, size: int, top
     return top
 
 
+def iterated_greedy(sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> list[int]:
+    """Iterated greedy: longest lifetime first (then largest), then the buffers that set the arena's height first.
+
+    Round one is TorchScript's greedy by longest and size (best-fitting gap).
+    Each further round moves the buffers reaching the top of the last plan to
+    the front of the priority and places again ("squeaky wheel"); the smallest
+    arena is kept. Rounds: ``min(8, 8000 // buffers)``, at least one, so large
+    graphs plan once.
+
+    Args:
+        sizes: per buffer, its (aligned) size.
+        starts: per buffer, the first position it is alive at.
+        ends: per buffer, the last position it is alive at.
+
+    Returns:
+        Per buffer, its offset.
+
+    Raises:
+        Nothing.
+    """
+    priority = sorted(range(len(sizes)), key=lambda i: (starts[i] - ends[i], -sizes[i], starts[i], i))
+    best: tuple[int, list[int]] | None = None
+    for _ in range(max(1, min(8, 8000 // max(len(sizes), 1)))):
+        offsets = _best_fit(sizes, starts, ends, priority)
+        arena = max((o + s for o, s in zip(offsets, sizes)), default=0)
+        if best is None or arena < best[0]:
+            best = (arena, offsets)
+        at_top = [i for i in priority if sizes[i] and offsets[i] + sizes[i] == arena]
+        priority = at_top + [i for i in priority if not (sizes[i] and offsets[i] + sizes[i] == arena)]
+    return best[1]
+
+
 ARENA_STRATEGIES: dict[str, Callable[[Sequence[int], Sequence[int], Sequence[int]], list[int]]] = {
     "greedy_by_size": greedy_by_size,
     "greedy_by_breadth": greedy_by_breadth,
     "linear_scan": linear_scan,
+    "iterated_greedy": iterated_greedy,
 }
 
 
@@ -505,8 +545,8 @@ def plan_arena(
         order: a topological permutation of the node indices
             (``GraphMemory.node_names``; default: the graph's order), such as a
             :class:`savedhooks.schedule.Schedule`'s ``order``.
-        strategy: ``"greedy_by_size"``, ``"greedy_by_breadth"``, ``"linear_scan"``
-            or ``"best"`` (all three, the smallest arena kept).
+        strategy: ``"greedy_by_size"``, ``"greedy_by_breadth"``, ``"linear_scan"``,
+            ``"iterated_greedy"`` or ``"best"`` (all of them, the smallest arena kept).
         device: the device planned (default: the first non-CPU device holding a
             buffer, else CPU).
         alignment: a power of two: 1 (exact sizes) or :data:`CUDA_ALIGNMENT` (512,
