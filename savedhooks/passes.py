@@ -146,6 +146,7 @@ def reorder_graph(
     strategies: tuple[str, ...] = tuple(STRATEGIES),
     exact_budget: int = 2_000,
     fused: bool = False,
+    score: str = "peak",
 ) -> Schedule:
     """Reorder ``gm`` in place to the lowest modelled peak the portfolio finds.
 
@@ -157,16 +158,19 @@ def reorder_graph(
         strategies: names from :data:`savedhooks.schedule.STRATEGIES`.
         exact_budget: state budget of the exact search (0 to skip it).
         fused: judge orders as inductor runs them (pointwise chains fused).
+        score: ``"peak"`` (default) or ``"arena"``: minimize the arena bytes of a
+            static plan (:func:`savedhooks.memory.plan_arena`) instead of the
+            liveness peak alone (see :func:`savedhooks.schedule.schedule`).
 
     Returns:
         The :class:`savedhooks.schedule.Schedule` applied (its ``order`` indexes
         the nodes as they were).
 
     Raises:
-        ValueError: nodes lack ``meta["val"]``, or an unknown strategy.
+        ValueError: nodes lack ``meta["val"]``, an unknown strategy or score.
     """
     problem, bound = graph_problem(gm, donated, fused)
-    result = schedule(problem, bound, strategies, exact_budget)
+    result = schedule(problem, bound, strategies, exact_budget, score=score)
     nodes = [n for n in gm.graph.nodes if n.op != _OUTPUT]
     if result.order != list(range(len(nodes))):
         output = gm.graph.output_node()

@@ -226,3 +226,17 @@ def test_saved_ratio_divides_by_the_no_hook_rows_saved_bytes():
          _row("no hooks", "eager", 10.0), _row("sh eager", "eager", 9.0)], [20.0, 5.0, 5.0, 40.0, 8.0])]  # fmt: skip
     assert [r.saved_ratio for r in with_baselines(rows)] == [1.0, 0.25, None, 1.0, 0.2]
     assert "saved / no hooks" in table(with_baselines(rows)).splitlines()[0]
+
+
+def test_arena_rows_show_each_strategy_against_the_liveness_peak():
+    from benchmarks.arena import ARENA_HEADER, arena_row
+    from savedhooks.memory import ARENA_STRATEGIES, Lifetime, plan_lifetimes
+
+    lifetimes = [Lifetime("A", 2 * 2**20, 0, 1), Lifetime("B", 2**20, 0, 2), Lifetime("C", 3 * 2**20, 2, 3)]
+    plans = {s: plan_lifetimes(lifetimes, s) for s in ARENA_STRATEGIES}
+    row = arena_row("toy forward", "torch", 4, plans, plan_lifetimes(lifetimes, "best", alignment=512))
+    assert row == (
+        "| toy forward | 4 | 3 | torch | 4.000 | 4.000 (1.000) | 4.000 (1.000) | 6.000 (1.500) | 4.000 (1.000) "
+        "| 4.000 (1.000) | not measured (CPU) |"
+    )
+    assert row.count("|") == ARENA_HEADER.splitlines()[0].count("|")

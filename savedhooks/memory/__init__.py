@@ -1,6 +1,16 @@
-"""Memory of FX graphs: the buffer model, predicted and measured peaks."""
+"""Memory of FX graphs: the buffer model, predicted and measured peaks, arena plans."""
 
-from savedhooks.memory.fusion import inlined_nodes
+from savedhooks.memory.arena import (
+    ARENA_STRATEGIES,
+    CUDA_ALIGNMENT,
+    ArenaPlan,
+    Lifetime,
+    buffer_lifetimes,
+    liveness_peak,
+    plan_arena,
+    plan_lifetimes,
+    validate_arena,
+)
 from savedhooks.memory.estimate import (
     PeakEstimate,
     StepPrediction,
@@ -11,6 +21,7 @@ from savedhooks.memory.estimate import (
     simulate,
     simulate_order,
 )
+from savedhooks.memory.fusion import inlined_nodes
 from savedhooks.memory.graph import Buffer, GraphMemory, build_graph_memory
 from savedhooks.memory.measure import cpu_memory_trace, measure_peak, profile_graph
 from savedhooks.memory.report import graph_to_json, plot_timeline
@@ -26,6 +37,16 @@ __all__ = [
     "lower_bound",
     "simulate",
     "simulate_order",
+    # place
+    "plan_arena",
+    "ArenaPlan",
+    "validate_arena",
+    "plan_lifetimes",
+    "buffer_lifetimes",
+    "liveness_peak",
+    "Lifetime",
+    "ARENA_STRATEGIES",
+    "CUDA_ALIGNMENT",
     # the model
     "build_graph_memory",
     "GraphMemory",

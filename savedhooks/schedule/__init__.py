@@ -22,6 +22,13 @@ Design notes
   without passing the peak so far is taken alone (some optimal completion starts
   with it). It stops at a state budget and then reports the gap to the best lower
   bound known instead of "optimal".
+* ``score="arena"`` judges orders by the arena a static plan needs
+  (:func:`savedhooks.schedule.score.arena_of`: the smallest of
+  :mod:`savedhooks.memory.arena`'s strategies) instead of the liveness peak
+  alone. The peak-scored choice is made first, as by default; then every order
+  tried (each strategy raw and placed, the exact search's) is planned, and the
+  lowest arena, then the lowest peak, wins, the peak-scored choice winning ties:
+  the order changes only where the arena is strictly smaller.
 * Everything is deterministic: ties break on the input order.
 """
 
@@ -32,14 +39,17 @@ import logging
 from collections.abc import Callable, Iterable
 
 from savedhooks.schedule.problem import Problem, build_problem, check_order, peak_of
+from savedhooks.schedule.score import arena_of, problem_lifetimes
 from savedhooks.schedule.search import SearchResult, beam, exact_search
 from savedhooks.schedule.strategies import bfs, bytes_freed, dfs, input_order, lpmf, place
 
 __all__ = [
+    "SCORES",
     "STRATEGIES",
     "Problem",
     "Schedule",
     "SearchResult",
+    "arena_of",
     "beam",
     "bfs",
     "build_problem",
@@ -51,6 +61,7 @@ __all__ = [
     "lpmf",
     "peak_of",
     "place",
+    "problem_lifetimes",
     "schedule",
 ]
 
@@ -65,6 +76,8 @@ STRATEGIES: dict[str, Callable[[Problem], list[int]]] = {
     "bytes_freed": bytes_freed,
     "beam": beam,
 }
+
+SCORES = ("peak", "arena")  # what schedule(score=...) minimizes: the liveness peak, or the arena bytes, then the peak
 
 
 # --- the driver -------------------------------------------------------------------------------
@@ -82,6 +95,10 @@ class Schedule:
         input_peak: the input order's peak.
         lower_bound: the best lower bound known on any order's peak.
         optimal: whether ``peak`` is proven optimal.
+        score: what was minimized (see :data:`SCORES`).
+        arena: the chosen order's arena bytes (``score="arena"`` only, else None).
+        arena_scores: arena bytes per order tried (``score="arena"`` only; the
+            peak-scored choice as ``"peak choice"``).
     """
 
     order: list[int]
@@ -91,6 +108,9 @@ class Schedule:
     input_peak: int
     lower_bound: int
     optimal: bool
+    score: str = "peak"
+    arena: int | None = None
+    arena_scores: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def gap(self) -> float:
@@ -104,8 +124,9 @@ def schedule(
     strategies: Iterable[str] = tuple(STRATEGIES),
     exact_budget: int = 20_000,
     exact_max_nodes: int = 2_000,
+    score: str = "peak",
 ) -> Schedule:
-    """Try every strategy (raw and placed), then the exact search; keep the lowest peak.
+    """Try every strategy (raw and placed), then the exact search; keep the lowest peak (or arena).
 
     Args:
         problem: the problem.
@@ -114,24 +135,33 @@ def schedule(
         strategies: names from :data:`STRATEGIES`; ``"input"`` is always tried first.
         exact_budget: state budget of :func:`exact_search` (0 to skip it).
         exact_max_nodes: skip the exact search above this many nodes.
+        score: ``"peak"`` (default): the lowest liveness peak; ``"arena"``: the
+            lowest arena bytes of a static plan (then the lowest peak), among
+            the same orders (see the module notes).
 
     Returns:
-        A :class:`Schedule`; its peak is never above the input order's.
+        A :class:`Schedule`. With ``score="peak"`` its peak is never above the
+        input order's; with ``score="arena"`` its arena is never above the
+        input order's nor the peak-scored choice's.
 
     Raises:
-        ValueError: an unknown strategy name.
+        ValueError: an unknown strategy name or score.
     """
     names = ["input"] + [s for s in strategies if s != "input"]
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"unknown strategies {unknown}; known: {sorted(STRATEGIES)}")
+    if score not in SCORES:
+        raise ValueError(f"unknown score {score!r}; known: {', '.join(SCORES)}")
     scores: dict[str, int] = {}
+    tried: dict[str, list[int]] = {}
     best_name, best_order, best_peak = "", [], None
     for name in names:
         raw = STRATEGIES[name](problem)
         for label, order in ((name, raw), (name + "+place", place(problem, raw))):
             peak = peak_of(problem, order)
             scores[label] = peak
+            tried[label] = order
             if best_peak is None or peak < best_peak:
                 best_name, best_order, best_peak = label, order, peak
     input_peak = scores["input"]
@@ -142,6 +172,7 @@ def schedule(
         if found.order is not None:
             best_name, best_order, best_peak = "exact", found.order, found.peak
             scores["exact"] = found.peak
+            tried["exact"] = found.order
         optimal = found.optimal
         bound = best_peak if optimal else max(bound, found.lower_bound)
     # Among orders of equal peak, the placed one frees packed tensors soonest and
@@ -154,4 +185,29 @@ def schedule(
         problem.size, input_peak, best_peak, best_name,
         "optimal" if optimal else f"lower bound {bound} B", scores,
     )
-    return Schedule(best_order, best_peak, best_name, scores, input_peak, bound, optimal)
+    chosen = Schedule(best_order, best_peak, best_name, scores, input_peak, bound, optimal)
+    return chosen if score == "peak" else _by_arena(problem, chosen, tried)
+
+
+def _by_arena(problem: Problem, chosen: Schedule, tried: dict[str, list[int]]) -> Schedule:
+    """Among the peak-scored choice and every order tried, the lowest (arena, peak); the choice wins ties."""
+    candidates = {"peak choice": chosen.order, **tried}
+    arenas = {label: arena_of(problem, order) for label, order in candidates.items()}
+    peaks = {label: chosen.scores.get(label, 0) for label in tried} | {"peak choice": peak_of(problem, chosen.order)}
+    peaks = {label: peaks[label] for label in candidates}
+    best = min(candidates, key=lambda label: (arenas[label], peaks[label]))  # first listed wins ties
+    order, arena, peak = candidates[best], arenas[best], peaks[best]
+    method = chosen.method if best == "peak choice" else best
+    if best != "peak choice":  # place the winner too, unless that raises its arena (or, at equal arena, its peak)
+        placed = place(problem, order)
+        if placed != order:
+            placed_arena, placed_peak = arena_of(problem, placed), peak_of(problem, placed)
+            if (placed_arena, placed_peak) <= (arena, peak):
+                order, method, arena, peak = placed, method + "+place", placed_arena, placed_peak
+                arenas[method] = arena
+    log.info("savedhooks schedule by arena: %s, arena %d B, peak %d B (peak choice: %s, arena %d B, peak %d B)",
+             method, arena, peak, chosen.method, arenas["peak choice"], chosen.peak)  # fmt: skip
+    return dataclasses.replace(
+        chosen, order=order, peak=peak, method=method, optimal=chosen.optimal and peak == chosen.peak,
+        score="arena", arena=arena, arena_scores=arenas,
+    )  # fmt: skip

@@ -24,6 +24,9 @@ class Problem:
         early: nodes used only by outputs or by other such nodes (pack chains).
         late: nodes computed only from fixed nodes or other such nodes (unpack chains).
         scratch: per node, bytes it allocates and frees while it runs (empty: none).
+        inputs: per buffer, whether it exists before the graph runs (a graph
+            input, owned by the caller; empty: the buffers a fixed node touches
+            first). Only :func:`savedhooks.schedule.arena_of` reads it.
     """
 
     preds: tuple[tuple[int, ...], ...]
@@ -36,11 +39,14 @@ class Problem:
     early: frozenset[int]
     late: frozenset[int]
     scratch: tuple[int, ...] = ()
+    inputs: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.preds)
         if len(self.alloc) != n or not (len(self.sizes) == len(self.touchers) == len(self.freeable)):
             raise ValueError("Problem: per-node and per-buffer tables must have matching lengths")
+        if self.inputs and len(self.inputs) != len(self.sizes):
+            raise ValueError("Problem: inputs must have one entry per buffer")
         if self.scratch and len(self.scratch) != n:
             raise ValueError("Problem: scratch must have one entry per node")
         if any(not 0 <= p < n for ps in self.preds for p in ps):
@@ -158,6 +164,7 @@ def build_problem(memory, device, extra_edges: Iterable[tuple[int, int]] = (), f
         early=frozenset(early),
         late=frozenset(late),
         scratch=tuple(memory.scratch_on(v, device) for v in range(n)),
+        inputs=tuple(memory.buffers[b].is_input for b in kept),
     )
 
 
