@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     Raises:
         SystemExit: bad flags, or ``--help``.
     """
-    from benchmarks.configs import CONFIGS
+    from benchmarks.configs import CONFIGS, DEFAULT_CONFIGS
     from benchmarks.models import MODELS
     from benchmarks.run import BACKENDS, DEFAULT_INDUCTOR
 
@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     reduced = "; ".join(f"{name}: {', '.join(m.configs)}" for name, m in MODELS.items() if m.configs is not None)
     own = "; ".join(f"{name}: {', '.join(m.backends)}" for name, m in MODELS.items() if m.backends is not None)
     parser.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS), metavar="CONFIG",
-                        help=f"configurations to run (default: all, but {reduced}; CUDA-only ones are skipped on CPU)")
+                        help=f"configurations to run (default: all but {', '.join(c for c in CONFIGS if c not in DEFAULT_CONFIGS)}, "
+                             f"and {reduced}; CUDA-only ones are skipped on CPU)")
     parser.add_argument("--backends", nargs="+", default=None, choices=list(BACKENDS), metavar="BACKEND",
                         help="run every compiled configuration with these torch.compile backends (default: aot_eager "
                              f"for all, inductor for {', '.join(DEFAULT_INDUCTOR)}, but {own}; "

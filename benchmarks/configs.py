@@ -7,17 +7,20 @@ is ``"eager"`` for the eager configurations and ``"inductor"`` or
 and config patches entered inside it) and returns the loss; the driver
 (``benchmarks/run.py``) calls ``backward`` and measures.
 
-The codec is the library's default, ``sh.fp8()``: float8 e4m3 with one float32
-scale per block of 128 elements along the innermost dim (:data:`CODEC`, its
-configuration :data:`FLOAT8`), in every configuration but one. torch's own path
+The codec is ``sh.fp8()``: float8 e4m3 with one float32 scale per block of 128
+elements along the innermost dim (:data:`CODEC`, its configuration
+:data:`FLOAT8`), in the ``sh*`` configurations. torch's own path
 (``torch hooks``) builds the codec from plain aten ops traced with ``make_fx``,
 as a user does today; a traced graph cannot branch on dtype, rank or shape (a
 ``(-1, 128)`` block view bakes in a length the innermost dim may not divide), so
 it keeps row scales (``amax`` over ``dim=-1``, :data:`TORCH_PATH_FLOAT8`), the
 finest grouping it can express for every saved tensor, and casts whatever it is
-given. ``sh policy`` runs ``sh.policy()``, the library's default policy: the
-same fp8 codec for floating tensors, bitmasks for bool ones, and normalization
-statistics kept as they are.
+given. ``sh policy``, ``sh + checkpoint`` and ``bf16 sh policy`` run
+``sh.policy()`` (:data:`POLICY`), the library's recommended codec: the same fp8
+codec for floating tensors, bitmasks for bool ones, and what its rules keep
+(normalization statistics, a narrow loss head, small tensors) as it is. The
+``bf16*`` configurations run under bf16 autocast and are compared with the
+``bf16`` row; they run only when named with ``--configs``.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 import savedhooks as sh
 from benchmarks.models import Workload
 
-__all__ = ["CODEC", "CONFIGS", "FLOAT8", "POLICY", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "torch_fp8_hooks"]
+__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FLOAT8", "POLICY", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "torch_fp8_hooks"]
 
 FLOAT8 = sh.Float8()  # the codec's configuration: the library default, e4m3 with block scales (128)
 CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8() returns it
@@ -117,6 +120,9 @@ class Config:
         compiled: runs under ``torch.compile`` (once per backend), else eagerly.
         cuda_only: only measured with ``--device cuda``.
         description: one line for the README.
+        baseline: the configuration whose row (same model and backend) the
+            ratio columns compare with; None: "compiled" (eager rows: "no hooks").
+        in_default: run when ``--configs`` is not given (the bf16 rows are asked for).
     """
 
     name: str
@@ -124,6 +130,8 @@ class Config:
     compiled: bool
     cuda_only: bool
     description: str
+    baseline: str | None = None
+    in_default: bool = True
 
 
 def _compile(workload: Workload, backend: str, placed: bool = False) -> tuple[Callable[..., Any], GraphLog | None]:
@@ -265,8 +273,28 @@ def _checkpointing(workload: Workload, backend: str) -> Step:
 
 
 def _savedhooks_checkpointing(workload: Workload, backend: str) -> Step:
-    """Checkpointing per block, and savedhooks' codec on what is still saved (block inputs, head, loss), compiled."""
-    return _checkpointed(workload, backend, lambda: sh.saved_tensors_hooks(CODEC))
+    """Checkpointing per block, and ``sh.policy()`` on what is still saved (block inputs, head, loss), compiled."""
+    return _checkpointed(workload, backend, lambda: sh.saved_tensors_hooks(POLICY))
+
+
+def _bf16(workload: Workload) -> Callable[[], Any]:
+    device = next(workload.model.parameters()).device.type
+    return lambda: torch.autocast(device, dtype=torch.bfloat16)
+
+
+def _bf16_compiled(workload: Workload, backend: str) -> Step:
+    """bf16 autocast around the compiled model, no hooks: the baseline of the bf16 rows."""
+    return _compiled(workload, backend, _bf16(workload))
+
+
+def _bf16_policy(workload: Workload, backend: str) -> Step:
+    """bf16 autocast, ``sh.policy()`` on what is saved (bf16 activations packed to fp8)."""
+    return _compiled(workload, backend, _bf16(workload), lambda: sh.saved_tensors_hooks(POLICY))
+
+
+def _bf16_checkpointing(workload: Workload, backend: str) -> Step:
+    """bf16 autocast, checkpointing per block."""
+    return _checkpointed(workload, backend, _bf16(workload))
 
 
 def _memory_budget(workload: Workload, backend: str) -> Step:
@@ -300,9 +328,17 @@ CONFIGS: dict[str, Config] = {
         Config("sh + reorder", _savedhooks_reorder, True, False, "savedhooks' codec inlined, sh.backend(...)"),
         Config("checkpoint", _checkpointing, True, False, "torch.utils.checkpoint per block"),
         Config("sh + checkpoint", _savedhooks_checkpointing, True, False,
-               "checkpoint per block, savedhooks' codec on what is still saved"),
+               "checkpoint per block, sh.policy() on what is still saved"),
         Config("budget 0.5", _memory_budget, True, False, "partitioner recompute, activation_memory_budget=0.5"),
+        Config("bf16", _bf16_compiled, True, False, "bf16 autocast, compiled, no hooks: the bf16 rows' baseline",
+               baseline="bf16", in_default=False),
+        Config("bf16 sh policy", _bf16_policy, True, False, "bf16 autocast, sh.policy() inlined",
+               baseline="bf16", in_default=False),
+        Config("bf16 checkpoint", _bf16_checkpointing, True, False, "bf16 autocast, checkpoint per block",
+               baseline="bf16", in_default=False),
         Config("save_on_cpu", _save_on_cpu, True, True, "torch.autograd.graph.save_on_cpu(pin_memory=True)"),
         Config("sh offload", _savedhooks_offload, True, True, "sh.offload(fp8) + reorder pass"),
     )
 }
+
+DEFAULT_CONFIGS: tuple[str, ...] = tuple(name for name, c in CONFIGS.items() if c.in_default)  # without --configs

@@ -39,7 +39,7 @@ from collections.abc import Iterable
 import torch
 
 import savedhooks as sh
-from benchmarks.configs import CONFIGS, Config, GraphLog, Step
+from benchmarks.configs import CONFIGS, DEFAULT_CONFIGS, Config, GraphLog, Step
 from benchmarks.models import MODELS, Workload, make_workload
 
 __all__ = ["ABOVE_TOLERANCE_MIB", "BACKENDS", "DEFAULT_INDUCTOR", "Result", "Row", "jobs", "run", "with_baselines"]
@@ -117,8 +117,8 @@ def jobs(
 
     Args:
         configs: configuration names; ``None`` for the model's default
-            (``benchmarks.models.Model.configs``; all for a model that
-            declares none).
+            (``benchmarks.models.Model.configs``; :data:`DEFAULT_CONFIGS` for a
+            model that declares none).
         backends: compile backends for every compiled configuration; ``None``
             for the model's default backends (``Model.backends``), or where it
             declares none the default matrix: aot_eager for every compiled
@@ -136,7 +136,7 @@ def jobs(
     """
     spec = MODELS[model] if model is not None else None
     if configs is None:
-        configs = spec.configs if spec is not None and spec.configs is not None else CONFIGS
+        configs = spec.configs if spec is not None and spec.configs is not None else DEFAULT_CONFIGS
     if backends is None and spec is not None:
         backends = spec.backends
     chosen = [CONFIGS[name] for name in configs]
@@ -290,7 +290,8 @@ def _reference_grads(workload: Workload) -> list[torch.Tensor | None]:
 def with_baselines(rows: list[Row]) -> list[Row]:
     """Fill in each row's ``step_ratio``, ``above_baseline`` and ``saved_ratio`` from the no-hook rows of the same model.
 
-    A compiled row's baseline is the "compiled" row of its model and backend; an
+    A compiled row's baseline is the "compiled" row of its model and backend (or
+    the row of its configuration's ``baseline``: "bf16" for the bf16 rows); an
     eager row's step time is compared with the compiled step (inductor's, else
     aot_eager's) and its peak with the eager "no hooks" row. A peak is above its
     baseline when it exceeds the baseline's by more than
@@ -305,15 +306,15 @@ def with_baselines(rows: list[Row]) -> list[Row]:
     Raises:
         Nothing.
     """
-    ok = [r for r in rows if not r.error]
-    step = {(r.model, r.backend): r.step_ms for r in ok if r.config == "compiled"}
-    baseline = {(r.model, r.backend): r for r in ok if r.config == ("no hooks" if r.backend == "eager" else "compiled")}
+    ok = {(r.model, r.config, r.backend): r for r in rows if not r.error}
     out = []
     for r in rows:
+        named = CONFIGS[r.config].baseline if r.config in CONFIGS else None
+        step_configs = (named or "compiled",)
         backends = ("inductor", "aot_eager") if r.backend == "eager" else (r.backend,)
-        ref = next((step[(r.model, b)] for b in backends if (r.model, b) in step), None)
+        ref = next((ok[(r.model, c, b)].step_ms for c in step_configs for b in backends if (r.model, c, b) in ok), None)
         ratio = r.step_ms / ref if (ref and r.step_ms is not None) else None
-        b = baseline.get((r.model, r.backend))
+        b = ok.get((r.model, named or ("no hooks" if r.backend == "eager" else "compiled"), r.backend))
         base = b.peak_mib if b is not None else None
         above = None if (base is None or r.peak_mib is None) else r.peak_mib > base + ABOVE_TOLERANCE_MIB
         saved = r.saved_mib / b.saved_mib if (b is not None and b.saved_mib and r.saved_mib is not None) else None

@@ -245,7 +245,8 @@ def policy(
         integer: codec for integer tensors (default: max-pool indices narrowed to
             int16 / int32 under compile, lossless; others stored as they are), or None.
         min_bytes: tensors smaller than this are stored as they are (a kernel
-            launch costs more than it saves).
+            launch costs more than it saves). Under dynamic shapes a symbolic
+            size counts only if it is smaller at every size (no guard is added).
         keep_ops: ops (aten overload-packet names) whose saved statistics are
             stored as they are: the outputs after the first of a multi-output op
             (layer norm's mean and rstd, not its normalized output), the output
