@@ -93,6 +93,7 @@ def test_inductor_with_the_pass_is_never_above_inductors_own_order():
 
 
 def test_inductor_gradients_are_identical_with_the_pass():
-    # 2 blocks of the acceptance transformer: every kind of graph the pass reorders, half the compile time
-    _assert_same_gradients(lambda: transformer(layers=2, dim=64), MODELS["4-layer transformer"][1], "inductor",
+    # 1 block of the acceptance transformer (attention, norms, GELU): a cold inductor compile of the
+    # fused codec takes about 85 s on 2 cores here, 130 s with 2 blocks
+    _assert_same_gradients(lambda: transformer(layers=1, dim=64), MODELS["4-layer transformer"][1], "inductor",
                            sh.backend("inductor"))  # fmt: skip
