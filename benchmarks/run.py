@@ -310,9 +310,9 @@ def with_baselines(rows: list[Row]) -> list[Row]:
     out = []
     for r in rows:
         named = CONFIGS[r.config].baseline if r.config in CONFIGS else None
-        step_configs = (named or "compiled",)
+        step_config = named or "compiled"
         backends = ("inductor", "aot_eager") if r.backend == "eager" else (r.backend,)
-        ref = next((ok[(r.model, c, b)].step_ms for c in step_configs for b in backends if (r.model, c, b) in ok), None)
+        ref = next((ok[(r.model, step_config, b)].step_ms for b in backends if (r.model, step_config, b) in ok), None)
         ratio = r.step_ms / ref if (ref and r.step_ms is not None) else None
         b = ok.get((r.model, named or ("no hooks" if r.backend == "eager" else "compiled"), r.backend))
         base = b.peak_mib if b is not None else None
