@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import savedhooks
@@ -35,6 +36,15 @@ def test_kernels_resolve_to_this_repo_and_never_as_bare_kernels():
     assert pathlib.Path(kernels_file).resolve() == REPO / "kernels" / "__init__.py"
     # A bare "kernels" is either absent or someone else's, never this folder.
     assert bare == "None" or not pathlib.Path(bare).resolve().is_relative_to(REPO)
+
+
+def test_every_subpackage_is_in_the_wheel():
+    # An editable install finds any folder; a wheel only ships what pyproject lists.
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {"savedhooks." + p.parent.name for p in (REPO / "savedhooks").glob("*/__init__.py")}
+    assert folders | {"savedhooks", "savedhooks.kernels"} == set(setuptools["packages"])
+    assert set(setuptools["packages"]) - {"savedhooks"} == set(setuptools["package-dir"]) - {"savedhooks"}
 
 
 def test_public_functions_document_args_returns_raises():
