@@ -15,14 +15,14 @@ from benchmarks.reorder_inductor import measured_peaks
 from savedhooks.memory.fusion import inlined_nodes
 from savedhooks.passes import ReorderPass, has_hook_chains, is_backward_graph
 
-# Tests that only read what the compiled step computes or allocates: they share one cache, so that
-# the graphs they have in common compile once (about 40 s of CI on 2 cores).
-_READ_RESULTS_ONLY = ("test_plain_compile_gets_the_measured_backward_peak_of_the_pass",
-                      "test_gradients_are_unchanged_by_the_default_pass")  # fmt: skip
-
 
 @pytest.fixture(scope="module")
 def _results_cache(tmp_path_factory):
+    """One inductor cache for the tests that only read what the compiled step computes or allocates.
+
+    The graphs they have in common compile once (about 40 s of CI on 2 cores); a test
+    opts in with ``@pytest.mark.usefixtures("_results_cache")``.
+    """
     return tmp_path_factory.mktemp("inductor_cache")
 
 
@@ -31,7 +31,7 @@ def _fresh_inductor_cache(request, monkeypatch):
     """A cached graph skips post-grad passes: every other test here compiles from scratch."""
     from torch._inductor.utils import fresh_cache
 
-    if request.node.originalname in _READ_RESULTS_ONLY:
+    if "_results_cache" in request.fixturenames:
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(request.getfixturevalue("_results_cache")))
         yield
         return
@@ -192,6 +192,7 @@ def test_inductor_graph_cache_hits_with_the_default_pass(monkeypatch, tmp_path):
         assert counters["inductor"]["fxgraph_cache_hit"] == 0
 
 
+@pytest.mark.usefixtures("_results_cache")
 def test_plain_compile_gets_the_measured_backward_peak_of_the_pass():
     """Measured on CPU (deterministic): the default usage as low as sh.backend("inductor"), below torch's order.
 
@@ -223,6 +224,7 @@ def test_no_freed_dequantized_buffer_is_held_for_reuse():
     assert bw_default < 0.75 * bw_pool
 
 
+@pytest.mark.usefixtures("_results_cache")
 def test_gradients_are_unchanged_by_the_default_pass():
     model = gelu_mlp()
     x = torch.randn(4096, 64)  # the measured-peak test's graphs: inductor's FX graph cache serves them
