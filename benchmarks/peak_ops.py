@@ -1,6 +1,7 @@
 """Where a training step peaks: ``python -m benchmarks.peak_ops --model gpt2 --size 8 --config sh``.
 
-Runs one step of a benchmark model compiled with inductor (CPU), under the
+Runs one step of a benchmark model compiled with inductor (or ``--backend``; CPU),
+optionally with checkpointing per block (``--checkpoint``), under the
 profiler with memory events, and prints the peak above what was live before
 the step, the ops running at that moment (outermost first), and the bytes
 alive at the end of the forward (the loss included) and of the backward. The
@@ -26,13 +27,15 @@ _HOOKS = {"compiled": None, "sh": sh.fp8, "sh policy": sh.policy}
 _FORWARD, _BACKWARD = "## forward", "## backward"
 
 
-def peak_ops(model: str, size: float, config: str) -> dict[str, Any]:
+def peak_ops(model: str, size: float, config: str, backend: str = "inductor", checkpoint: bool = False) -> dict[str, Any]:
     """Profile one warm step; see the module docstring.
 
     Args:
         model: a key of ``benchmarks.models.MODELS``.
         size: batch multiplier.
         config: ``"compiled"``, ``"sh"`` or ``"sh policy"``.
+        backend: the ``torch.compile`` backend.
+        checkpoint: checkpointing per block on (as the benchmark's checkpoint configurations).
 
     Returns:
         ``{"peak": bytes, "ops": [op names at the peak], "forward": bytes, "backward": bytes}``.
@@ -42,7 +45,8 @@ def peak_ops(model: str, size: float, config: str) -> dict[str, Any]:
     """
     hooks = _HOOKS[config]() if _HOOKS[config] else None
     workload = make_workload(model, size)
-    compiled = torch.compile(workload.model)
+    workload.set_checkpointing(checkpoint)
+    compiled = torch.compile(workload.model, backend=backend)
 
     def step() -> None:
         hooked = sh.saved_tensors_hooks(hooks) if hooks else contextlib.nullcontext()
@@ -72,10 +76,13 @@ def main() -> None:
     parser.add_argument("--model", choices=list(MODELS), default="gpt2")
     parser.add_argument("--size", type=float, default=8.0)
     parser.add_argument("--config", choices=list(_HOOKS), default="sh")
+    parser.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor")
+    parser.add_argument("--checkpoint", action="store_true", help="checkpointing per block")
     args = parser.parse_args()
-    result = peak_ops(args.model, args.size, args.config)
+    result = peak_ops(args.model, args.size, args.config, args.backend, args.checkpoint)
     mib = 2.0**20
-    print(f"{args.model} --size {args.size:g}, {args.config}: step peak {result['peak'] / mib:.1f} MiB")
+    what = f"{args.config}{' + checkpoint' if args.checkpoint else ''}, {args.backend}"
+    print(f"{args.model} --size {args.size:g}, {what}: step peak {result['peak'] / mib:.1f} MiB")
     print("ops running at the peak: " + " > ".join(op[:80] for op in result["ops"]))
     print(
         f"live after the forward {result['forward'] / mib:.1f} MiB, after the backward {result['backward'] / mib:.1f}"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import expecttest
 import pytest
 import torch
+from models import INDUCTOR_CNN_OPTIONS, GraphCapture, bf16, cast_hook, cnn, mlp, train_step_grads
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
-from models import GraphCapture, bf16, cast_hook, cnn, mlp, train_step_grads
 
 
 def _max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -58,13 +58,6 @@ def forward(self, primals_3, primals_4, relu_hook_0, tangents_1):
         want = train_step_grads(model, model, x, bf16)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
-
-
-# torch 2.13 hazard found here: inductor's reorder_for_peak_memory gives wrong conv
-# gradients for conv -> relu -> max_pool on CPU, with or without hooks (pinned by
-# test_torch_inductor_reorder_bug_conv_relu_maxpool). CNN runs under inductor keep
-# that pass off so that they test our hooks, not the torch bug.
-INDUCTOR_CNN_OPTIONS = {"reorder_for_peak_memory": False}
 
 
 def _inductor(model: torch.nn.Module) -> torch.nn.Module:
@@ -164,7 +157,6 @@ def test_nested_hooks_innermost_is_inlined():
     model = mlp()
     capture = GraphCapture()
     compiled = torch.compile(model, backend=capture.backend)
-    with sh.saved_tensors_hooks(bf16):
-        with sh.saved_tensors_hooks(cast_hook(torch.float16)):
-            compiled(torch.randn(4, 8)).sum().backward()
+    with sh.saved_tensors_hooks(bf16), sh.saved_tensors_hooks(cast_hook(torch.float16)):
+        compiled(torch.randn(4, 8)).sum().backward()
     assert "dtype = torch.float16" in capture.fw[0] and "bfloat16" not in capture.fw[0]

@@ -18,12 +18,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import savedhooks as sh
 from savedhooks.torchfixes import rng_state_outputs
-from tests.models import GraphCapture, TransformerBlock, transformer
+from tests.models import POLICY_DB, GraphCapture, TransformerBlock, transformer, worst_sqnr
 
 # the recorder's list makes its identity process-local (savedhooks warns): nothing else depends on it here
 pytestmark = pytest.mark.filterwarnings("ignore:savedhooks hook 'record'")
-
-POLICY_DB = 25.0  # the policy's fidelity goal (README, "Fidelity")
 
 
 def _recorder():
@@ -65,10 +63,6 @@ def _assert_equal(got, want):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
-
-
-def _sqnr(got, want) -> float:
-    return sh.metrics.worst_sqnr(dict(enumerate(want)), dict(enumerate(got)))[0]
 
 
 # --- activation checkpointing ---------------------------------------------------------------
@@ -137,7 +131,7 @@ def test_checkpoint_compiled_with_random_ops():
     # one generator state per block's SDPA; not a donated buffer, so AOTAutograd keeps it without hooks
     states = rng_state_outputs(next(iter(nodes)).graph)
     assert len(states) == 2 and not set(states) & nodes
-    assert _sqnr(_grads(model, compiled, x, hooks=sh.policy()), want) >= POLICY_DB
+    assert worst_sqnr(_grads(model, compiled, x, hooks=sh.policy()), want) >= POLICY_DB
 
 
 def test_checkpoint_selective_compiled_packs_what_the_policy_saves():
@@ -191,7 +185,7 @@ def test_bf16_autocast_compiled_policy_halves_the_saved_bytes():
     policy_bytes, got = saved_and_grads(sh.policy())
     # bf16 activations in fp8 with a float32 scale per 128: 0.53x; kept statistics and inputs add a little
     assert 0.45 <= policy_bytes / bf16_bytes <= 0.55
-    assert _sqnr(got, want) >= POLICY_DB
+    assert worst_sqnr(got, want) >= POLICY_DB
 
 
 # --- compiled autograd --------------------------------------------------------------------------
@@ -212,7 +206,7 @@ def test_compiled_autograd_runs_the_inlined_hooks(codec):
     got = [p.grad.clone() for p in model.parameters()]
     assert torch._dynamo.utils.counters["compiled_autograd"]["captures"] == 1
     if packed is None:
-        assert _sqnr(got, want) >= POLICY_DB
+        assert worst_sqnr(got, want) >= POLICY_DB
     else:
         assert packed
         _assert_equal(got, want)

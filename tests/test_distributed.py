@@ -15,12 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import savedhooks as sh
 from tests import distributed_worker as worker
+from tests.models import POLICY_DB, worst_sqnr
 
 TIMEOUT_S = 60
-POLICY_DB = 25.0
-
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 
@@ -48,10 +46,6 @@ def _one_process(config: str) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters()]
 
 
-def _sqnr(got, want) -> float:
-    return sh.metrics.worst_sqnr(dict(enumerate(want)), dict(enumerate(got)))[0]
-
-
 @pytest.mark.parametrize("how", ["fsdp2", "ddp"])
 def test_two_processes_match_without_hooks_and_one_process(how, tmp_path):
     out = tmp_path / "grads.pt"
@@ -61,12 +55,12 @@ def test_two_processes_match_without_hooks_and_one_process(how, tmp_path):
     # the same setup without hooks: bit-exact for a lossless hook, the policy's fidelity goal for sh.policy()
     for got, want in zip(grads["lossless"], grads["no hooks"], strict=True):
         assert torch.equal(got, want)
-    assert _sqnr(grads["policy"], grads["no hooks"]) >= POLICY_DB
+    assert worst_sqnr(grads["policy"], grads["no hooks"]) >= POLICY_DB
     # one process on the whole batch: the setup is right (mean over the batch), and the policy meets its goal
     single = _one_process("no hooks")
     for got, want in zip(grads["no hooks"], single, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
-    assert _sqnr(grads["policy"], single) >= POLICY_DB
+    assert worst_sqnr(grads["policy"], single) >= POLICY_DB
     # and packs: float64 doubles exactly what goes through the hooks; the policy removes most of it
     # (fp8 with its scales keeps 0.28x of a float32 tensor; LN statistics and small tensors stay as they are)
     through_hooks = saved["lossless"] - saved["no hooks"]

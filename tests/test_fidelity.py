@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from models import INDUCTOR_CNN_OPTIONS
 from torch import nn
 
 import savedhooks as sh
@@ -179,6 +180,52 @@ def test_policy_narrows_max_pool_indices_losslessly_under_compile(side, narrow, 
     got = _grads(model, torch.compile(model, backend="aot_eager"), x, sh.policy(floating=None, boolean=None))
     assert set(widths) == narrow and len(widths) >= 2  # both pools' indices (traced once or more each)
     assert all(torch.equal(a, b) for a, b in zip(reference, got))  # lossless: the same gradients, bit for bit
+
+
+def test_policy_packs_inductors_max_pool_offsets_into_bits_losslessly(monkeypatch):
+    """Under inductor the pools save int8 window offsets (below 4 for 2 x 2): 2 bits each, 4 per byte."""
+    model, x = _pool_net(), torch.randn(2, 3, 16, 16)
+    model(x)
+    compiled = torch.compile(model, backend="inductor", options=INDUCTOR_CNN_OPTIONS)
+    reference = [g.clone() for g in _grads(model, compiled, x, None)]
+    packed = []
+    encode = sh.codecs.PoolIndices.encode
+
+    def recording_encode(self, t):
+        payload = encode(self, t)
+        packed.append((t.dtype, t.numel(), payload[0].dtype, payload[0].numel(), payload[1:2]))
+        return payload
+
+    monkeypatch.setattr(sh.codecs.PoolIndices, "encode", recording_encode)
+    # a cache hit would skip tracing, and with it the spy
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        got = _grads(model, compiled, x, sh.policy(floating=None, boolean=None, min_bytes=0, relative_bytes=0))
+    # both pools' offsets (2*8*8*8 and 2*8*4*4 values), 4 per byte
+    assert sorted(set(packed)) == [(torch.int8, n, torch.uint8, n // 4, (2,)) for n in (256, 1024)]
+    assert all(torch.equal(a, b) for a, b in zip(reference, got))  # lossless: the same gradients, bit for bit
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1001])
+def test_bit_fields_round_trip(bits, n):
+    from savedhooks.kernels.bitmask import torch_bitfield_pack, torch_bitfield_unpack
+
+    values = torch.randint(0, 2**bits, (n,), dtype=torch.uint8)
+    packed = torch_bitfield_pack(values, bits)
+    assert packed.numel() == math.ceil(n * bits / 8)
+    assert torch.equal(torch_bitfield_unpack(packed, bits, n), values)
+    assert torch.equal(torch_bitfield_unpack(packed, bits, n - 1), values[:-1])
+
+
+def test_bit_fields_reject_bad_input():
+    from savedhooks.kernels.bitmask import torch_bitfield_pack, torch_bitfield_unpack
+
+    with pytest.raises(ValueError, match="1, 2, 4"):
+        torch_bitfield_pack(torch.zeros(4, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match="1-D uint8"):
+        torch_bitfield_pack(torch.zeros(4, dtype=torch.int8), 2)
+    with pytest.raises(ValueError, match="cannot unpack 9 values"):
+        torch_bitfield_unpack(torch.zeros(2, dtype=torch.uint8), 4, 9)
 
 
 def _grads(model, fn, x, hooks):

@@ -237,13 +237,15 @@ def policy(
     smaller than ``relative_bytes`` of the largest one the same graph saves (a
     rotary table shared by the whole batch: its error is the same in every
     sequence). The rest: fp8 for floating tensors, bitmasks for bool ones,
-    max-pool indices in int16 or int32 (lossless).
+    max-pool indices in int16 or int32 and inductor's max-pool window offsets
+    in 2 or 4 bits (lossless).
 
     Args:
         floating: codec for floating tensors (default fp8 e4m3 block 128), or None.
         boolean: codec for bool tensors (default bitmask), or None.
         integer: codec for integer tensors (default: max-pool indices narrowed to
-            int16 / int32 under compile, lossless; others stored as they are), or None.
+            int16 / int32 and inductor's int8 pool offsets packed to bits, under
+            compile, lossless; others stored as they are), or None.
         min_bytes: tensors smaller than this are stored as they are (a kernel
             launch costs more than it saves). Under dynamic shapes a symbolic
             size counts only if it is smaller at every size (no guard is added).
