@@ -11,6 +11,7 @@ import torch
 import savedhooks as sh
 from savedhooks.codecs.base import pack_saved, unpack_saved
 from savedhooks.codecs.bitmask import SignBits
+from savedhooks.kernels.bitmask import torch_bitfield_pack, torch_bitfield_unpack
 from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -173,6 +174,25 @@ def test_bitmask_keeps_layout_of_transposed_masks():
     x = (torch.randn(40, 24) > 0).t()
     y = roundtrip(sh.Bitmask(), x)
     assert torch.equal(y, x) and y.stride() == x.stride()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1001])
+def test_bit_fields_round_trip(bits, n):
+    values = torch.randint(0, 2**bits, (n,), dtype=torch.uint8)
+    packed = torch_bitfield_pack(values, bits)
+    assert packed.numel() == math.ceil(n * bits / 8)
+    assert torch.equal(torch_bitfield_unpack(packed, bits, n), values)
+    assert torch.equal(torch_bitfield_unpack(packed, bits, n - 1), values[:-1])
+
+
+def test_bit_fields_reject_bad_input():
+    with pytest.raises(ValueError, match="1, 2, 4"):
+        torch_bitfield_pack(torch.zeros(4, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match="1-D uint8"):
+        torch_bitfield_pack(torch.zeros(4, dtype=torch.int8), 2)
+    with pytest.raises(ValueError, match="cannot unpack 9 values"):
+        torch_bitfield_unpack(torch.zeros(2, dtype=torch.uint8), 4, 9)
 
 
 def test_sign_bits_decode_to_the_sign():

@@ -205,29 +205,6 @@ def test_policy_packs_inductors_max_pool_offsets_into_bits_losslessly(monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(reference, got))  # lossless: the same gradients, bit for bit
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4])
-@pytest.mark.parametrize("n", [1, 7, 8, 9, 1001])
-def test_bit_fields_round_trip(bits, n):
-    from savedhooks.kernels.bitmask import torch_bitfield_pack, torch_bitfield_unpack
-
-    values = torch.randint(0, 2**bits, (n,), dtype=torch.uint8)
-    packed = torch_bitfield_pack(values, bits)
-    assert packed.numel() == math.ceil(n * bits / 8)
-    assert torch.equal(torch_bitfield_unpack(packed, bits, n), values)
-    assert torch.equal(torch_bitfield_unpack(packed, bits, n - 1), values[:-1])
-
-
-def test_bit_fields_reject_bad_input():
-    from savedhooks.kernels.bitmask import torch_bitfield_pack, torch_bitfield_unpack
-
-    with pytest.raises(ValueError, match="1, 2, 4"):
-        torch_bitfield_pack(torch.zeros(4, dtype=torch.uint8), 3)
-    with pytest.raises(ValueError, match="1-D uint8"):
-        torch_bitfield_pack(torch.zeros(4, dtype=torch.int8), 2)
-    with pytest.raises(ValueError, match="cannot unpack 9 values"):
-        torch_bitfield_unpack(torch.zeros(2, dtype=torch.uint8), 4, 9)
-
-
 def _grads(model, fn, x, hooks):
     model.zero_grad(set_to_none=True)
     with sh.saved_tensors_hooks(hooks) if hooks is not None else torch.enable_grad():
