@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-__all__ = ["MODELS", "mlp8", "test_models", "transformer4"]
+__all__ = ["MODELS", "mlp", "mlp8", "test_models", "transformer4"]
 
 
 def test_models():
@@ -33,8 +33,29 @@ def test_models():
     return importlib.import_module("models")
 
 
+def mlp(depth: int) -> torch.nn.Module:
+    """``depth`` Linear(256) + GELU layers and a Linear(256, 1) head, seeded.
+
+    Args:
+        depth: number of Linear + GELU layers (at least 1).
+
+    Returns:
+        The model.
+
+    Raises:
+        ValueError: ``depth`` < 1.
+    """
+    if depth < 1:
+        raise ValueError(f"mlp: depth must be >= 1, got {depth}")
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(256, 256), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(256, 1))
+
+
 def mlp8() -> torch.nn.Module:
-    """Eight Linear(256) + GELU layers and a Linear(256, 1) head, seeded.
+    """Eight Linear(256) + GELU layers and a Linear(256, 1) head, seeded (:func:`mlp` of depth 8).
 
     Args:
         None.
@@ -45,11 +66,7 @@ def mlp8() -> torch.nn.Module:
     Raises:
         Nothing.
     """
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(8):
-        layers += [torch.nn.Linear(256, 256), torch.nn.GELU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(256, 1))
+    return mlp(8)
 
 
 def transformer4() -> torch.nn.Module:

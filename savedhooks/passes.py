@@ -19,6 +19,7 @@ of the forward, and every unpacked one from the start of the backward.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -32,7 +33,7 @@ import torch.fx
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from savedhooks.schedule import STRATEGIES, Problem, Schedule, build_problem, schedule
+from savedhooks.schedule import STRATEGIES, Problem, Schedule, build_problem, peak_of, schedule, sink_free
 
 __all__ = [
     "ReorderPass",
@@ -157,7 +158,10 @@ def reorder_graph(
         donated: placeholders the graph may free after their last use.
         strategies: names from :data:`savedhooks.schedule.STRATEGIES`.
         exact_budget: state budget of the exact search (0 to skip it).
-        fused: judge orders as inductor runs them (pointwise chains fused).
+        fused: judge orders as inductor runs them (pointwise chains fused), and
+            then sink what allocates nothing to its first user
+            (:func:`savedhooks.schedule.sink_free`; method ``"...+sink"``): a
+            pointwise node that inductor stores after all is stored when needed.
         score: ``"peak"`` (default) or ``"arena"``: minimize the arena bytes of a
             static plan (:func:`savedhooks.memory.plan_arena`) instead of the
             liveness peak alone (see :func:`savedhooks.schedule.schedule`).
@@ -171,6 +175,10 @@ def reorder_graph(
     """
     problem, bound = graph_problem(gm, donated, fused)
     result = schedule(problem, bound, strategies, exact_budget, score=score)
+    if fused:
+        sunk = sink_free(problem, result.order)
+        if sunk != result.order and peak_of(problem, sunk) <= result.peak:
+            result = dataclasses.replace(result, order=sunk, method=result.method + "+sink")
     nodes = [n for n in gm.graph.nodes if n.op != _OUTPUT]
     if result.order != list(range(len(nodes))):
         output = gm.graph.output_node()

@@ -12,7 +12,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import savedhooks as sh
 import savedhooks.passes
 from benchmarks.reorder_inductor import measured_peaks
-from savedhooks.memory.fusion import inlined_nodes
+from savedhooks.memory.fusion import inlined_nodes, is_view
 from savedhooks.passes import ReorderPass, has_hook_chains, is_backward_graph
 
 
@@ -68,10 +68,11 @@ def misplaced_unpacks(nodes: list[torch.fx.Node]) -> list[str]:
     An unpack chain is what is computed from packed inputs (``*_hook_<i>``
     placeholders) alone; placed right, each chain runs just before the compute
     node that first reads its result. Only nodes that inductor stores are
-    judged: a pointwise node fused into its consumers runs in their kernel,
-    wherever it stands in the graph.
+    judged, and only they count as between: a pointwise node fused into its
+    consumers runs in their kernel and a view allocates nothing, wherever
+    either stands in the graph (``sink_free`` puts them right before their users).
     """
-    fused = inlined_nodes(nodes[0].graph)
+    fused = inlined_nodes(nodes[0].graph) | {n for n in nodes if is_view(n)}
     chain: set[torch.fx.Node] = set()
     for node in nodes:
         inputs = node.all_input_nodes
@@ -86,7 +87,7 @@ def misplaced_unpacks(nodes: list[torch.fx.Node]) -> list[str]:
         if node.op == "placeholder":  # inputs stay first
             continue
         outside = [position[u] for u in node.users if u not in chain]
-        if outside and any(n not in chain for n in nodes[position[node] + 1 : min(outside)]):
+        if outside and any(n not in chain and n not in fused for n in nodes[position[node] + 1 : min(outside)]):
             wrong.append(node.name)
     return wrong
 

@@ -8,12 +8,15 @@ the gpu marker.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import tempfile
+import typing
 
 import interpret_kernels as ik
 import pytest
@@ -30,23 +33,46 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
 
 
-def _interpret(mode: str) -> dict[str, str | None]:
+def _interpreted(run: tuple[subprocess.Popen, typing.IO, typing.IO]) -> dict[str, str | None]:
+    process, out, err = run
+    process.wait(timeout=1200)
+    err.seek(0)
+    assert process.returncode == 0, err.read()[-4000:]
+    out.seek(0)
+    return json.loads(out.read().strip().splitlines()[-1])
+
+
+def _kill(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+
+
+@pytest.fixture(scope="module")
+def interpreter_runs():
+    """Both interpreter checks, started together: each keeps one core busy for about 40 s."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     script = REPO / "tests" / "interpret_kernels.py"
-    cmd = [sys.executable, str(script), mode]
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200, check=False)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    with contextlib.ExitStack() as stack:
+        runs = {}
+        for mode in ("numerics", "compile") if HAS_TRITON else ():
+            out = stack.enter_context(tempfile.TemporaryFile("w+"))
+            err = stack.enter_context(tempfile.TemporaryFile("w+"))
+            process = stack.enter_context(
+                subprocess.Popen([sys.executable, str(script), mode], cwd=REPO, env=env, stdout=out, stderr=err)
+            )
+            stack.callback(_kill, process)  # runs first on exit: Popen's own exit waits
+            runs[mode] = (process, out, err)
+        yield runs
 
 
 @pytest.fixture(scope="module")
-def interpreted_numerics() -> dict[str, str | None]:
-    return _interpret("numerics")
+def interpreted_numerics(interpreter_runs) -> dict[str, str | None]:
+    return _interpreted(interpreter_runs["numerics"])
 
 
 @pytest.fixture(scope="module")
-def interpreted_compile() -> dict[str, str | None]:
-    return _interpret("compile")
+def interpreted_compile(interpreter_runs) -> dict[str, str | None]:
+    return _interpreted(interpreter_runs["compile"])
 
 
 NUMERICS = list(ik.numerics_cases())

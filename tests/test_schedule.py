@@ -23,6 +23,7 @@ from savedhooks.schedule import (
     peak_of,
     place,
     schedule,
+    sink_free,
 )
 
 CPU = torch.device("cpu")
@@ -143,6 +144,40 @@ def test_place_moves_a_pack_after_the_last_use_and_an_unpack_before_the_first():
         late=frozenset({1}),
     )
     assert place(late, [0, 1, 2, 3, 4]) == [0, 2, 3, 1, 4]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(3, 120), st.integers(0, 10_000), st.integers(2, 8))
+def test_sink_free_puts_what_allocates_nothing_right_before_its_first_successor(nodes, seed, window):
+    problem = random_problem(nodes, seed, window=window)
+    order = schedule(problem, exact_budget=0).order
+    sunk = sink_free(problem, order)
+    check_order(problem, sunk)
+    free = {v for v in order if problem.peak_alloc[v] == 0 and v not in problem.fixed}
+    assert [v for v in sunk if v not in free] == [v for v in order if v not in free]
+    position = {v: i for i, v in enumerate(sunk)}
+    for v in free:
+        after = [position[u] for u in problem.succs[v]]
+        if after:  # right before the first successor, or before another free node that leads there
+            between = sunk[position[v] + 1 : min(after)]
+            assert all(u in free for u in between), (v, between)
+
+
+def test_sink_free_moves_a_zero_byte_chain_from_the_start_to_its_consumer():
+    # 0: input; 1 = view(0) and 2 = inlined(1) cost nothing; 3 = big(0); 4 = use(2, 3)
+    problem = Problem(
+        preds=((), (0,), (1,), (0,), (2, 3)),
+        fixed=(0,),
+        alloc=(0, 0, 0, 100, 10),
+        sizes=(8, 100, 10),
+        touchers=((0, 1, 2, 3, 4), (3, 4), (4,)),
+        freeable=(False, True, False),
+        base=8,
+        early=frozenset(),
+        late=frozenset({1, 2, 3}),
+    )
+    assert sink_free(problem, [0, 1, 2, 3, 4]) == [0, 3, 1, 2, 4]
+    assert sink_free(problem, [0, 3, 1, 2, 4]) == [0, 3, 1, 2, 4]
 
 
 def test_bad_input_raises():

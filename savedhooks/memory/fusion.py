@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-__all__ = ["inlined_nodes"]
+__all__ = ["inlined_nodes", "is_view"]
 
 _FUSING_TAGS = (torch.Tag.pointwise, torch.Tag.reduction)
 
@@ -29,8 +29,18 @@ def _tags(node: torch.fx.Node) -> tuple[torch.Tag, ...]:
     return tuple(getattr(node.target, "tags", ())) if node.op == "call_function" else ()
 
 
-def _is_view(node: torch.fx.Node) -> bool:
-    """A node whose value aliases its first input (reshape, permute, detach, ...)."""
+def is_view(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value aliases its first input (reshape, permute, detach, ...): it allocates nothing.
+
+    Args:
+        node: an FX node with ``meta["val"]`` (as its first input).
+
+    Returns:
+        True when both values are tensors on the same storage.
+
+    Raises:
+        Nothing.
+    """
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return False
     val, base = node.meta.get("val"), node.args[0].meta.get("val")
@@ -48,7 +58,7 @@ def _consumers(node: torch.fx.Node) -> list[torch.fx.Node]:
     while frontier:
         current = frontier.pop()
         for user in current.users:
-            if _is_view(user) and user.args[0] is current:
+            if is_view(user) and user.args[0] is current:
                 frontier.append(user)
             else:
                 found.append(user)
@@ -77,6 +87,6 @@ def inlined_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
         if consumers and all(any(t in _tags(c) for t in _FUSING_TAGS) for c in consumers):
             inlined.add(node)
     for node in graph.nodes:
-        if _is_view(node) and node.args[0] in inlined:
+        if is_view(node) and node.args[0] in inlined:
             inlined.add(node)
     return inlined

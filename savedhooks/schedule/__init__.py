@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from savedhooks.schedule.problem import Problem, build_problem, check_order, peak_of
 from savedhooks.schedule.score import arena_of, problem_lifetimes
 from savedhooks.schedule.search import SearchResult, beam, exact_search
-from savedhooks.schedule.strategies import bfs, bytes_freed, dfs, input_order, lpmf, place
+from savedhooks.schedule.strategies import bfs, bytes_freed, dfs, input_order, lpmf, place, sink_free
 
 __all__ = [
     "SCORES",
@@ -63,6 +63,7 @@ __all__ = [
     "place",
     "problem_lifetimes",
     "schedule",
+    "sink_free",
 ]
 
 log = logging.getLogger(__name__)

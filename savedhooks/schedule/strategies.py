@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from savedhooks.schedule.problem import Problem
 
-__all__ = ["bfs", "bytes_freed", "dfs", "input_order", "lpmf", "place"]
+__all__ = ["bfs", "bytes_freed", "dfs", "input_order", "lpmf", "place", "sink_free"]
 
 
 # --- list scheduling --------------------------------------------------------------------------
@@ -179,6 +179,61 @@ def place(problem: Problem, order: list[int]) -> list[int]:
         return list(problem.succs[v]) + later
 
     return _hoist(order[::-1], problem.late, first_use, floor=None)[::-1]
+
+
+def sink_free(problem: Problem, order: list[int]) -> list[int]:
+    """Move every node that allocates nothing down to right before the first node that must follow it.
+
+    In a graph modelled as inductor runs it (``fused=True``), a pointwise node
+    computed inside its consumers allocates nothing, so the modelled peak does
+    not depend on where it sits, and a search may leave it anywhere. Inductor
+    does not always inline it: it stores a pointwise expression that grows too
+    large (``realize_opcount_threshold``) or that several nodes read, and a
+    fused kernel runs at the place of its earliest node. Four GELU-derivative
+    factors of dequantized activations, left at the start of a 4-layer MLP's
+    backward, were each stored there (a full-size buffer until their use): 2.5x
+    inductor's own peak. Sunk to their consumers, they cost nothing where
+    stored. Views and ``getitem`` nodes move too. Placeholders stay; order
+    constraints (``problem.preds``, which hold in-place writes and side
+    effects) are kept, so the result is topological when ``order`` is.
+
+    Args:
+        problem: the problem.
+        order: a topological order of it.
+
+    Returns:
+        The new order: the other nodes in their relative order, each preceded by
+        the nodes that allocate nothing and that it is the first to need.
+
+    Raises:
+        Nothing.
+    """
+    fixed = set(problem.fixed)
+    free = {v for v in order if problem.peak_alloc[v] == 0 and v not in fixed}
+    position = {v: i for i, v in enumerate(order)}
+    out: list[int] = []
+    done: set[int] = set()
+
+    def emit(v: int) -> None:  # v after its pending free predecessors, in their order (no recursion)
+        stack = [(v, False)]
+        while stack:
+            u, ready = stack.pop()
+            if u in done:
+                continue
+            if ready:
+                done.add(u)
+                out.append(u)
+                continue
+            stack.append((u, True))
+            waiting = [p for p in problem.preds[u] if p in free and p not in done]
+            stack += [(p, False) for p in sorted(waiting, key=position.__getitem__, reverse=True)]
+
+    for v in order:
+        if v not in free:
+            emit(v)
+    for v in order:  # free nodes that nothing follows
+        emit(v)
+    return out
 
 
 def _hoist(order: list[int], movers: frozenset[int], anchors, floor: int | None) -> list[int]:
