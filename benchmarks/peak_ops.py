@@ -1,7 +1,8 @@
 """Where a training step peaks: ``python -m benchmarks.peak_ops --model gpt2 --size 8 --config sh``.
 
 Runs one step of a benchmark model compiled with inductor (or ``--backend``; CPU),
-optionally with checkpointing per block (``--checkpoint``), under the
+optionally with checkpointing per block (``--checkpoint``) or under bf16 autocast
+(``--bf16``, as the benchmark's ``bf16`` rows), under the
 profiler with memory events, and prints the peak above what was live before
 the step, the ops running at that moment (outermost first), and the bytes
 alive at the end of the forward (the loss included) and of the backward. The
@@ -27,7 +28,8 @@ _HOOKS = {"compiled": None, "sh": sh.fp8, "sh policy": sh.policy}
 _FORWARD, _BACKWARD = "## forward", "## backward"
 
 
-def peak_ops(model: str, size: float, config: str, backend: str = "inductor", checkpoint: bool = False) -> dict[str, Any]:
+def peak_ops(model: str, size: float, config: str, backend: str = "inductor", checkpoint: bool = False,
+             bf16: bool = False) -> dict[str, Any]:
     """Profile one warm step; see the module docstring.
 
     Args:
@@ -36,6 +38,7 @@ def peak_ops(model: str, size: float, config: str, backend: str = "inductor", ch
         config: ``"compiled"``, ``"sh"`` or ``"sh policy"``.
         backend: the ``torch.compile`` backend.
         checkpoint: checkpointing per block on (as the benchmark's checkpoint configurations).
+        bf16: run the step under CPU bf16 autocast (as the benchmark's ``bf16`` configurations).
 
     Returns:
         ``{"peak": bytes, "ops": [op names at the peak], "forward": bytes, "backward": bytes}``.
@@ -50,7 +53,8 @@ def peak_ops(model: str, size: float, config: str, backend: str = "inductor", ch
 
     def step() -> None:
         hooked = sh.saved_tensors_hooks(hooks) if hooks else contextlib.nullcontext()
-        with torch.profiler.record_function(_FORWARD), hooked:
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        with torch.profiler.record_function(_FORWARD), hooked, autocast:
             loss = workload.loss(compiled)
         with torch.profiler.record_function(_BACKWARD):
             loss.backward()
@@ -78,10 +82,11 @@ def main() -> None:
     parser.add_argument("--config", choices=list(_HOOKS), default="sh")
     parser.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor")
     parser.add_argument("--checkpoint", action="store_true", help="checkpointing per block")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CPU)")
     args = parser.parse_args()
-    result = peak_ops(args.model, args.size, args.config, args.backend, args.checkpoint)
+    result = peak_ops(args.model, args.size, args.config, args.backend, args.checkpoint, args.bf16)
     mib = 2.0**20
-    what = f"{args.config}{' + checkpoint' if args.checkpoint else ''}, {args.backend}"
+    what = f"{args.config}{' + checkpoint' if args.checkpoint else ''}{', bf16 autocast' if args.bf16 else ''}, {args.backend}"
     print(f"{args.model} --size {args.size:g}, {what}: step peak {result['peak'] / mib:.1f} MiB")
     print("ops running at the peak: " + " > ".join(op[:80] for op in result["ops"]))
     print(
