@@ -12,6 +12,11 @@ of the forward, and every unpacked one from the start of the backward.
 * Ordering: :mod:`savedhooks.schedule`'s portfolio (each strategy followed by
   placement) and exact search, judged by :mod:`savedhooks.memory`; the graph's
   own order wins ties, so the result is never worse than torch's.
+* Sinking (graphs for inductor): the model gives a pointwise node that inductor
+  fuses into its consumers no buffer, so the search may leave it anywhere; but
+  inductor stores such a node after all when its expression grows large, at its
+  place in the graph. :func:`savedhooks.schedule.sink_free` then moves every node
+  that allocates nothing right before its first user (same modelled peak).
 * Only the order changes, never what is computed. Beyond dataflow, in-place
   writes, RNG and side effects keep their order (:func:`ordering_edges`).
 """
