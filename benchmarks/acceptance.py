@@ -6,13 +6,14 @@ the tests' small CNN. The transformer and CNN come from ``tests/models.py``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pathlib
 import sys
 
 import torch
 
-__all__ = ["MODELS", "mlp", "mlp8", "test_models", "transformer4"]
+__all__ = ["MODELS", "mlp", "test_models", "transformer4"]
 
 
 def test_models():
@@ -54,21 +55,6 @@ def mlp(depth: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(256, 1))
 
 
-def mlp8() -> torch.nn.Module:
-    """Eight Linear(256) + GELU layers and a Linear(256, 1) head, seeded (:func:`mlp` of depth 8).
-
-    Args:
-        None.
-
-    Returns:
-        The model.
-
-    Raises:
-        Nothing.
-    """
-    return mlp(8)
-
-
 def transformer4() -> torch.nn.Module:
     """Four pre-norm transformer blocks of width 64 (``tests/models.py``), seeded.
 
@@ -85,4 +71,4 @@ def transformer4() -> torch.nn.Module:
     return test_models().transformer(layers=4, dim=64)
 
 
-MODELS = {"8-layer MLP": (mlp8, (2048, 256)), "4-layer transformer": (transformer4, (8, 128, 64))}
+MODELS = {"8-layer MLP": (functools.partial(mlp, 8), (2048, 256)), "4-layer transformer": (transformer4, (8, 128, 64))}

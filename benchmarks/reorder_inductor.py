@@ -16,6 +16,7 @@ and a 4-layer MLP (fp32, CPU) under ``sh.fp8()``, forward and backward peaks mea
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -28,7 +29,7 @@ __all__ = ["CONFIGS", "MODELS", "measured_peaks"]
 
 # The 4-layer MLP is where an order that left zero-byte nodes at the start of the
 # backward measured 2.8x inductor's own peak (savedhooks.schedule.sink_free).
-MODELS = {**ACCEPTANCE, "4-layer MLP": (lambda: mlp(4), ACCEPTANCE["8-layer MLP"][1])}
+MODELS = {**ACCEPTANCE, "4-layer MLP": (functools.partial(mlp, 4), ACCEPTANCE["8-layer MLP"][1])}
 
 
 _OFF = {"reorder_for_peak_memory": False}

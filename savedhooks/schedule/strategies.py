@@ -118,21 +118,8 @@ def dfs(problem: Problem) -> list[int]:
     done = set(problem.fixed)
     order = list(problem.fixed)
     sinks = [v for v in range(problem.size) if not problem.succs[v]]
-    for sink in sinks:
-        stack = [(sink, False)]
-        while stack:
-            v, expanded = stack.pop()
-            if v in done:
-                continue
-            if expanded:
-                done.add(v)
-                order.append(v)
-                continue
-            stack.append((v, True))
-            # pushed last runs first: the predecessor allocating most goes first
-            for p in sorted(problem.preds[v], key=lambda p: (problem.alloc[p], -p)):
-                if p not in done:
-                    stack.append((p, False))
+    for sink in sinks:  # pushed last runs first: the predecessor allocating most goes first
+        _after_predecessors(sink, lambda v: sorted(problem.preds[v], key=lambda p: (problem.alloc[p], -p)), done, order)
     return order
 
 
@@ -214,26 +201,33 @@ def sink_free(problem: Problem, order: list[int]) -> list[int]:
     out: list[int] = []
     done: set[int] = set()
 
-    def emit(v: int) -> None:  # v after its pending free predecessors, in their order (no recursion)
-        stack = [(v, False)]
-        while stack:
-            u, ready = stack.pop()
-            if u in done:
-                continue
-            if ready:
-                done.add(u)
-                out.append(u)
-                continue
-            stack.append((u, True))
-            waiting = [p for p in problem.preds[u] if p in free and p not in done]
-            stack += [(p, False) for p in sorted(waiting, key=position.__getitem__, reverse=True)]
+    def waiting(v: int) -> list[int]:  # pending free predecessors, the earliest pushed last (it runs first)
+        return sorted((p for p in problem.preds[v] if p in free), key=position.__getitem__, reverse=True)
 
     for v in order:
         if v not in free:
-            emit(v)
+            _after_predecessors(v, waiting, done, out)
     for v in order:  # free nodes that nothing follows
-        emit(v)
+        _after_predecessors(v, waiting, done, out)
     return out
+
+
+def _after_predecessors(root: int, predecessors: Callable[[int], list[int]], done: set[int], out: list[int]) -> None:
+    """Append ``root`` to ``out`` after those of ``predecessors(root)`` not in ``done``, recursively (no recursion).
+
+    ``predecessors(v)`` are pushed in the order given, so its last one runs first.
+    """
+    stack = [(root, False)]
+    while stack:
+        v, expanded = stack.pop()
+        if v in done:
+            continue
+        if expanded:
+            done.add(v)
+            out.append(v)
+            continue
+        stack.append((v, True))
+        stack += [(p, False) for p in predecessors(v) if p not in done]
 
 
 def _hoist(order: list[int], movers: frozenset[int], anchors, floor: int | None) -> list[int]:
