@@ -251,8 +251,11 @@ def fp8_quantize(
     pow2_scale: bool,
     seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.savedhooks.fp8_quantize``: see :func:`torch_fp8_quantize`."""
-    return torch_fp8_quantize(x, dtype, granularity, block_size, pow2_scale, seed)
+    """``torch.ops.savedhooks.fp8_quantize``: see :func:`torch_fp8_quantize` (large CPU tensors: compiled, same bytes)."""
+    from savedhooks.kernels.fp8_inductor import inductor_fp8_quantize, uses_inductor
+
+    quantize = inductor_fp8_quantize if uses_inductor(x) else torch_fp8_quantize
+    return quantize(x, dtype, granularity, block_size, pow2_scale, seed)
 
 
 @fp8_quantize.register_fake
@@ -265,8 +268,11 @@ def _(x, dtype, granularity, block_size, pow2_scale, seed=None):
 
 @torch.library.custom_op("savedhooks::fp8_dequantize", mutates_args=())
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, block_size: int) -> torch.Tensor:
-    """``torch.ops.savedhooks.fp8_dequantize``: see :func:`torch_fp8_dequantize`."""
-    return torch_fp8_dequantize(q, scale, out_dtype, block_size)
+    """``torch.ops.savedhooks.fp8_dequantize``: see :func:`torch_fp8_dequantize` (large CPU tensors: compiled)."""
+    from savedhooks.kernels.fp8_inductor import inductor_fp8_dequantize, uses_inductor
+
+    dequantize = inductor_fp8_dequantize if uses_inductor(q) else torch_fp8_dequantize
+    return dequantize(q, scale, out_dtype, block_size)
 
 
 @fp8_dequantize.register_fake

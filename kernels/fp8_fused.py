@@ -290,6 +290,7 @@ def fused_fp8_dequantize(
     for c0, c1, size in _segments(cols, "block", block_size):
         part = qf[:, c0:c1].reshape(rows, -1, size)
         groups = part.shape[1]
-        parts.append(_rescale(part, scale[:, start : start + groups].unsqueeze(2), out_dtype))
+        # cast each part: a join of float32 parts made inductor store them before the cast
+        parts.append(_rescale(part, scale[:, start : start + groups].unsqueeze(2), out_dtype).to(out_dtype))
         start += groups
-    return _join(parts).to(out_dtype)
+    return _join(parts)

@@ -257,6 +257,31 @@ def fp8_cases(
     return cases
 
 
+def inductor_cases() -> dict[str, tuple]:
+    """Cases for compiled forms of the fp8 codec, chosen for the code paths, one compile each.
+
+    Vectorized body and scalar tail, ties and subnormals, non-finite values, a short
+    last block, each granularity, stochastic rounding. Name -> (input, input dtype,
+    fp8 dtype, granularity, block size, pow2, seed).
+    """
+    edges = {name: x for name, x, _ in edge_inputs()}
+    sweep = torch.randn(17, 33, generator=torch.Generator().manual_seed(0)) * torch.exp(
+        2 * torch.randn(17, 1, generator=torch.Generator().manual_seed(1))
+    )
+    return {
+        "e4m3 grid at scale 1, row": (edges[f"{E4M3} grid at scale 1"], torch.float32, E4M3, "row", 128, False, None),
+        "e5m2 grid scaled, fp16, block 64 with a short last block, pow2": (
+            edges[f"{E5M2} grid scaled"], torch.float16, E5M2, "block", 64, True, None),
+        "non-finite, block 3 (short last block), pow2": (edges["non-finite"], torch.float32, E4M3, "block", 3, True, None),
+        "non-finite, bf16, tensor": (edges["non-finite"], torch.bfloat16, E5M2, "tensor", 128, False, None),
+        "sweep (17, 33), bf16, tensor": (sweep, torch.bfloat16, E4M3, "tensor", 128, False, None),
+        # stochastic rounding: fp8 subnormals, ties, a short last block, inf / NaN, a negative 64-bit seed
+        "stochastic, e4m3 grid scaled, block 64 with a short last block": (
+            edges[f"{E4M3} grid scaled"], torch.float32, E4M3, "block", 64, False, SEEDS[2]),
+        "stochastic, non-finite, bf16, tensor": (edges["non-finite"], torch.bfloat16, E5M2, "tensor", 128, False, 7),
+    }  # fmt: skip
+
+
 def numerics_cases(device: str = "cpu") -> dict[str, Callable[[], str | None]]:
     """Case name -> check; ``device`` is where the tensors live (CUDA runs the compiled kernels)."""
     # stochastic rounding: on CPU (the interpreter, ~1 s a case) each input with one input dtype

@@ -63,23 +63,7 @@ def test_every_code_round_trips():
         assert int(kept.sum()) == (256 if dtype == E4M3 else 250)
 
 
-EDGES = {name: x for name, x, _ in ik.edge_inputs()}
-SWEEP = torch.randn(17, 33, generator=torch.Generator().manual_seed(0)) * torch.exp(
-    2 * torch.randn(17, 1, generator=torch.Generator().manual_seed(1))
-)
-# (input, input dtype, fp8 dtype, granularity, block size, pow2, seed): one compile each
-COMPILED = {
-    "e4m3 grid at scale 1, row": (EDGES[f"{E4M3} grid at scale 1"], torch.float32, E4M3, "row", 128, False, None),
-    "e5m2 grid scaled, fp16, block 64 with a short last block, pow2": (
-        EDGES[f"{E5M2} grid scaled"], torch.float16, E5M2, "block", 64, True, None),
-    "non-finite, block 3 (short last block), pow2": (EDGES["non-finite"], torch.float32, E4M3, "block", 3, True, None),
-    "non-finite, bf16, tensor": (EDGES["non-finite"], torch.bfloat16, E5M2, "tensor", 128, False, None),
-    "sweep (17, 33), bf16, tensor": (SWEEP, torch.bfloat16, E4M3, "tensor", 128, False, None),
-    # stochastic rounding: fp8 subnormals, ties, a short last block, inf / NaN, a negative 64-bit seed
-    "stochastic, e4m3 grid scaled, block 64 with a short last block": (
-        EDGES[f"{E4M3} grid scaled"], torch.float32, E4M3, "block", 64, False, ik.SEEDS[2]),
-    "stochastic, non-finite, bf16, tensor": (EDGES["non-finite"], torch.bfloat16, E5M2, "tensor", 128, False, 7),
-}  # fmt: skip
+COMPILED = ik.inductor_cases()
 
 
 @pytest.mark.parametrize("case", list(COMPILED))

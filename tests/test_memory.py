@@ -253,14 +253,15 @@ def test_scratch_of_our_ops_is_measured_and_never_disturbs_a_users_profiler():
         gm = make_fx(pack)(torch.randn(rows, 96))
         return next(n for n in gm.graph.nodes if n.op == "call_function" and "fp8_quantize" in str(n.target))
 
-    assert sh.memory.op_scratch_bytes(quantize_node(256)) > 256 * 96  # a float32 temporary per element at least
-    unseen = quantize_node(200)  # a shape not measured (cached) yet
+    # below one chunk of elements (12288 and 9600): the reference runs, not the compiled form
+    assert sh.memory.op_scratch_bytes(quantize_node(128)) > 128 * 96  # a float32 temporary per element at least
+    unseen = quantize_node(100)  # a shape not measured (cached) yet
     with torch.profiler.profile() as prof:
         inside = sh.memory.op_scratch_bytes(unseen)
         torch.ones(3).add_(1)
     assert inside == 0  # not measured while the user profiles: no nested profiler
     assert any(e.name == "aten::add_" for e in prof.events())  # the user's trace is intact
-    assert sh.memory.op_scratch_bytes(unseen) > 200 * 96  # measured once the user's profiler is gone
+    assert sh.memory.op_scratch_bytes(unseen) > 100 * 96  # measured once the user's profiler is gone
 
 
 def test_measuring_on_cpu_prints_no_profiler_markers_and_keeps_other_stderr(capfd):

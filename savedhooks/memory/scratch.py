@@ -11,6 +11,11 @@ and its peak above the op's own outputs is the scratch. One chunk is enough:
 the chunk loop frees everything between chunks. A dispatch mode counting the
 tensors the reference creates was tried first and saw only half of it (aten
 kernels allocate inside, e.g. in copies between layouts).
+
+From one chunk of elements on, the ops run the inductor-compiled decomposed form
+on CPU instead (``savedhooks.kernels.fp8_inductor``), which allocates nothing but
+the quantize's per-group amax: that figure is counted (measured against it in
+``tests/test_memory.py``), not the reference's.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import logging
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from savedhooks.kernels.fp8_inductor import inductor_scratch_bytes, inductor_serves
 
 __all__ = ["op_scratch_bytes"]
 
@@ -64,6 +71,17 @@ def _fp8_dequantize_scratch(q_dtype: torch.dtype, rows: int, cols: int, scale_ro
         return _scratch(lambda: torch_fp8_dequantize(q, scale, *args))
 
 
+def _compiled_scratch(node: torch.fx.Node, quantize: bool) -> int:
+    """What the compiled form allocates beyond its outputs: read from the scale's shape."""
+    vals = node.meta.get("val") if quantize else node.args[1].meta.get("val")
+    scale = vals[1] if quantize else vals
+    if not isinstance(scale, torch.Tensor):
+        return 0
+    shape = tuple(_hint(s) for s in node.args[0].meta["val"].shape)
+    block_size = node.args[3]  # both ops: (x or q, dtype or scale, ..., block_size, ...)
+    return inductor_scratch_bytes(quantize, shape, tuple(_hint(s) for s in scale.shape), block_size)
+
+
 def _hint(size) -> int:
     if isinstance(size, int):
         return size
@@ -80,7 +98,8 @@ def op_scratch_bytes(node: torch.fx.Node) -> int:
 
     Returns:
         The scratch bytes of ``savedhooks::fp8_quantize`` / ``fp8_dequantize``
-        nodes (their aten reference), else 0.
+        nodes (their aten reference, or from one chunk of elements on CPU their
+        compiled form), else 0.
 
     Raises:
         Nothing: a node whose arguments lack fake values counts 0, and so does
@@ -102,6 +121,8 @@ def op_scratch_bytes(node: torch.fx.Node) -> int:
     rows, cols = (_hint(s) for s in first.shape)
     if rows * cols == 0:
         return 0
+    if inductor_serves((rows, cols), first.device):
+        return _compiled_scratch(node, name == "savedhooks::fp8_quantize")
     chunk = _chunk_rows(rows, cols)
     if name == "savedhooks::fp8_quantize":  # the seed (stochastic rounding) is a graph node: only whether there is one
         seed = node.args[5] if len(node.args) > 5 else node.kwargs.get("seed")
