@@ -9,7 +9,10 @@ a measured device-to-device copy. The tensor-granularity quantize reads its
 input twice (two passes); its figure still counts one read.
 
 Needs a CUDA device. Without one it refuses (exit code 2), unless ``--cpu`` is
-given: then only the aten path is timed, on CPU, with no GPU figures at all.
+given: then only the aten path is timed, on CPU, with no GPU figures at all. On
+CPU the fp8 ops run the inductor-compiled decomposed form from one chunk of
+elements on (``savedhooks.kernels.fp8_inductor``): backend ``aten`` is that op
+path, and ``reference`` the chunked aten reference it replaces (same bytes).
 Options: ``--sizes 1,4,16`` (MB), ``--dtype bf16``, ``--csv PATH``.
 """
 
@@ -25,11 +28,14 @@ from collections.abc import Callable
 import torch
 
 from savedhooks.kernels import kernel_op, triton_available
+from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
 
 MB = 1 << 20
 DEFAULT_SIZES_MB = (1, 4, 16, 64, 256, 1024)
 COLS = 4096  # a row of the 2-D view the codecs hand over; a multiple of the block
 E4M3 = torch.float8_e4m3fn
+# CPU: the chunked aten references, timed beside the ops (which compile the decomposed form there)
+REFERENCES = {"fp8_quantize": torch_fp8_quantize, "fp8_dequantize": torch_fp8_dequantize}
 
 
 def _time_ms(fn: Callable[[], object], device: str, reps: int) -> float:
@@ -85,7 +91,8 @@ def run(sizes_mb: tuple[int, ...], dtype: torch.dtype, device: str, reps: int = 
     Args:
         sizes_mb: input sizes in MiB.
         dtype: the floating input dtype (fp32 or bf16).
-        device: ``"cuda"`` (Triton and aten) or ``"cpu"`` (aten only).
+        device: ``"cuda"`` (Triton and aten) or ``"cpu"`` (the aten ops, and the
+            fp8 references as backend ``"reference"``).
         reps: timed repetitions (CPU) / minimum for do_bench (CUDA).
 
     Returns:
@@ -95,11 +102,14 @@ def run(sizes_mb: tuple[int, ...], dtype: torch.dtype, device: str, reps: int = 
         RuntimeError: a kernel fails.
     """
     backends = ("triton", "aten") if device == "cuda" and triton_available() else ("aten",)
+    backends += ("reference",) if device == "cpu" else ()
     rows = []
     for size in sizes_mb:
         for name, family, args, moved in _cases(size * MB, dtype, device):
             for backend in backends:
-                op = kernel_op(family, backend == "triton")
+                if backend == "reference" and family not in REFERENCES:
+                    continue
+                op = REFERENCES[family] if backend == "reference" else kernel_op(family, backend == "triton")
                 ms = _time_ms(lambda op=op, args=args: op(*args), device, reps)
                 rows.append({"size_mb": size, "kernel": name, "backend": backend, "ms": ms, "gbs": moved / ms / 1e6})
         if device == "cuda":

@@ -246,6 +246,7 @@ def test_kernel_benchmark_refuses_without_cuda_and_times_aten_with_cpu(capsys):
     assert kernels.main(["--sizes", "1", "--cpu"]) == 0
     out = capsys.readouterr().out
     assert "no GPU figures measured" in out and "| 1 | fp8_quantize block | aten |" in out and "triton" not in out
+    assert "| 1 | fp8_dequantize block | reference |" in out and "| 1 | bitmask_pack | reference |" not in out
 
 
 # --- CUDA: the compiled kernels ---------------------------------------------------------------
