@@ -87,7 +87,7 @@ def uses_inductor(x: torch.Tensor) -> bool:
         return False
     if torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None:
         return False
-    if torch.fx._symbolic_trace.is_fx_tracing():  # make_fx runs the op's body with its mode popped
+    if torch.fx._symbolic_trace.is_fx_symbolic_tracing():  # make_fx runs the op's body with its mode popped
         return False
     return torch.utils._python_dispatch._get_current_dispatch_mode() is None
 
