@@ -14,7 +14,9 @@ Design notes
   ``uint8``, computed from the float32 bits (round to nearest even, subnormals
   included; e4m3fn: +-inf and NaN -> the NaN code of their sign, decoded as +-inf,
   clamp to 448; e5m2 keeps +-inf). Decoding rebuilds
-  the float32 bits (exact) and rescales with the reference's ``_rescale``.
+  the float32 bits (exact) and rescales as the reference's ``_rescale`` does, with
+  the infinities read from the codes (a float ``isinf`` runs one lane at a time in
+  inductor's vectorized C++ loops; the integer compare vectorizes).
 * The encode uses constant shift amounts only, so that inductor's C++ backend
   vectorizes the kernel it lands in (a per-element shift count, as in a generic
   "shift right by 24 - mantissa bits - exponent" rounding, left whole fused kernels
@@ -63,8 +65,6 @@ from savedhooks.kernels.fp8 import (
     FP8_DTYPES,
     _check_dequantize_args,
     _check_quantize_args,
-    _finite_amax,
-    _rescale,
     _scale_from_amax,
     _scale_shape,
     _segments,
@@ -171,6 +171,24 @@ def fp8_code(y: torch.Tensor, dtype: torch.dtype, random: torch.Tensor | None = 
     return torch.where(a > _INF_BITS, 0x7F | sign, code)  # NaN
 
 
+def _inf_code(code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where int32 ``code`` decodes to +-inf: ``isinf`` of :func:`fp8_value`, read from the bits.
+
+    Inductor's C++ backend computes a float ``isinf`` one lane at a time inside
+    vectorized loops; the integer compare vectorizes.
+    """
+    if dtype == torch.float8_e4m3fn:
+        return (code & 0x7F) == 0x7F  # the NaN codes carry +-inf
+    mantissa_bits, _ = _FORMATS[dtype]
+    return (code & 0x7F) == (((1 << (7 - mantissa_bits)) - 1) << mantissa_bits)  # exponent all ones, mantissa 0
+
+
+def _rescale_code(qf: torch.Tensor, inf: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The reference's ``_rescale`` with the infinities given (:func:`_inf_code`) rather than tested."""
+    top = torch.finfo(out_dtype).max
+    return torch.where(inf, qf, (qf * scale).clamp(-top, top))
+
+
 def fp8_value(code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The float32 value of each fp8 code (exact), rebuilt from its bits.
 
@@ -197,6 +215,16 @@ def fp8_value(code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     else:
         magnitude = torch.where(e == exp_mask, torch.where(m == 0, float("inf"), float("nan")), magnitude)
     return torch.where((code & 0x80) != 0, -magnitude, magnitude)
+
+
+def _finite_amax(x3: torch.Tensor) -> torch.Tensor:
+    """The reference's per-group amax over finite values, finiteness read from the float32 bits.
+
+    Inductor's C++ backend computes ``nan_to_num``'s float ``isnan`` one lane at a
+    time inside vectorized loops; the integer compare vectorizes.
+    """
+    finite = (x3.view(torch.int32) & 0x7FFFFFFF) < _INF_BITS
+    return torch.where(finite, x3.abs(), 0.0).amax(dim=2)
 
 
 def _split(x: torch.Tensor, segments: list[tuple[int, int, int]]) -> list[torch.Tensor]:
@@ -283,14 +311,15 @@ def fused_fp8_dequantize(
     if dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_dequantize: dtype must be one of {FP8_DTYPES}, got {dtype}")
     rows, cols = codes.shape
-    qf = fp8_value(codes, dtype)
+    qf, inf = fp8_value(codes, dtype), _inf_code(codes.int(), dtype)
     if scale.shape[1] == 1:  # row or tensor scales broadcast as they are
-        return _rescale(qf, scale, out_dtype).to(out_dtype)
+        return _rescale_code(qf, inf, scale, out_dtype).to(out_dtype)
     parts, start = [], 0  # block scales: one row of them for all rows, or one row per row
     for c0, c1, size in _segments(cols, "block", block_size):
-        part = qf[:, c0:c1].reshape(rows, -1, size)
+        part, part_inf = (t[:, c0:c1].reshape(rows, -1, size) for t in (qf, inf))
         groups = part.shape[1]
+        s = scale[:, start : start + groups].unsqueeze(2)
         # cast each part: a join of float32 parts made inductor store them before the cast
-        parts.append(_rescale(part, scale[:, start : start + groups].unsqueeze(2), out_dtype).to(out_dtype))
+        parts.append(_rescale_code(part, part_inf, s, out_dtype).to(out_dtype))
         start += groups
     return _join(parts)
