@@ -4,12 +4,13 @@ Design notes
 ------------
 * Why: the aten reference (``savedhooks.kernels.fp8``) walks a tensor in chunks of
   16384 elements, so that its float32 temporaries stay under 256 KiB, and each
-  chunk costs about ten aten calls. On CPU the calls' overhead dominates: a
-  4096 x 2048 float32 tensor (a language model's log-softmax) took 38.7 ms to
-  quantize and 69 ms to dequantize on 2 cores. The decomposed form
+  chunk costs about ten aten calls. On CPU the calls' overhead dominates: 32 MB
+  of float32 (a language model's log-softmax, 4096 x 2048) took 36.4 ms to
+  quantize and 70.7 ms to dequantize on 2 cores. The decomposed form
   (``savedhooks.kernels.fp8_fused``), compiled by inductor's C++ backend, is one
-  vectorized pass that writes the outputs and allocates nothing else: 7.3 and
-  14.5 ms. It is bit-exact with the reference, which stays the spec.
+  vectorized pass that writes the outputs and allocates almost nothing else: 6.5
+  and 17.2 ms (``python -m benchmarks.kernels --cpu``). It is bit-exact with the
+  reference, which stays the spec.
 * When (:func:`uses_inductor`): CPU tensors of at least
   :data:`INDUCTOR_MIN_ELEMS` elements, outside any compile (inside one the op is
   a graph node, its fake implementation serves, and nothing here runs; the memory
@@ -51,9 +52,24 @@ import warnings
 
 import torch
 
+from savedhooks.kernels.fp8 import (
+    _check_dequantize_args,
+    _check_quantize_args,
+    torch_fp8_dequantize,
+    torch_fp8_quantize,
+)
 from savedhooks.kernels.fp8_fused import fused_fp8_dequantize, fused_fp8_quantize
 
-__all__ = ["CHUNK_ELEMS", "INDUCTOR_MIN_ELEMS", "RECOMPILE_LIMIT", "inductor_scratch_bytes", "inductor_serves", "inductor_fp8_dequantize", "inductor_fp8_quantize", "uses_inductor"]
+__all__ = [
+    "CHUNK_ELEMS",
+    "INDUCTOR_MIN_ELEMS",
+    "RECOMPILE_LIMIT",
+    "inductor_fp8_dequantize",
+    "inductor_fp8_quantize",
+    "inductor_scratch_bytes",
+    "inductor_serves",
+    "uses_inductor",
+]
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +134,9 @@ def _chunk_rows(rows: int, cols: int) -> int:
     return max(1, min(rows, CHUNK_ELEMS // max(cols, 1)))
 
 
-def inductor_scratch_bytes(quantize: bool, shape: tuple[int, int], scale_shape: tuple[int, int], block_size: int) -> int:
+def inductor_scratch_bytes(
+    quantize: bool, shape: tuple[int, int], scale_shape: tuple[int, int], block_size: int, stochastic: bool = False
+) -> int | None:
     """Bytes the compiled form allocates beyond its outputs (measured: see the design notes).
 
     Args:
@@ -126,11 +144,13 @@ def inductor_scratch_bytes(quantize: bool, shape: tuple[int, int], scale_shape: 
         shape: the 2-D shape quantized.
         scale_shape: the scale's shape.
         block_size: elements per block.
+        stochastic: the quantize has a seed.
 
     Returns:
         0 for the dequantize. The quantize: its float32 amax, held before the
         scales, when a row has several groups; with a last short block that of one
-        chunk of rows plus two chunks of codes (the segments and their join).
+        chunk of rows plus two chunks of codes (the segments and their join), or
+        None with a seed, where the reference runs instead.
 
     Raises:
         Nothing.
@@ -140,6 +160,8 @@ def inductor_scratch_bytes(quantize: bool, shape: tuple[int, int], scale_shape: 
         return 0
     if not _short_block(shape[1], "block", block_size):
         return rows * groups * 4
+    if stochastic:
+        return None
     chunk = _chunk_rows(*shape)
     return chunk * groups * 4 + 2 * chunk * shape[1]
 
@@ -171,7 +193,7 @@ def _call(fn, reference, *args):
         try:
             with _steady_state():
                 return _compiled(fn)(*args)
-        except Exception as exc:  # noqa: BLE001 - any compile failure: the reference computes the same bytes
+        except Exception as exc:  # any compile failure: the reference computes the same bytes
             _state["enabled"] = False
             warnings.warn(
                 f"savedhooks: compiling the fp8 codec for CPU failed ({type(exc).__name__}: {exc}); "
@@ -208,13 +230,13 @@ def inductor_fp8_quantize(
     Raises:
         ValueError: as the reference, for invalid arguments (checked before compiling).
     """
-    from savedhooks.kernels.fp8 import _check_quantize_args, torch_fp8_quantize
-
     _check_quantize_args(x, dtype, granularity, block_size, seed)
 
     rows, cols = x.shape
     if not _short_block(cols, granularity, block_size):
-        codes, scale = _call(fused_fp8_quantize, _reference_quantize, x, dtype, granularity, block_size, pow2_scale, seed)
+        codes, scale = _call(
+            fused_fp8_quantize, _reference_quantize, x, dtype, granularity, block_size, pow2_scale, seed
+        )
         return codes.view(dtype), scale
     if seed is not None:  # the random bits follow the whole tensor's flat index: no chunks
         return torch_fp8_quantize(x, dtype, granularity, block_size, pow2_scale, seed)
@@ -222,7 +244,9 @@ def inductor_fp8_quantize(
     scale = torch.empty((rows, -(-cols // block_size)), dtype=torch.float32)
     step = _chunk_rows(rows, cols)
     for r in range(0, rows, step):
-        codes, s = _call(fused_fp8_quantize, _reference_quantize, x[r : r + step], dtype, granularity, block_size, pow2_scale)
+        codes, s = _call(
+            fused_fp8_quantize, _reference_quantize, x[r : r + step], dtype, granularity, block_size, pow2_scale
+        )
         q[r : r + step].copy_(codes)
         scale[r : r + step].copy_(s)
         del codes, s  # before the next chunk's call
@@ -230,13 +254,13 @@ def inductor_fp8_quantize(
 
 
 def _reference_quantize(*args):
-    from savedhooks.kernels.fp8 import torch_fp8_quantize
-
     q, scale = torch_fp8_quantize(*args)
     return q.view(torch.uint8), scale
 
 
-def inductor_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, block_size: int) -> torch.Tensor:
+def inductor_fp8_dequantize(
+    q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, block_size: int
+) -> torch.Tensor:
     """:func:`savedhooks.kernels.fp8.torch_fp8_dequantize`, computed by the inductor-compiled decomposed form.
 
     Args:
@@ -251,8 +275,6 @@ def inductor_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: tor
     Raises:
         ValueError: shapes or dtypes of q and scale do not fit together.
     """
-    from savedhooks.kernels.fp8 import _check_dequantize_args, torch_fp8_dequantize
-
     _check_dequantize_args(q, scale)
     codes = q.contiguous().view(torch.uint8)
 

@@ -71,15 +71,15 @@ def _fp8_dequantize_scratch(q_dtype: torch.dtype, rows: int, cols: int, scale_ro
         return _scratch(lambda: torch_fp8_dequantize(q, scale, *args))
 
 
-def _compiled_scratch(node: torch.fx.Node, quantize: bool) -> int:
-    """What the compiled form allocates beyond its outputs: read from the scale's shape."""
+def _compiled_scratch(node: torch.fx.Node, quantize: bool, stochastic: bool) -> int | None:
+    """What the compiled form allocates beyond its outputs (None where the reference runs instead)."""
     vals = node.meta.get("val") if quantize else node.args[1].meta.get("val")
     scale = vals[1] if quantize else vals
     if not isinstance(scale, torch.Tensor):
         return 0
     shape = tuple(_hint(s) for s in node.args[0].meta["val"].shape)
     block_size = node.args[3]  # both ops: (x or q, dtype or scale, ..., block_size, ...)
-    return inductor_scratch_bytes(quantize, shape, tuple(_hint(s) for s in scale.shape), block_size)
+    return inductor_scratch_bytes(quantize, shape, tuple(_hint(s) for s in scale.shape), block_size, stochastic)
 
 
 def _hint(size) -> int:
@@ -121,12 +121,15 @@ def op_scratch_bytes(node: torch.fx.Node) -> int:
     rows, cols = (_hint(s) for s in first.shape)
     if rows * cols == 0:
         return 0
-    if inductor_serves((rows, cols), first.device):
-        return _compiled_scratch(node, name == "savedhooks::fp8_quantize")
+    quantize = name == "savedhooks::fp8_quantize"
+    # the seed (stochastic rounding) is a graph node: only whether there is one
+    stochastic = quantize and (node.args[5] if len(node.args) > 5 else node.kwargs.get("seed")) is not None
+    compiled = _compiled_scratch(node, quantize, stochastic) if inductor_serves((rows, cols), first.device) else None
+    if compiled is not None:
+        return compiled
     chunk = _chunk_rows(rows, cols)
-    if name == "savedhooks::fp8_quantize":  # the seed (stochastic rounding) is a graph node: only whether there is one
-        seed = node.args[5] if len(node.args) > 5 else node.kwargs.get("seed")
-        return _fp8_quantize_scratch(first.dtype, chunk, cols, tuple(node.args[1:5]), seed is not None)
+    if quantize:
+        return _fp8_quantize_scratch(first.dtype, chunk, cols, tuple(node.args[1:5]), stochastic)
     scale = node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
     if not isinstance(scale, torch.Tensor):
         return 0
