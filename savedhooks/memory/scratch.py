@@ -13,9 +13,10 @@ tensors the reference creates was tried first and saw only half of it (aten
 kernels allocate inside, e.g. in copies between layouts).
 
 From one chunk of elements on, the ops run the inductor-compiled decomposed form
-on CPU instead (``savedhooks.kernels.fp8_inductor``), which allocates nothing but
-the quantize's per-group amax: that figure is counted (measured against it in
-``tests/test_memory.py``), not the reference's.
+on CPU instead (``savedhooks.kernels.fp8_inductor``), which allocates little
+beyond its outputs (the quantize's per-group amax; two chunks of codes with a
+last short block): that figure is counted (``inductor_scratch_bytes``, measured
+equal in ``tests/test_inductor_codec.py``), not the reference's.
 """
 
 from __future__ import annotations
@@ -71,13 +72,15 @@ def _fp8_dequantize_scratch(q_dtype: torch.dtype, rows: int, cols: int, scale_ro
         return _scratch(lambda: torch_fp8_dequantize(q, scale, *args))
 
 
-def _compiled_scratch(node: torch.fx.Node, quantize: bool, stochastic: bool) -> int | None:
+def _compiled_scratch(node: torch.fx.Node, shape: tuple[int, int], quantize: bool, stochastic: bool) -> int | None:
     """What the compiled form allocates beyond its outputs (None where the reference runs instead)."""
-    vals = node.meta.get("val") if quantize else node.args[1].meta.get("val")
-    scale = vals[1] if quantize else vals
+    if quantize:
+        vals = node.meta.get("val")
+        scale = vals[1] if isinstance(vals, (tuple, list)) and len(vals) == 2 else None
+    else:
+        scale = node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
     if not isinstance(scale, torch.Tensor):
         return 0
-    shape = tuple(_hint(s) for s in node.args[0].meta["val"].shape)
     block_size = node.args[3]  # both ops: (x or q, dtype or scale, ..., block_size, ...)
     return inductor_scratch_bytes(quantize, shape, tuple(_hint(s) for s in scale.shape), block_size, stochastic)
 
@@ -124,7 +127,8 @@ def op_scratch_bytes(node: torch.fx.Node) -> int:
     quantize = name == "savedhooks::fp8_quantize"
     # the seed (stochastic rounding) is a graph node: only whether there is one
     stochastic = quantize and (node.args[5] if len(node.args) > 5 else node.kwargs.get("seed")) is not None
-    compiled = _compiled_scratch(node, quantize, stochastic) if inductor_serves((rows, cols), first.device) else None
+    serves = inductor_serves((rows, cols), first.device)
+    compiled = _compiled_scratch(node, (rows, cols), quantize, stochastic) if serves else None
     if compiled is not None:
         return compiled
     chunk = _chunk_rows(rows, cols)
