@@ -196,12 +196,19 @@ def torch_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.
     return out
 
 
-def _rescale(qf: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """float32 ``qf * scale`` (qf: the fp8 values as float32), before the cast to ``out_dtype``."""
+def _rescale(
+    qf: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, inf: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float32 ``qf * scale`` (qf: the fp8 values as float32), before the cast to ``out_dtype``.
+
+    ``inf``: where qf is +-inf, when the caller knows it from the codes (the
+    decomposed form: a float ``isinf`` runs one lane at a time in inductor's C++
+    loops); tested here otherwise.
+    """
     # A power-of-two scale can carry a value just past the output dtype's largest
     # finite one (fp16 65504 -> 65536): clamp finite codes, keep e5m2's +-inf as inf.
     top = torch.finfo(out_dtype).max
-    return torch.where(torch.isinf(qf), qf, (qf * scale).clamp_(-top, top))
+    return torch.where(torch.isinf(qf) if inf is None else inf, qf, (qf * scale).clamp_(-top, top))
 
 
 def _check_quantize_args(

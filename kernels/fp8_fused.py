@@ -65,6 +65,7 @@ from savedhooks.kernels.fp8 import (
     FP8_DTYPES,
     _check_dequantize_args,
     _check_quantize_args,
+    _rescale,
     _scale_from_amax,
     _scale_shape,
     _segments,
@@ -183,12 +184,6 @@ def _inf_code(code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (code & 0x7F) == (((1 << (7 - mantissa_bits)) - 1) << mantissa_bits)  # exponent all ones, mantissa 0
 
 
-def _rescale_code(qf: torch.Tensor, inf: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The reference's ``_rescale`` with the infinities given (:func:`_inf_code`) rather than tested."""
-    top = torch.finfo(out_dtype).max
-    return torch.where(inf, qf, (qf * scale).clamp(-top, top))
-
-
 def fp8_value(code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The float32 value of each fp8 code (exact), rebuilt from its bits.
 
@@ -217,7 +212,7 @@ def fp8_value(code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where((code & 0x80) != 0, -magnitude, magnitude)
 
 
-def _finite_amax(x3: torch.Tensor) -> torch.Tensor:
+def _finite_amax_of_bits(x3: torch.Tensor) -> torch.Tensor:
     """The reference's per-group amax over finite values, finiteness read from the float32 bits.
 
     Inductor's C++ backend computes ``nan_to_num``'s float ``isnan`` one lane at a
@@ -275,7 +270,7 @@ def fused_fp8_quantize(
     x2 = x.float().reshape(1, -1) if granularity == "tensor" else x.float()
     segments = _segments(x2.shape[1], granularity, block_size)
     parts = _split(x2, segments)
-    scales = [_scale_from_amax(_finite_amax(p), torch.finfo(dtype).max, pow2_scale, divide=_exact_div) for p in parts]
+    scales = [_scale_from_amax(_finite_amax_of_bits(p), torch.finfo(dtype).max, pow2_scale, divide=_exact_div) for p in parts]
     if seed is None:
         bits = [None] * len(parts)
     else:  # the flat index in the (rows, cols) view: an arange, index expressions for inductor
@@ -313,13 +308,13 @@ def fused_fp8_dequantize(
     rows, cols = codes.shape
     qf, inf = fp8_value(codes, dtype), _inf_code(codes.int(), dtype)
     if scale.shape[1] == 1:  # row or tensor scales broadcast as they are
-        return _rescale_code(qf, inf, scale, out_dtype).to(out_dtype)
+        return _rescale(qf, scale, out_dtype, inf).to(out_dtype)
     parts, start = [], 0  # block scales: one row of them for all rows, or one row per row
     for c0, c1, size in _segments(cols, "block", block_size):
         part, part_inf = (t[:, c0:c1].reshape(rows, -1, size) for t in (qf, inf))
         groups = part.shape[1]
         s = scale[:, start : start + groups].unsqueeze(2)
         # cast each part: a join of float32 parts made inductor store them before the cast
-        parts.append(_rescale_code(part, part_inf, s, out_dtype).to(out_dtype))
+        parts.append(_rescale(part, s, out_dtype, part_inf).to(out_dtype))
         start += groups
     return _join(parts)

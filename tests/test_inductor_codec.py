@@ -55,18 +55,14 @@ def test_the_ops_compiled_form_is_bit_exact_with_the_reference(case, every_size)
 
 
 @pytest.mark.parametrize("shape", [(4096, 2048), (2048, 1000)])
-def test_a_large_tensor_takes_the_compiled_form_with_the_references_bytes(shape):
+def test_a_large_tensor_takes_the_compiled_form_with_the_references_bytes(shape, monkeypatch):
     """As the op sees a language model's log-softmax: above the threshold, no monkeypatch."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * torch.logspace(-8, 8, shape[1])
     x[0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
     assert fp8_inductor.uses_inductor(x)
-    calls = []
-    compiled = fp8_inductor._compiled
-    try:
-        fp8_inductor._compiled = lambda fn: calls.append(fn.__name__) or compiled(fn)
-        problem = _roundtrip_problem(x, E4M3, "block", 128, False, None)
-    finally:
-        fp8_inductor._compiled = compiled
+    calls, compiled = [], fp8_inductor._compiled
+    monkeypatch.setattr(fp8_inductor, "_compiled", lambda fn: calls.append(fn.__name__) or compiled(fn))
+    problem = _roundtrip_problem(x, E4M3, "block", 128, False, None)
     assert problem is None, problem
     assert set(calls) == {"fused_fp8_quantize", "fused_fp8_dequantize"}  # the quantize once per chunk with (2048, 1000)
 

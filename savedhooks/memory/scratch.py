@@ -72,17 +72,12 @@ def _fp8_dequantize_scratch(q_dtype: torch.dtype, rows: int, cols: int, scale_ro
         return _scratch(lambda: torch_fp8_dequantize(q, scale, *args))
 
 
-def _compiled_scratch(node: torch.fx.Node, shape: tuple[int, int], quantize: bool, stochastic: bool) -> int | None:
-    """What the compiled form allocates beyond its outputs (None where the reference runs instead)."""
+def _scale_value(node: torch.fx.Node, quantize: bool):
+    """The op's fake scale: the quantize's second output, the dequantize's second argument (None if unknown)."""
     if quantize:
         vals = node.meta.get("val")
-        scale = vals[1] if isinstance(vals, (tuple, list)) and len(vals) == 2 else None
-    else:
-        scale = node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
-    if not isinstance(scale, torch.Tensor):
-        return 0
-    block_size = node.args[3]  # both ops: (x or q, dtype or scale, ..., block_size, ...)
-    return inductor_scratch_bytes(quantize, shape, tuple(_hint(s) for s in scale.shape), block_size, stochastic)
+        return vals[1] if isinstance(vals, (tuple, list)) and len(vals) == 2 else None
+    return node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
 
 
 def _hint(size) -> int:
@@ -127,14 +122,18 @@ def op_scratch_bytes(node: torch.fx.Node) -> int:
     quantize = name == "savedhooks::fp8_quantize"
     # the seed (stochastic rounding) is a graph node: only whether there is one
     stochastic = quantize and (node.args[5] if len(node.args) > 5 else node.kwargs.get("seed")) is not None
-    serves = inductor_serves((rows, cols), first.device)
-    compiled = _compiled_scratch(node, (rows, cols), quantize, stochastic) if serves else None
-    if compiled is not None:
-        return compiled
+    scale = _scale_value(node, quantize)
+    if inductor_serves((rows, cols), first.device):
+        if not isinstance(scale, torch.Tensor):
+            return 0
+        scale_shape = tuple(_hint(s) for s in scale.shape)
+        # block_size is argument 3 of both ops; None: the reference runs (stochastic, short last block)
+        compiled = inductor_scratch_bytes(quantize, (rows, cols), scale_shape, node.args[3], stochastic)
+        if compiled is not None:
+            return compiled
     chunk = _chunk_rows(rows, cols)
     if quantize:
         return _fp8_quantize_scratch(first.dtype, chunk, cols, tuple(node.args[1:5]), stochastic)
-    scale = node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
     if not isinstance(scale, torch.Tensor):
         return 0
     scale_rows = chunk if _hint(scale.shape[0]) != 1 else 1
