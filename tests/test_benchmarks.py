@@ -226,7 +226,7 @@ def test_train_learns_and_reports_each_configuration_against_no_hooks(tmp_path, 
     from benchmarks import train
 
     assert train.main(["--models", "mlp", "--configs", "no hooks", "sh.fp8()", "--steps", "12", "--size", "0.25",
-                       "--out", str(tmp_path)]) == 0  # fmt: skip
+                       "--lr", "3e-3", "--warmup", "2", "--out", str(tmp_path)]) == 0  # fmt: skip
     out = capsys.readouterr().out
     rows = list(csv.DictReader((tmp_path / "train.csv").open()))
     assert [r["config"] for r in rows] == ["no hooks", "sh.fp8()"]
@@ -234,7 +234,8 @@ def test_train_learns_and_reports_each_configuration_against_no_hooks(tmp_path, 
     for r in rows:
         losses = [float(v) for v in r["losses"].split()]
         assert len(losses) == 12 and losses[-1] < 0.8 * losses[0]  # the teacher's task is learnable
-    assert float(rows[0]["final_vs_no_hooks"]) == 0.0
+        assert float(r["held_out_loss"]) < 0.8 * losses[0]  # and what is learned holds on batches it never saw
+    assert float(rows[0]["final_vs_no_hooks"]) == 0.0 == float(rows[0]["held_out_vs_no_hooks"])
     # the same data and init: fp8 changes the curve a little, not at all would mean no packing
     assert rows[0]["losses"] != rows[1]["losses"] and abs(float(rows[1]["final_vs_no_hooks"])) < 10
     assert "| mlp | sh.fp8() | 12 |" in out and (tmp_path / "train_loss.png").stat().st_size > 0
@@ -250,6 +251,17 @@ def test_train_tasks_are_the_same_for_every_configuration_and_lm_text_follows_th
     ids = a["input_ids"]
     pairs = {(int(x), int(y)) for x, y in zip(ids[:, :-1].flatten(), ids[:, 1:].flatten())}
     assert ids.max() < 64 and len(pairs) <= 64 * 4  # each token has at most 4 successors
+    images = make_workload("cnn", 0.5)
+    (a, _), (b, _), (c, _) = train._task(images, 3), train._task(images, 3), train._task(images, 4)
+    assert torch.equal(a["x"], b["x"]) and not torch.equal(a["x"], c["x"]) and a["x"].shape == (16, 3, 32, 32)
+    # a faint class signal in unit noise: class means over two independent batches agree class by class
+    means = []
+    for seed in (0, 1):
+        x, labels = train._images(torch.empty(40000, 1, 4, 4), torch.Generator().manual_seed(seed))
+        assert labels.min() == 0 and labels.max() == 9 and 0.98 < x.std() < 1.02
+        means.append(torch.stack([x[labels == k].mean(0).flatten() for k in range(10)]))
+    corr = torch.corrcoef(torch.cat(means))[:10, 10:]  # class k of batch 0 against class j of batch 1
+    assert corr.diagonal().min() > 0.6 and torch.equal(corr.argmax(1), torch.arange(10))
 
 
 def test_saved_ratio_divides_by_the_no_hook_rows_saved_bytes():
