@@ -20,7 +20,8 @@ given. ``sh policy``, ``sh + checkpoint`` and ``bf16 sh policy`` run
 codec for floating tensors, bitmasks for bool ones, and what its rules keep
 (normalization statistics, a narrow loss head, small tensors) as it is. The
 ``bf16*`` configurations run under bf16 autocast and are compared with the
-``bf16`` row; they run only when named with ``--configs``.
+``bf16`` row; they and ``sh policy centered`` (the policy with
+``centered=sh.Centered()``) run only when named with ``--configs``.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 import savedhooks as sh
 from benchmarks.models import Workload
 
-__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FLOAT8", "POLICY", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "torch_fp8_hooks"]
+__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FLOAT8", "POLICY", "POLICY_CENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "torch_fp8_hooks"]
 
 FLOAT8 = sh.Float8()  # the codec's configuration: the library default, e4m3 with block scales (128)
 CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8() returns it
 POLICY = sh.policy()  # the library's default policy (fp8 as above, bitmasks, statistics kept)
+POLICY_CENTERED = sh.policy(centered=sh.Centered())  # the same, batch norm inputs centered under inductor
 TORCH_PATH_FLOAT8 = sh.Float8(granularity="row")  # what torch's own path (make_fx'd hooks) computes
 MEMORY_BUDGET = 0.5  # torch._functorch.config.activation_memory_budget for the "memory budget" configuration
 
@@ -250,6 +252,11 @@ def _savedhooks_policy(workload: Workload, backend: str) -> Step:
     return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(POLICY))
 
 
+def _savedhooks_policy_centered(workload: Workload, backend: str) -> Step:
+    """``sh.policy(centered=sh.Centered())`` inlined by torch, with torch's backend as it is."""
+    return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(POLICY_CENTERED))
+
+
 def _savedhooks_reorder(workload: Workload, backend: str) -> Step:
     """savedhooks' codec inlined, with the reorder pass: ``torch.compile(model, backend=sh.backend(backend))``."""
     return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(CODEC), placed=True)
@@ -325,6 +332,8 @@ CONFIGS: dict[str, Config] = {
         Config("python hooks", _python_hooks, True, False, "the codec as plain Python hooks (not inlined)"),
         Config("sh", _savedhooks_compiled, True, False, "savedhooks' codec inlined, torch's backend as it is"),
         Config("sh policy", _savedhooks_policy, True, False, "sh.policy() inlined, torch's backend as it is"),
+        Config("sh policy centered", _savedhooks_policy_centered, True, False,
+               "sh.policy(centered=sh.Centered()): batch norm inputs centered under inductor", in_default=False),
         Config("sh + reorder", _savedhooks_reorder, True, False, "savedhooks' codec inlined, sh.backend(...)"),
         Config("checkpoint", _checkpointing, True, False, "torch.utils.checkpoint per block"),
         Config("sh + checkpoint", _savedhooks_checkpointing, True, False,

@@ -22,7 +22,8 @@ eager to aot_eager (the same model, data and initialization, a different
 rounding order), so no codec comparison meant anything.
 
 Configurations (``CONFIGS``): no hooks, ``sh.policy()``, ``sh.fp8()`` and
-``sh.fp8(rounding="stochastic")``; the model compiled with ``--backend``
+``sh.fp8(rounding="stochastic")`` (and, when named, ``sh.policy(centered=sh.Centered())``);
+the model compiled with ``--backend``
 (default aot_eager, which saves the tensors that inductor would and compiles in
 seconds on CPU). One row per model and configuration, one schema for the table
 and the CSV, and a PNG of the loss curves. Losses are compared with no hooks as
@@ -58,7 +59,9 @@ CONFIGS: dict[str, Callable[[], Any] | None] = {
     "sh.policy()": sh.policy,
     "sh.fp8()": sh.fp8,
     "fp8 stochastic": lambda: sh.fp8(rounding="stochastic"),
+    "sh.policy(centered)": lambda: sh.policy(centered=sh.Centered()),
 }
+DEFAULT_CONFIGS = ("no hooks", "sh.policy()", "sh.fp8()", "fp8 stochastic")  # run without --configs
 
 
 @dataclasses.dataclass
@@ -306,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command line: see ``python -m benchmarks.train --help``."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.train", description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "gpt2", "llama", "vit"])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--size", type=float, default=1.0)
     parser.add_argument("--backend", default="aot_eager", help='torch.compile backend, or "eager" for none')

@@ -2,6 +2,7 @@
 
 from savedhooks.codecs import (
     Bitmask,
+    Centered,
     Codec,
     Downcast,
     Float8,
@@ -53,6 +54,7 @@ __all__ = [
     "Float8",
     "Downcast",
     "Bitmask",
+    "Centered",
     "Offload",
     "Policy",
     # placing hooks under torch.compile

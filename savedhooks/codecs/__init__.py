@@ -2,6 +2,7 @@
 
 from savedhooks.codecs.base import Codec
 from savedhooks.codecs.bitmask import Bitmask, bitmask
+from savedhooks.codecs.centered import Centered
 from savedhooks.codecs.downcast import Downcast, downcast
 from savedhooks.codecs.fp8 import Float8, fp8
 from savedhooks.codecs.indices import PoolIndices
@@ -11,6 +12,7 @@ from savedhooks.codecs.policy import DEFAULT_KEEP_OPS, Policy, policy, producing
 __all__ = [
     "DEFAULT_KEEP_OPS",
     "Bitmask",
+    "Centered",
     "Codec",
     "Downcast",
     "Float8",
