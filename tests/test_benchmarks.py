@@ -241,6 +241,14 @@ def test_train_learns_and_reports_each_configuration_against_no_hooks(tmp_path, 
     assert "| mlp | sh.fp8() | 12 |" in out and (tmp_path / "train_loss.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("kwargs", [{"steps": 0}, {"lr": 0.0}, {"clip": -1.0}, {"warmup": -1}])
+def test_train_rejects_a_bad_recipe(kwargs):
+    from benchmarks import train
+
+    with pytest.raises(ValueError):
+        train.train("mlp", "no hooks", **{"steps": 1, **kwargs})
+
+
 def test_train_tasks_are_the_same_for_every_configuration_and_lm_text_follows_the_chain():
     from benchmarks import train
     from benchmarks.models import make_workload
