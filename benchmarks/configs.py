@@ -21,7 +21,9 @@ codec for floating tensors, bitmasks for bool ones, and what its rules keep
 (normalization statistics, a narrow loss head, small tensors) as it is. The
 ``bf16*`` configurations run under bf16 autocast and are compared with the
 ``bf16`` row; they and ``sh policy centered`` (the policy with
-``centered=sh.Centered()``) run only when named with ``--configs``.
+``centered=sh.Centered()``, which differs from ``sh policy`` only under
+inductor: name ``--backends inductor`` too) run only when named with
+``--configs``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ eager to aot_eager (the same model, data and initialization, a different
 rounding order), so no codec comparison meant anything.
 
 Configurations (``CONFIGS``): no hooks, ``sh.policy()``, ``sh.fp8()`` and
-``sh.fp8(rounding="stochastic")`` (and, when named, ``sh.policy(centered=sh.Centered())``);
+``sh.fp8(rounding="stochastic")`` (and, when named, ``sh.policy(centered=sh.Centered())``,
+which differs from the policy only with ``--backend inductor``);
 the model compiled with ``--backend``
 (default aot_eager, which saves the tensors that inductor would and compiles in
 seconds on CPU). One row per model and configuration, one schema for the table
@@ -47,7 +48,7 @@ import torch
 import savedhooks as sh
 from benchmarks.models import _cross_entropy, make_workload
 
-__all__ = ["CONFIGS", "TrainRow", "main", "train"]
+__all__ = ["CONFIGS", "DEFAULT_CONFIGS", "DEFAULT_LR", "LR", "TrainRow", "main", "train"]
 
 _LAST = 5  # steps averaged into the final loss
 _HELD_OUT = 16  # batches of the held-out loss

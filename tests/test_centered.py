@@ -54,9 +54,22 @@ def test_a_channel_with_an_infinity_or_nan_is_not_centered_and_the_others_are():
     assert sh.sqnr(x[:, 1][finite], y[:, 1][finite]) > 25  # plain fp8 of the values there
 
 
+def test_a_channel_whose_deviation_could_overflow_is_not_centered():
+    x = torch.full((4, 2, 8), 60000.0, dtype=torch.float16)
+    x[:, 1] = torch.randn(4, 8, dtype=torch.float16) + 100
+    x[0, 0, 0] = -60000.0  # centered, -60000 - 52500 would overflow fp16
+    codec = Centered()
+    y = codec.decode(codec.encode(x))
+    _, mean = codec.encode(x)
+    assert mean[0, 0, 0] == 0 and mean[0, 1, 0] != 0
+    assert torch.isfinite(y).all() and sh.sqnr(x.float(), y.float()) > 25
+
+
 def test_centered_accepts_floating_tensors_that_have_the_channel_dim():
     codec = Centered()
     assert codec.accepts(torch.randn(4, 3)) and not codec.accepts(torch.randn(4))
+    assert not Centered(channel_dim=0).accepts(torch.randn(4))  # one dim: no channels to keep apart
+    assert not codec.accepts(torch.randn(4, 1, 5).expand(4, 3, 5))  # broadcast: the subtraction would expand it
     assert not codec.accepts(torch.ones(4, 3, dtype=torch.int64)) and not codec.accepts(torch.randn(0, 3))
     assert Centered(channel_dim=2).accepts(torch.randn(2, 3, 4)) and not Centered(channel_dim=2).accepts(
         torch.randn(2, 3)
@@ -71,6 +84,12 @@ def test_centered_accepts_floating_tensors_that_have_the_channel_dim():
 def test_centered_rejects_bad_configuration(kwargs, error):
     with pytest.raises(error):
         Centered(**kwargs)
+
+
+@pytest.mark.parametrize("centered", [sh.Float8(), sh.policy(), sh.fp8()])
+def test_policy_takes_only_a_centered_codec_as_centered(centered):
+    with pytest.raises(TypeError, match="Centered"):
+        sh.policy(centered=centered)
 
 
 def test_centered_takes_an_inner_codec_as_hooks_or_codec():
@@ -121,3 +140,15 @@ def test_policy_does_not_center_without_the_decomposed_codec(monkeypatch):
     monkeypatch.setattr(Centered, "encode", lambda self, t: calls.append(t) or pytest.fail("centered under aot_eager"))
     _grads(model, torch.compile(model, backend="aot_eager"), x, sh.policy(centered=Centered()))
     assert not calls
+
+
+def test_policy_centers_what_a_single_batch_norm_op_reads_with_the_decomposed_codec(monkeypatch):
+    """aot_eager keeps batch norm as one op: its input (arg 0) is centered, not its outputs, stats or weights."""
+    model, x = _bn_net(), torch.randn(4, 3, 32, 32)
+    centered = []
+    encode = Centered.encode
+    monkeypatch.setattr(Centered, "encode", lambda self, t: centered.append(tuple(t.shape)) or encode(self, t))
+    hooks = sh.policy(centered=Centered(sh.Float8(backend="fused")))  # "fused": decomposed even under aot_eager
+    got = _grads(model, torch.compile(model, backend="aot_eager"), x, hooks)
+    assert set(centered) == {(4, 16, 32, 32), (4, 32, 16, 16), (4, 32, 8, 8)}  # the convolutions' outputs only
+    assert worst_sqnr(got, _grads(model, model, x, None)) >= POLICY_DB

@@ -9,9 +9,14 @@ the benchmark's cnn under inductor lost 9 dB of gradient SQNR this way (README,
 "Under inductor"). Packing ``x - mean`` instead keeps the error relative to the
 spread; the mean (one float32 per channel) is stored as it is and added back.
 
-Non-finite values: a channel whose mean is not finite (it holds an inf or NaN,
-or its sum overflows) is not centered (its mean is stored as 0), so the inner
-codec sees its values unchanged and keeps infinities where it can.
+Non-finite values and overflow: a channel is not centered (its mean is stored
+as 0, so the inner codec sees its values unchanged and keeps infinities where it
+can) when it holds an inf or NaN, or when ``max |x| + |mean|`` exceeds half the
+dtype's largest value (``x - mean`` could overflow there).
+
+Not accepted (stored as they are, or by the policy's ``floating`` codec): tensors
+with fewer than 2 dims or without ``channel_dim``, and broadcast (stride-0)
+tensors, whose single copy of data the subtraction would expand.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 import torch
 
-from savedhooks.codecs.base import Codec, as_codec
+from savedhooks.codecs.base import Codec, as_codec, is_broadcast
 from savedhooks.codecs.fp8 import Float8
 
 __all__ = ["Centered"]
@@ -48,14 +53,21 @@ class Centered(Codec):
             raise ValueError(f"Centered: channel_dim must be a non-negative int, got {self.channel_dim!r}")
 
     def accepts(self, x: torch.Tensor) -> bool:
-        """Floating tensors that have ``channel_dim`` and that ``inner`` packs."""
-        return x.is_floating_point() and x.dim() > self.channel_dim and self.inner.accepts(x)
+        """Floating tensors of 2 or more dims that have ``channel_dim``, are not broadcast, and ``inner`` packs."""
+        return (
+            x.is_floating_point()
+            and x.dim() > max(1, self.channel_dim)
+            and not is_broadcast(x)
+            and self.inner.accepts(x)
+        )
 
     def encode(self, x: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """``(inner payload of x - mean, mean)``; the mean in float32, shaped to broadcast against x."""
         dims = [d for d in range(x.dim()) if d != self.channel_dim]
         mean = x.mean(dims, keepdim=True, dtype=torch.float32)
-        mean = torch.where(mean.isfinite(), mean, torch.zeros_like(mean))
+        # NaN or inf in a channel makes its bound NaN or inf: not centered either
+        bound = x.abs().amax(dims, keepdim=True).float() + mean.abs()
+        mean = torch.where(bound <= torch.finfo(x.dtype).max / 2, mean, torch.zeros_like(mean))
         return self.inner.encode(x - mean.to(x.dtype)), mean
 
     def decode(self, payload: tuple[Any, torch.Tensor]) -> torch.Tensor:

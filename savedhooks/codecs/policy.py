@@ -16,6 +16,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from savedhooks.codecs.base import Codec, _op_name, _through_aliases, as_codec, producing_op, uses_fused
 from savedhooks.codecs.bitmask import Bitmask
+from savedhooks.codecs.centered import Centered
 from savedhooks.codecs.fp8 import Float8
 from savedhooks.codecs.indices import PoolIndices
 from savedhooks.hooks import hook_context
@@ -214,6 +215,8 @@ class Policy(Codec):
     def __post_init__(self) -> None:
         for name in ("floating", "boolean", "integer", "centered"):
             object.__setattr__(self, name, as_codec(getattr(self, name), f"policy({name}=...)"))
+        if self.centered is not None and not isinstance(self.centered, Centered):
+            raise TypeError(f"policy: centered must be a savedhooks.Centered codec or None, got {self.centered!r}")
         if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
             raise ValueError(f"policy: min_bytes must be a non-negative int, got {self.min_bytes!r}")
         if isinstance(self.keep_ops, str) or not all(isinstance(op, str) for op in self.keep_ops):
@@ -326,14 +329,15 @@ def policy(
             norm from the saved input), e.g. :class:`~savedhooks.Centered`: fp8
             of ``x`` minus each channel's mean, the means kept in float32. None
             (default): ``floating``; off by default because on CPU it cost the
-            benchmark's cnn 1.75x step time (README, "Under inductor"). Unused
+            benchmark's cnn 1.66x the policy's step time (README, "Under inductor"). Unused
             when ``floating`` is None.
 
     Returns:
         The cached :class:`~savedhooks.HookPair`.
 
     Raises:
-        TypeError: a codec argument is not a savedhooks codec.
+        TypeError: a codec argument is not a savedhooks codec, or ``centered``
+            is not a :class:`~savedhooks.Centered`.
         ValueError: ``min_bytes``, ``keep_ops``, ``narrow_softmax`` or
             ``relative_bytes`` is malformed.
     """
