@@ -126,7 +126,9 @@ def _task(workload, step: int) -> tuple[dict[str, torch.Tensor], Callable[[Any],
     return {key: x}, lambda out: torch.nn.functional.cross_entropy(getattr(out, "logits", out), labels)
 
 
-def _language(key: str, example: torch.Tensor, g: torch.Generator):
+def _language(
+    key: str, example: torch.Tensor, g: torch.Generator
+) -> tuple[dict[str, torch.Tensor], Callable[[Any], torch.Tensor]]:
     """A batch of the Markov-chain language, and the benchmark's own soft-target loss on it."""
     vocab, used = 2048, 64
     successors = torch.randint(0, used, (used, 4), generator=torch.Generator().manual_seed(7))
@@ -217,9 +219,9 @@ def train(
         schedule.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-    final = _mean(losses[-_LAST:])
+    held_out = _held_out_loss(workload)
     return TrainRow(
-        name, config, steps, losses[0], final, _mean(losses), _held_out_loss(workload), losses=tuple(losses)
+        name, config, steps, losses[0], _mean(losses[-_LAST:]), _mean(losses), held_out, losses=tuple(losses)
     )
 
 

@@ -100,7 +100,7 @@ def test_centered_takes_an_inner_codec_as_hooks_or_codec():
 
 
 def _bn_net() -> nn.Module:
-    """The benchmark's cnn in small: conv + batch norm + ReLU + max pool, 3 times (positive conv inputs after the first)."""
+    """The benchmark's cnn in small: conv + batch norm + ReLU + max pool, 3 times (positive inputs after the first)."""
     torch.manual_seed(0)
 
     def block(c_in: int, c_out: int) -> list[nn.Module]:

@@ -329,8 +329,8 @@ def policy(
             norm from the saved input), e.g. :class:`~savedhooks.Centered`: fp8
             of ``x`` minus each channel's mean, the means kept in float32. None
             (default): ``floating``; off by default because on CPU it cost the
-            benchmark's cnn 1.66x the policy's step time (README, "Under inductor"). Unused
-            when ``floating`` is None.
+            benchmark's cnn 1.66x the policy's step time (README, "Under
+            inductor"). Unused when ``floating`` is None.
 
     Returns:
         The cached :class:`~savedhooks.HookPair`.
