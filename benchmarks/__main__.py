@@ -55,7 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeline-model", default=None, help="model for the timeline plot (default: llama if run)")
     parser.add_argument("--keep-cache", action="store_true",
                         help="use torch's inductor cache (default: a fresh one, so compile times are cold)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")  # fmt: skip
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--compiled-loss", action="store_true",
+                        help="compile the loss with the model (default: eager loss on the compiled model's output)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.device == "cuda":
         import torch
@@ -106,10 +108,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         machine += f", {torch.cuda.get_device_name()}"
     heading = f"torch {torch.__version__}, {args.device}, {machine}, size {args.size:g}, {args.repeats} timed steps"
+    heading += ", loss compiled with the model" if args.compiled_loss else ""
     print(heading, flush=True)
     start = time.perf_counter()
     result = run(args.models, args.configs, args.backends, args.size, args.device, args.repeats,
-                 progress=not args.no_progress)  # fmt: skip
+                 progress=not args.no_progress, compiled_loss=args.compiled_loss)  # fmt: skip
     elapsed = time.perf_counter() - start
     print()
     for name, description in result.descriptions.items():

@@ -138,39 +138,45 @@ class Config:
     in_default: bool = True
 
 
-def _compile(workload: Workload, backend: str, placed: bool = False) -> tuple[Callable[..., Any], GraphLog | None]:
-    """``torch.compile`` the workload's model; aot_eager compiles keep their graphs."""
+def _compile(workload: Workload, backend: str, placed: bool = False) -> tuple[Callable[[], torch.Tensor], GraphLog | None]:
+    """``torch.compile`` the workload's model (with its loss where ``compiled_loss``); aot_eager keeps its graphs.
+
+    Returns ``(loss, log)``: ``loss()`` runs the compiled step's forward to the loss.
+    """
     chosen = sh.backend(backend) if placed else backend
     log = GraphLog()
     recording = log.wrap(chosen) if backend == "aot_eager" else None
-    return torch.compile(workload.model, backend=recording or chosen), (log if recording else None)
+    target = workload.with_loss() if workload.compiled_loss else workload.model
+    compiled = torch.compile(target, backend=recording or chosen)
+    loss = (lambda: compiled(**workload.inputs)) if workload.compiled_loss else (lambda: workload.loss(compiled))
+    return loss, (log if recording else None)
 
 
-def _step(workload: Workload, fn: Callable[..., Any], *contexts: Callable[[], Any]) -> Callable[[], torch.Tensor]:
+def _step(loss: Callable[[], torch.Tensor], *contexts: Callable[[], Any]) -> Callable[[], torch.Tensor]:
     def forward() -> torch.Tensor:
         with contextlib.ExitStack() as stack:
             for context in contexts:
                 stack.enter_context(context())
-            return workload.loss(fn)
+            return loss()
 
     return forward
 
 
 def _compiled(workload: Workload, backend: str, *contexts: Callable[[], Any], placed: bool = False) -> Step:
-    fn, log = _compile(workload, backend, placed)
-    return Step(_step(workload, fn, *contexts), log)
+    loss, log = _compile(workload, backend, placed)
+    return Step(_step(loss, *contexts), log)
 
 
 def _no_hooks(workload: Workload, backend: str) -> Step:
     """No hooks: the eager reference, or plain ``torch.compile``."""
     if backend == "eager":
-        return Step(_step(workload, workload.model))
+        return Step(_step(lambda: workload.loss(workload.model)))
     return _compiled(workload, backend)
 
 
 def _savedhooks_eager(workload: Workload, backend: str) -> Step:
     """savedhooks' codec on the eager model (its hooks run as Python, packing as the forward goes)."""
-    return Step(_step(workload, workload.model, lambda: sh.saved_tensors_hooks(CODEC)))
+    return Step(_step(lambda: workload.loss(workload.model), lambda: sh.saved_tensors_hooks(CODEC)))
 
 
 def _torch_fp8_pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

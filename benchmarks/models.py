@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["BIG_MODEL_CONFIGS", "MODELS", "Model", "Workload", "make_workload"]
+__all__ = ["BIG_MODEL_CONFIGS", "MODELS", "Model", "ModelWithLoss", "Workload", "make_workload"]
 
 # random init only: never reach for the hub, even by accident
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -60,6 +60,9 @@ class Workload:
         inputs: keyword arguments of one forward call.
         loss_of: turns the module's output into the scalar loss.
         set_checkpointing: turns activation checkpointing per block on or off.
+        compiled_loss: the compiled configurations compile the loss with the
+            model (:meth:`with_loss`) instead of running it eagerly on the
+            compiled model's output.
     """
 
     name: str
@@ -68,6 +71,7 @@ class Workload:
     inputs: dict[str, torch.Tensor]
     loss_of: Callable[[Any], torch.Tensor]
     set_checkpointing: Callable[[bool], None]
+    compiled_loss: bool = False
 
     def loss(self, fn: Callable[..., Any]) -> torch.Tensor:
         """The step's loss through ``fn`` (the module itself or a compiled wrapper of it).
@@ -82,6 +86,36 @@ class Workload:
             Whatever ``fn`` raises.
         """
         return self.loss_of(fn(**self.inputs))
+
+    def with_loss(self) -> nn.Module:
+        """The model and its loss as one module (``forward(**inputs)`` returns the loss), to compile as one.
+
+        Args:
+            None.
+
+        Returns:
+            A :class:`ModelWithLoss` sharing :attr:`model`'s parameters.
+
+        Raises:
+            Nothing.
+        """
+        return ModelWithLoss(self.model, self.loss_of)
+
+
+class ModelWithLoss(nn.Module):
+    """A model and the loss of its output: what ``torch.compile`` gets when the loss is compiled with the model.
+
+    As a transformers model given labels, or torchtitan's compiled loss: the
+    cross-entropy's log-softmax and its product with the targets are fused
+    instead of running as eager full-size temporaries.
+    """
+
+    def __init__(self, model: nn.Module, loss_of: Callable[[Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.model, self.loss_of = model, loss_of
+
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        return self.loss_of(self.model(**inputs))
 
 
 class _Blocks(nn.Module):

@@ -29,7 +29,7 @@ _FORWARD, _BACKWARD = "## forward", "## backward"
 
 
 def peak_ops(model: str, size: float, config: str, backend: str = "inductor", checkpoint: bool = False,
-             bf16: bool = False) -> dict[str, Any]:
+             bf16: bool = False, compiled_loss: bool = False) -> dict[str, Any]:
     """Profile one warm step; see the module docstring.
 
     Args:
@@ -39,6 +39,7 @@ def peak_ops(model: str, size: float, config: str, backend: str = "inductor", ch
         backend: the ``torch.compile`` backend.
         checkpoint: checkpointing per block on (as the benchmark's checkpoint configurations).
         bf16: run the step under CPU bf16 autocast (as the benchmark's ``bf16`` configurations).
+        compiled_loss: compile the loss with the model (as ``python -m benchmarks --compiled-loss``).
 
     Returns:
         ``{"peak": bytes, "ops": [op names at the peak], "forward": bytes, "backward": bytes}``.
@@ -49,13 +50,13 @@ def peak_ops(model: str, size: float, config: str, backend: str = "inductor", ch
     hooks = _HOOKS[config]() if _HOOKS[config] else None
     workload = make_workload(model, size)
     workload.set_checkpointing(checkpoint)
-    compiled = torch.compile(workload.model, backend=backend)
+    compiled = torch.compile(workload.with_loss() if compiled_loss else workload.model, backend=backend)
 
     def step() -> None:
         hooked = sh.saved_tensors_hooks(hooks) if hooks else contextlib.nullcontext()
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         with torch.profiler.record_function(_FORWARD), hooked, autocast:
-            loss = workload.loss(compiled)
+            loss = compiled(**workload.inputs) if compiled_loss else workload.loss(compiled)
         with torch.profiler.record_function(_BACKWARD):
             loss.backward()
         workload.model.zero_grad(set_to_none=True)
@@ -83,10 +84,12 @@ def main() -> None:
     parser.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor")
     parser.add_argument("--checkpoint", action="store_true", help="checkpointing per block")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CPU)")
+    parser.add_argument("--compiled-loss", action="store_true", help="compile the loss with the model")
     args = parser.parse_args()
-    result = peak_ops(args.model, args.size, args.config, args.backend, args.checkpoint, args.bf16)
+    result = peak_ops(args.model, args.size, args.config, args.backend, args.checkpoint, args.bf16, args.compiled_loss)
     mib = 2.0**20
     what = f"{args.config}{' + checkpoint' if args.checkpoint else ''}{', bf16 autocast' if args.bf16 else ''}, {args.backend}"
+    what += ", loss compiled" if args.compiled_loss else ""
     print(f"{args.model} --size {args.size:g}, {what}: step peak {result['peak'] / mib:.1f} MiB")
     print("ops running at the peak: " + " > ".join(op[:80] for op in result["ops"]))
     print(

@@ -337,6 +337,7 @@ def run(
     repeats: int = 3,
     strict: bool = False,
     progress: bool = True,
+    compiled_loss: bool = False,
 ) -> Result:
     """Run every (model, configuration, backend) and measure it.
 
@@ -352,6 +353,8 @@ def run(
         strict: raise on the first failing configuration instead of recording
             it in the row's ``error`` column.
         progress: show a progress bar (tqdm).
+        compiled_loss: compile the loss with the model (``Workload.compiled_loss``);
+            default: the loss runs eagerly on the compiled model's output.
 
     Returns:
         A :class:`Result`.
@@ -379,6 +382,7 @@ def run(
         for name in models:
             bar.set_description(f"{name}: building")
             workload = make_workload(name, size, device)
+            workload.compiled_loss = compiled_loss
             descriptions[name] = workload.description
             reference = _reference_grads(workload)
             for config, backend in todo[name]:

@@ -17,8 +17,11 @@ of the forward, and every unpacked one from the start of the backward.
   inductor stores such a node after all when its expression grows large, at its
   place in the graph. :func:`savedhooks.schedule.sink_free` then moves every node
   that allocates nothing right before its first user (same modelled peak).
-* Only the order changes, never what is computed. Beyond dataflow, in-place
-  writes, RNG and side effects keep their order (:func:`ordering_edges`).
+* Only the order changes, never what is computed, with one exception for
+  inductor: an ``addmm`` that inductor fused from an ``mm`` and a later ``add``
+  is split back (:mod:`savedhooks.unfuse`) so that the ``mm`` may run early, and
+  fused again where it did not move. Beyond dataflow, in-place writes, RNG and
+  side effects keep their order (:func:`ordering_edges`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ import torch.fx
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from savedhooks.schedule import STRATEGIES, Problem, Schedule, build_problem, peak_of, schedule, sink_free
+from savedhooks.schedule import STRATEGIES, Problem, Schedule, build_problem, hoist_frees, peak_of, schedule, sink_free
+from savedhooks.unfuse import join_adjacent, split_late_addmm
 
 __all__ = [
     "ReorderPass",
@@ -171,6 +175,9 @@ def reorder_graph(
             static plan (:func:`savedhooks.memory.plan_arena`) instead of the
             liveness peak alone (see :func:`savedhooks.schedule.schedule`).
 
+    Last, :func:`savedhooks.schedule.hoist_frees` runs what frees more than it
+    allocates sooner where the peak allows (method ``"...+hoist"``).
+
     Returns:
         The :class:`savedhooks.schedule.Schedule` applied (its ``order`` indexes
         the nodes as they were).
@@ -184,6 +191,9 @@ def reorder_graph(
         sunk = sink_free(problem, result.order)
         if sunk != result.order and peak_of(problem, sunk) <= result.peak:
             result = dataclasses.replace(result, order=sunk, method=result.method + "+sink")
+    hoisted = hoist_frees(problem, result.order) if score == "peak" else result.order
+    if hoisted != result.order:
+        result = dataclasses.replace(result, order=hoisted, method=result.method + "+hoist")
     nodes = [n for n in gm.graph.nodes if n.op != _OUTPUT]
     if result.order != list(range(len(nodes))):
         output = gm.graph.output_node()
@@ -319,7 +329,10 @@ class ReorderPass(CustomGraphPass):
         gm = graph.owning_module
         if gm is None:  # inductor hands over the graph of a GraphModule; keep it that way
             gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+        split = split_late_addmm(gm.graph)
         reorder_for_memory(gm, is_backward, fused=True)
+        if join_adjacent(gm.graph, split):
+            gm.recompile()
 
     def uuid(self) -> str:
         options = f"forward={self.forward}:hooked_only={self.hooked_only}"
@@ -429,7 +442,7 @@ def _inductor_backend(gm: torch.fx.GraphModule, example_inputs):
 # The pass's behaviour lives in this file, the scheduler and the memory model: all in the digest.
 _HERE = pathlib.Path(__file__).parent
 _SOURCE_DIGEST = hashlib.sha256(
-    b"".join(p.read_bytes() for p in [_HERE / "passes.py", *sorted((_HERE / "schedule").glob("*.py")),
+    b"".join(p.read_bytes() for p in [_HERE / "passes.py", _HERE / "unfuse.py", *sorted((_HERE / "schedule").glob("*.py")),
                                       *sorted((_HERE / "memory").glob("*.py"))])
 ).hexdigest()
 # One shared instance per option: equal passes, equal cache keys.

@@ -292,3 +292,16 @@ def test_arena_rows_show_each_strategy_against_the_liveness_peak():
         "| 4.000 (1.000) | not measured (CPU) |"
     )
     assert row.count("|") == ARENA_HEADER.splitlines()[0].count("|")
+
+
+def test_compiled_loss_puts_the_loss_in_the_compiled_graph():
+    workload = make_workload("mlp", 0.25)
+    reference = workload.loss(workload.model)
+    for compiled_loss, log_softmax_in_graph in ((False, False), (True, True)):
+        torch._dynamo.reset()
+        workload.compiled_loss = compiled_loss
+        step = CONFIGS["compiled"].build(workload, "aot_eager")
+        loss = step.forward()
+        torch.testing.assert_close(loss, reference)
+        targets = {str(n.target) for gm in step.graphs.forward for n in gm.graph.nodes}
+        assert ("aten._log_softmax.default" in targets) == log_softmax_in_graph, compiled_loss

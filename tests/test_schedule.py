@@ -20,6 +20,8 @@ from savedhooks.schedule import (
     beam,
     check_order,
     exact_search,
+    hoist_frees,
+    live_profile,
     peak_of,
     place,
     schedule,
@@ -178,6 +180,64 @@ def test_sink_free_moves_a_zero_byte_chain_from_the_start_to_its_consumer():
     )
     assert sink_free(problem, [0, 1, 2, 3, 4]) == [0, 3, 1, 2, 4]
     assert sink_free(problem, [0, 3, 1, 2, 4]) == [0, 3, 1, 2, 4]
+
+
+def _gradient_kept_to_the_end() -> Problem:
+    """The tied-weight case: 1 = a large gradient, read by 2 at once and by 5 = a small weight gradient,
+    which also reads 4 (made from the input alone); 3 is the step's peak, elsewhere."""
+    return Problem(
+        preds=((), (0,), (1,), (2,), (0,), (1, 4), (3, 5)),
+        fixed=(0,),
+        alloc=(0, 320, 40, 500, 40, 20, 1),
+        sizes=(8, 320, 40, 500, 40, 20, 1),
+        touchers=((0, 1, 4), (1, 2, 5), (2, 3), (3, 6), (4, 5), (5, 6), (6,)),
+        freeable=(False, True, True, True, True, True, False),
+        base=8,
+        early=frozenset(),
+        late=frozenset({1, 4}),
+    )
+
+
+def test_hoist_frees_runs_a_small_reader_of_a_large_buffer_right_after_its_other_reader():
+    problem = _gradient_kept_to_the_end()
+    order = [0, 1, 2, 3, 4, 5, 6]  # 5 runs last: 1 (320) stays alive while 3 allocates 500
+    hoisted = hoist_frees(problem, order)
+    assert hoisted == [0, 1, 2, 4, 5, 3, 6]  # 5 and its ancestor 4 right after 2, the other reader of 1
+    before, after = live_profile(problem, order), live_profile(problem, hoisted)
+    assert max(after) < max(before) and sum(after) < sum(before)
+    assert hoist_frees(problem, hoisted) == hoisted  # nothing left to move
+
+
+def test_hoist_frees_keeps_a_move_that_would_raise_the_peak_out():
+    # 4 is huge and read to the end (by 6); 3 (500) dies at once. Running 5 early needs 4 early,
+    # beside 1 and 2, and then 3 runs on top of it: 1468 against 1248 in the given order.
+    problem = Problem(
+        preds=((), (0,), (1,), (2,), (0,), (1, 4), (4, 5)),
+        fixed=(0,),
+        alloc=(0, 320, 40, 500, 900, 20, 1),
+        sizes=(8, 320, 40, 500, 900, 20, 1),
+        touchers=((0, 1, 4), (1, 2, 5), (2, 3), (3,), (4, 5, 6), (5, 6), (6,)),
+        freeable=(False, True, True, True, True, True, False),
+        base=8,
+        early=frozenset(),
+        late=frozenset({1, 4}),
+    )
+    order = [0, 1, 2, 3, 4, 5, 6]
+    assert peak_of(problem, order) == 1248 and peak_of(problem, [0, 1, 2, 4, 5, 3, 6]) == 1468
+    assert hoist_frees(problem, order) == order
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(3, 120), st.integers(0, 10_000), st.integers(2, 8))
+def test_hoist_frees_never_raises_the_peak_nor_the_area(nodes, seed, window):
+    problem = random_problem(nodes, seed, window=window)
+    order = schedule(problem, exact_budget=0).order
+    hoisted = hoist_frees(problem, order)
+    check_order(problem, hoisted)
+    before, after = live_profile(problem, order), live_profile(problem, hoisted)
+    assert max(after) <= max(before) and sum(after) <= sum(before)
+    assert max(after) == peak_of(problem, hoisted)
+    assert (hoisted == order) == (sum(after) == sum(before))
 
 
 def test_bad_input_raises():

@@ -38,10 +38,10 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 
-from savedhooks.schedule.problem import Problem, build_problem, check_order, peak_of
+from savedhooks.schedule.problem import Problem, build_problem, check_order, live_profile, peak_of
 from savedhooks.schedule.score import arena_of, problem_lifetimes
 from savedhooks.schedule.search import SearchResult, beam, exact_search
-from savedhooks.schedule.strategies import bfs, bytes_freed, dfs, input_order, lpmf, place, sink_free
+from savedhooks.schedule.strategies import bfs, bytes_freed, dfs, hoist_frees, input_order, lpmf, place, sink_free
 
 __all__ = [
     "SCORES",
@@ -57,7 +57,9 @@ __all__ = [
     "check_order",
     "dfs",
     "exact_search",
+    "hoist_frees",
     "input_order",
+    "live_profile",
     "lpmf",
     "peak_of",
     "place",

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 from collections.abc import Iterable
 
-__all__ = ["Problem", "build_problem", "check_order", "peak_of"]
+__all__ = ["Problem", "build_problem", "check_order", "live_profile", "peak_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,17 +181,33 @@ def peak_of(problem: Problem, order: list[int]) -> int:
     Raises:
         ValueError: ``order`` is not a topological order of ``problem``.
     """
+    return max(live_profile(problem, order), default=problem.base)
+
+
+def live_profile(problem: Problem, order: list[int]) -> list[int]:
+    """Modelled live bytes while each node of ``order`` runs (alloc, run, free); the peak is their maximum.
+
+    Args:
+        problem: the problem.
+        order: a permutation of its nodes.
+
+    Returns:
+        One figure per position of ``order``, inputs (``problem.base``) included.
+
+    Raises:
+        ValueError: ``order`` is not a topological order of ``problem``.
+    """
     check_order(problem, order)
     position = {v: i for i, v in enumerate(order)}
     frees = [0] * len(order)
     for b, nodes in enumerate(problem.touchers):
         if problem.freeable[b] and nodes:
             frees[max(position[v] for v in nodes)] += problem.sizes[b]
-    live = peak = problem.base
+    live, during = problem.base, []
     for i, v in enumerate(order):
-        peak = max(peak, live + problem.peak_alloc[v])
+        during.append(live + problem.peak_alloc[v])
         live += problem.alloc[v] - frees[i]
-    return peak
+    return during
 
 
 def check_order(problem: Problem, order: list[int]) -> None:

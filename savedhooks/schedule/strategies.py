@@ -5,9 +5,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
-from savedhooks.schedule.problem import Problem
+from savedhooks.schedule.problem import Problem, live_profile
 
-__all__ = ["bfs", "bytes_freed", "dfs", "input_order", "lpmf", "place", "sink_free"]
+__all__ = ["bfs", "bytes_freed", "dfs", "hoist_frees", "input_order", "lpmf", "place", "sink_free"]
 
 
 # --- list scheduling --------------------------------------------------------------------------
@@ -210,6 +210,66 @@ def sink_free(problem: Problem, order: list[int]) -> list[int]:
     for v in order:  # free nodes that nothing follows
         _after_predecessors(v, waiting, done, out)
     return out
+
+
+def hoist_frees(problem: Problem, order: list[int]) -> list[int]:
+    """Move each node that frees more than it allocates up to just after the other users of what it frees.
+
+    A search judged by the peak alone leaves the rest of the profile as it comes:
+    in GPT-2's backward (loss compiled with the model, tied embeddings) the
+    output head's weight gradient, a matmul reading the 32 MiB logits gradient,
+    ran last, so that gradient stayed alive through every layer's backward,
+    though the modelled peak sat elsewhere. The model is not exact, and the
+    measured peak moved to where that waste was. So, after the search: for each
+    node, in order, that is the last to touch buffers larger than what it
+    allocates, it moves with those of its ancestors that run after the largest
+    such buffer's last other user (ancestors excluded) to right after that user.
+    A move is kept when the modelled peak does not rise and the sum of the live
+    bytes over the order (the profile's area) falls: only frees come sooner.
+
+    Args:
+        problem: the problem.
+        order: a topological order of it.
+
+    Returns:
+        A topological order with a peak no higher and an area no larger.
+
+    Raises:
+        ValueError: ``order`` is not a topological order of ``problem``.
+    """
+    profile = live_profile(problem, order)
+    peak, area = max(profile, default=problem.base), sum(profile)
+    floor = len(problem.fixed) - 1
+    for v in list(order):
+        position = {u: i for i, u in enumerate(order)}
+        here = position[v]
+        freed = [b for b in problem.touched[v]
+                 if problem.freeable[b] and max(position[u] for u in problem.touchers[b]) == here]  # fmt: skip
+        if here <= floor or sum(problem.sizes[b] for b in freed) <= problem.alloc[v]:
+            continue
+        ancestors = _ancestors(problem, v)
+        largest = max(freed, key=problem.sizes.__getitem__)
+        after = max([floor] + [position[u] for u in problem.touchers[largest] if u != v and u not in ancestors])
+        movers = [u for u in order[after + 1 : here + 1] if u == v or u in ancestors]
+        if len(movers) == here - after:  # nothing else in between: already there
+            continue
+        moving = set(movers)
+        candidate = order[: after + 1] + movers + [u for u in order[after + 1 :] if u not in moving]
+        profile = live_profile(problem, candidate)
+        if max(profile) <= peak and sum(profile) < area:
+            order, peak, area = candidate, max(profile), sum(profile)
+    return order
+
+
+def _ancestors(problem: Problem, v: int) -> set[int]:
+    seen: set[int] = set()
+    stack = [v]
+    while stack:
+        for p in problem.preds[stack.pop()]:
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return seen
 
 
 def _after_predecessors(root: int, predecessors: Callable[[int], list[int]], done: set[int], out: list[int]) -> None:
