@@ -7,12 +7,14 @@ import math
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
 from savedhooks.codecs.base import pack_saved, unpack_saved
 from savedhooks.codecs.bitmask import SignBits
 from savedhooks.kernels.bitmask import torch_bitfield_pack, torch_bitfield_unpack
 from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
+from savedhooks.kernels.fp8_fused import fused_fp8_dequantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 GRANULARITIES = ("tensor", "row", "block")
@@ -72,6 +74,21 @@ def test_block_scales_shape_with_a_short_last_block():
     tail[:, 256:] = 1000.0  # only the last (short) block is large
     _, scale = torch_fp8_quantize(tail, E4M3, "block", 128, False)
     assert torch.all(scale[:, :2] == 1.0) and torch.allclose(scale[:, 2], torch.tensor(1000.0 / 448))
+
+
+def test_rows_wider_than_a_block_run_on_across_row_ends():
+    # Llama's MLP rows are 688 wide (5 blocks and 48): with 16 rows, the tensor holds 86 whole blocks
+    x = (torch.randn(16, 688) * torch.exp(torch.randn(16, 1))).requires_grad_().sin()  # made by an op
+    payload = pack_saved(sh.Float8(), x)
+    q, scale = payload[1][0], payload[1][1]
+    assert q.shape == (86, 128) and scale.shape == (86, 1)  # no short block, one scale per 128 values
+    assert sh.sqnr(x.detach(), unpack_saved(sh.Float8(), payload)) >= 28.0
+    # the compiled form decodes it with no join (a cat made inductor store the whole dequantized tensor)
+    decode = make_fx(lambda q, s: fused_fp8_dequantize(q, s, E4M3, torch.float32, 128))(q.view(torch.uint8), scale)
+    assert not [n for n in decode.graph.nodes if n.target is torch.ops.aten.cat.default]
+    # a size that no block count divides keeps its short last block per row
+    odd = torch.randn(15, 688).requires_grad_().sin()
+    assert pack_saved(sh.Float8(), odd)[1][1].shape == (15, 6)
 
 
 def test_chunked_reference_gives_identical_bits(monkeypatch):

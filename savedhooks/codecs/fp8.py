@@ -117,8 +117,15 @@ class Float8(Codec):
         # blocks run across rows instead. Moderately short rows keep their own scale.
         if 8 * rows.shape[1] < self.block_size:
             rows = rows.reshape(1, -1)
+        # A row wider than a block but not a multiple of it would end in a short block, which
+        # the decomposed dequantize joins to the rest with a cat: inductor then stores the whole
+        # dequantized tensor instead of fusing it into its consumer (Llama's 688-wide MLP: two
+        # 10.8 MiB buffers at its backward peak, --size 8). Where the tensor's size allows, blocks
+        # run on across the row ends instead (a block spans at most two rows).
         if rows.shape[1] % self.block_size == 0:  # one block per row: the reference chunks by rows
             rows = rows.view(-1, self.block_size)
+        elif rows.shape[1] > self.block_size and rows.numel() % self.block_size == 0:
+            rows = rows.reshape(-1, self.block_size)
         return rows
 
 
@@ -137,7 +144,10 @@ def fp8(
             ``torch.float8_e5m2`` (more range, max 57344).
         granularity: ``"tensor"`` (one scale), ``"row"`` (one per row of the
             innermost dim in memory) or ``"block"`` (1 x ``block_size`` tiles
-            along it; a last block may be shorter).
+            along it; rows narrower than ``block_size / 8`` are blocked as one
+            flat row, and rows wider than a block but not a multiple of it run
+            on across row ends when the tensor's size is a multiple of
+            ``block_size``; otherwise a last block may be shorter).
         block_size: elements per block for ``"block"``.
         pow2_scale: round scales up to powers of two (re-quantizing an unpacked
             tensor then gives it back exactly).
