@@ -10,9 +10,10 @@ device (``torch.randint``; reproducible under ``torch.manual_seed``, a graph op
 under torch.compile) and the kernels derive each element's random bits from
 (seed, index), so every backend writes the same bytes for the same seed.
 
-Non-finite values: NaN stays NaN; +-inf stays +-inf with e5m2 and comes back as
-NaN with e4m3fn (it has no infinity). Scales ignore non-finite values, so the
-finite values of the same group keep full accuracy.
+Non-finite values: +-inf comes back exact; e4m3fn has no infinity, so its two NaN
+codes carry +inf and -inf, and a NaN comes back as the infinity of its sign (e5m2
+keeps NaN). Scales ignore non-finite values, so the finite values of the same
+group keep full accuracy.
 """
 
 from __future__ import annotations
