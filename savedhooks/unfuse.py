@@ -28,8 +28,8 @@ _aten = torch.ops.aten
 def split_late_addmm(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     """Split each ``addmm(c, a, b)`` whose ``c`` is made after ``a`` and ``b`` into ``add(c, mm(a, b))``.
 
-    Only plain ``addmm`` (no ``alpha`` / ``beta``) whose three operands carry fake
-    values is split; the new nodes get fake values from the same fake mode.
+    Only plain ``addmm`` (no ``alpha`` / ``beta``) whose value and three operands
+    carry fake tensors is split; the new nodes get fake values in the same fake mode.
 
     Args:
         graph: a post-grad graph (nodes with ``meta["val"]``).
@@ -49,10 +49,10 @@ def split_late_addmm(graph: torch.fx.Graph) -> list[torch.fx.Node]:
         operands = (bias, a, b)
         if not all(isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor) for x in operands):
             continue
-        if bias.op == "placeholder" or position[bias] < max(position[a], position[b]):
+        mode = getattr(node.meta.get("val"), "fake_mode", None)
+        if mode is None or bias.op == "placeholder" or position[bias] < max(position[a], position[b]):
             continue
-        fake = node.meta["val"]
-        with graph.inserting_before(node), fake.fake_mode:
+        with graph.inserting_before(node), mode:
             mm = graph.call_function(_aten.mm.default, (a, b))
             mm.meta["val"] = _aten.mm.default(a.meta["val"], b.meta["val"])
             add = graph.call_function(_aten.add.Tensor, (bias, mm))
@@ -79,8 +79,8 @@ def join_adjacent(graph: torch.fx.Graph, mms: list[torch.fx.Node]) -> int:
     """
     joined = 0
     for mm in mms:
-        (add,) = mm.users
-        if mm.next is not add:
+        add = next(iter(mm.users)) if len(mm.users) == 1 else None
+        if add is None or mm.next is not add:
             continue
         bias, _ = add.args
         a, b = mm.args
