@@ -101,11 +101,16 @@ def test_exact_search_out_of_budget_reports_a_valid_bound():
     assert found.lower_bound > 0
 
 
+def _on_random_problems(test):
+    """Run ``test(nodes, seed, window)`` on 40 random problems of up to 120 nodes (hypothesis)."""
+    strategies = (st.integers(3, 120), st.integers(0, 10_000), st.integers(2, 8))
+    return settings(max_examples=40, deadline=None)(given(*strategies)(test))
+
+
 # --- the portfolio ---------------------------------------------------------------------------------
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.integers(3, 120), st.integers(0, 10_000), st.integers(2, 8))
+@_on_random_problems
 def test_every_strategy_gives_a_valid_order_and_the_best_is_never_worse(nodes, seed, window):
     problem = random_problem(nodes, seed, window=window)
     for strategy in STRATEGIES.values():
@@ -148,11 +153,15 @@ def test_place_moves_a_pack_after_the_last_use_and_an_unpack_before_the_first():
     assert place(late, [0, 1, 2, 3, 4]) == [0, 2, 3, 1, 4]
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.integers(3, 120), st.integers(0, 10_000), st.integers(2, 8))
-def test_sink_free_puts_what_allocates_nothing_right_before_its_first_successor(nodes, seed, window):
+def _scheduled(nodes: int, seed: int, window: int) -> tuple[Problem, list[int]]:
+    """A random problem and the portfolio's order for it (no exact search)."""
     problem = random_problem(nodes, seed, window=window)
-    order = schedule(problem, exact_budget=0).order
+    return problem, schedule(problem, exact_budget=0).order
+
+
+@_on_random_problems
+def test_sink_free_puts_what_allocates_nothing_right_before_its_first_successor(nodes, seed, window):
+    problem, order = _scheduled(nodes, seed, window)
     sunk = sink_free(problem, order)
     check_order(problem, sunk)
     free = {v for v in order if problem.peak_alloc[v] == 0 and v not in problem.fixed}
@@ -227,11 +236,9 @@ def test_hoist_frees_keeps_a_move_that_would_raise_the_peak_out():
     assert hoist_frees(problem, order) == order
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.integers(3, 120), st.integers(0, 10_000), st.integers(2, 8))
+@_on_random_problems
 def test_hoist_frees_never_raises_the_peak_nor_the_area(nodes, seed, window):
-    problem = random_problem(nodes, seed, window=window)
-    order = schedule(problem, exact_budget=0).order
+    problem, order = _scheduled(nodes, seed, window)
     hoisted = hoist_frees(problem, order)
     check_order(problem, hoisted)
     before, after = live_profile(problem, order), live_profile(problem, hoisted)
