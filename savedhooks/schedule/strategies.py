@@ -212,7 +212,7 @@ def sink_free(problem: Problem, order: list[int]) -> list[int]:
     return out
 
 
-def hoist_frees(problem: Problem, order: list[int]) -> list[int]:
+def hoist_frees(problem: Problem, order: list[int], min_gain: float = 1 / 16) -> list[int]:
     """Move each node that frees more than it allocates up to just after the other users of what it frees.
 
     A search judged by the peak alone leaves the rest of the profile as it comes:
@@ -226,10 +226,16 @@ def hoist_frees(problem: Problem, order: list[int]) -> list[int]:
     such buffer's last other user (ancestors excluded) to right after that user.
     A move is kept when the modelled peak does not rise and the sum of the live
     bytes over the order (the profile's area) falls: only frees come sooner.
+    Only nodes that free at least ``min_gain`` of the modelled peak more than
+    they allocate are moved: smaller moves change how inductor fuses the
+    kernels around them for little, and measured worse (gpt2-big at size 1:
+    129.1 against 123.2 MiB with every move that lowers the area).
 
     Args:
         problem: the problem.
         order: a topological order of it.
+        min_gain: the least net bytes a moved node frees, as a fraction of the
+            modelled peak (0: every node that frees more than it allocates).
 
     Returns:
         A topological order with a peak no higher and an area no larger.
@@ -245,7 +251,8 @@ def hoist_frees(problem: Problem, order: list[int]) -> list[int]:
         here = position[v]
         freed = [b for b in problem.touched[v]
                  if problem.freeable[b] and max(position[u] for u in problem.touchers[b]) == here]  # fmt: skip
-        if here <= floor or sum(problem.sizes[b] for b in freed) <= problem.alloc[v]:
+        gain = sum(problem.sizes[b] for b in freed) - problem.alloc[v]
+        if here <= floor or gain <= 0 or gain < peak * min_gain:
             continue
         ancestors = _ancestors(problem, v)
         largest = max(freed, key=problem.sizes.__getitem__)
