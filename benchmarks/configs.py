@@ -146,9 +146,7 @@ def _compile(workload: Workload, backend: str, placed: bool = False) -> tuple[Ca
     chosen = sh.backend(backend) if placed else backend
     log = GraphLog()
     recording = log.wrap(chosen) if backend == "aot_eager" else None
-    target = workload.with_loss() if workload.compiled_loss else workload.model
-    compiled = torch.compile(target, backend=recording or chosen)
-    loss = (lambda: compiled(**workload.inputs)) if workload.compiled_loss else (lambda: workload.loss(compiled))
+    loss = workload.compiled_step(functools.partial(torch.compile, backend=recording or chosen))
     return loss, (log if recording else None)
 
 

@@ -101,6 +101,24 @@ class Workload:
         """
         return ModelWithLoss(self.model, self.loss_of)
 
+    def compiled_step(self, compile: Callable[[nn.Module], Callable[..., Any]]) -> Callable[[], torch.Tensor]:
+        """The step's forward through ``compile`` applied to what :attr:`compiled_loss` says to compile.
+
+        Args:
+            compile: e.g. ``functools.partial(torch.compile, backend="inductor")``.
+
+        Returns:
+            A callable running the forward to the scalar loss.
+
+        Raises:
+            Whatever ``compile`` raises.
+        """
+        if self.compiled_loss:
+            compiled = compile(self.with_loss())
+            return lambda: compiled(**self.inputs)
+        compiled = compile(self.model)
+        return lambda: self.loss(compiled)
+
 
 class ModelWithLoss(nn.Module):
     """A model and the loss of its output: what ``torch.compile`` gets when the loss is compiled with the model.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -50,13 +51,14 @@ def peak_ops(model: str, size: float, config: str, backend: str = "inductor", ch
     hooks = _HOOKS[config]() if _HOOKS[config] else None
     workload = make_workload(model, size)
     workload.set_checkpointing(checkpoint)
-    compiled = torch.compile(workload.with_loss() if compiled_loss else workload.model, backend=backend)
+    workload.compiled_loss = compiled_loss
+    forward = workload.compiled_step(functools.partial(torch.compile, backend=backend))
 
     def step() -> None:
         hooked = sh.saved_tensors_hooks(hooks) if hooks else contextlib.nullcontext()
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         with torch.profiler.record_function(_FORWARD), hooked, autocast:
-            loss = compiled(**workload.inputs) if compiled_loss else workload.loss(compiled)
+            loss = forward()
         with torch.profiler.record_function(_BACKWARD):
             loss.backward()
         workload.model.zero_grad(set_to_none=True)

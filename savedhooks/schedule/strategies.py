@@ -245,7 +245,7 @@ def hoist_frees(problem: Problem, order: list[int], min_gain: float = 1 / 16) ->
     """
     profile = live_profile(problem, order)
     peak, area = max(profile, default=problem.base), sum(profile)
-    floor = len(problem.fixed) - 1
+    floor, descendants = len(problem.fixed) - 1, problem.descendants
     for v in list(order):
         position = {u: i for i, u in enumerate(order)}
         here = position[v]
@@ -254,10 +254,9 @@ def hoist_frees(problem: Problem, order: list[int], min_gain: float = 1 / 16) ->
         gain = sum(problem.sizes[b] for b in freed) - problem.alloc[v]
         if here <= floor or gain <= 0 or gain < peak * min_gain:
             continue
-        ancestors = _ancestors(problem, v)
-        largest = max(freed, key=problem.sizes.__getitem__)
-        after = max([floor] + [position[u] for u in problem.touchers[largest] if u != v and u not in ancestors])
-        movers = [u for u in order[after + 1 : here + 1] if u == v or u in ancestors]
+        largest = max(freed, key=problem.sizes.__getitem__)  # v and its ancestors (descendants bits) move together
+        after = max([floor] + [position[u] for u in problem.touchers[largest] if u != v and not descendants[u] >> v & 1])
+        movers = [u for u in order[after + 1 : here + 1] if u == v or descendants[u] >> v & 1]
         if len(movers) == here - after:  # nothing else in between: already there
             continue
         moving = set(movers)
@@ -266,17 +265,6 @@ def hoist_frees(problem: Problem, order: list[int], min_gain: float = 1 / 16) ->
         if max(profile) <= peak and sum(profile) < area:
             order, peak, area = candidate, max(profile), sum(profile)
     return order
-
-
-def _ancestors(problem: Problem, v: int) -> set[int]:
-    seen: set[int] = set()
-    stack = [v]
-    while stack:
-        for p in problem.preds[stack.pop()]:
-            if p not in seen:
-                seen.add(p)
-                stack.append(p)
-    return seen
 
 
 def _after_predecessors(root: int, predecessors: Callable[[int], list[int]], done: set[int], out: list[int]) -> None:
