@@ -9,9 +9,9 @@ and a 4-layer MLP (fp32, CPU) under ``sh.fp8()``, forward and backward peaks mea
 * plain ``torch.compile`` inside ``sh.saved_tensors_hooks`` (the default usage,
   which adds the pass itself);
 * ``sh.backend("inductor")``: the same pass given as a backend;
-* both again with inductor's own reordering off (the pass then reorders the
-  forward graph too: nothing else moves its pack ops);
-* the pass applied to forward graphs as well (``sh.reorder_pass(forward=True)``).
+* both again with inductor's own reordering off;
+* the pass applied to forward graphs as well (``sh.reorder_pass(forward=True)``),
+  with inductor's reordering on and off.
 
 Where inductor's own reordering is off, the forward graph runs in the order the
 post-grad passes leave, so the memory model can be checked against it: the
@@ -70,6 +70,7 @@ CONFIGS = {
     "inductor, its reorder off + savedhooks pass": lambda: _predicting((sh.reorder_pass(),)),
     "inductor + savedhooks pass, forward too": lambda: (
         "inductor", {"post_grad_custom_post_pass": sh.reorder_pass(forward=True)}, False, None),
+    "inductor, its reorder off + savedhooks pass, forward too": lambda: _predicting((sh.reorder_pass(forward=True),)),
 }
 
 

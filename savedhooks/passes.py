@@ -302,26 +302,18 @@ def has_hook_chains(graph: torch.fx.Graph) -> bool:
 class ReorderPass(CustomGraphPass):
     """The reorder pass as inductor's ``post_grad_custom_post_pass`` (a CustomGraphPass).
 
-    It always reorders backward graphs: inductor's own scheduling leaves the
-    unpacks at the start there, and ours measured 3x lower (README, "Inductor").
-    Forward graphs are decided per graph by who else orders them:
+    By default it reorders backward graphs only: there inductor leaves the
+    unpacks at the start and ours measured 3x lower (README, "Inductor"). In
+    forward graphs inductor's fusion decides more than the order does, and an
+    FX-level order can lose (``benchmarks.reorder_inductor``):
 
-    * inductor's ``reorder_for_peak_memory`` on (its default): inductor's order is
-      kept. It moves the pack ops itself, and the kernels it fuses then write
-      their outputs in place into dying inputs; our order measured 1.05x to
-      1.15x above it on the three models of ``benchmarks.reorder_inductor``.
-      That reuse depends on which ops inductor fuses into one kernel (an input
-      read at two index patterns in the kernel is not reused), which an
-      FX-level model cannot see: a rule for it in the model predicted our order
-      7 % *below* inductor's on the 4-layer MLP, where it measured 15 % above.
-    * inductor's ``reorder_for_peak_memory`` off (set by users who dodge the
-      torch conv/ReLU/max-pool bug): nothing else moves the pack ops, which
-      torch inlines at the end of the graph, so every full-size saved tensor
-      lives to the end of the forward. The pass reorders the forward graph
-      then; the order it keeps is never above the graph's own in the model,
-      and it measured 0.25x to 0.4x of the forward peak without it.
-
-    ``forward=True`` reorders every forward graph, ``forward=False`` none.
+    * with inductor's ``reorder_for_peak_memory`` on, ours measured 1.05x to
+      1.15x of its order on all three models; its fused kernels write outputs
+      in place into dying inputs, which depends on what each kernel fuses;
+    * with it off, ours measured 0.30x and 0.40x of torch's order on the MLPs
+      but 1.15x on the transformer: inductor fused the placed pack kernels with
+      one another into one kernel at the end of the graph, so the full-size
+      activations lived to the end again (the model predicted 0.47x).
 
     With ``hooked_only`` it leaves graphs without inlined hooks untouched (the
     pass that entering :func:`savedhooks.saved_tensors_hooks` installs).
@@ -331,15 +323,13 @@ class ReorderPass(CustomGraphPass):
     when it does not.
     """
 
-    def __init__(self, forward: bool | None = None, hooked_only: bool = False) -> None:
-        if forward is not None and not isinstance(forward, bool):
-            raise ValueError(f"ReorderPass: forward must be None, True or False, got {forward!r}")
+    def __init__(self, forward: bool = False, hooked_only: bool = False) -> None:
         self.forward = forward
         self.hooked_only = hooked_only
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         is_backward = is_backward_graph(graph)
-        if not (is_backward or self.reorders_forward()):
+        if not (is_backward or self.forward):
             return
         if self.hooked_only and not has_hook_chains(graph):
             return
@@ -351,20 +341,6 @@ class ReorderPass(CustomGraphPass):
         if join_adjacent(gm.graph, split):
             gm.recompile()
 
-    def reorders_forward(self) -> bool:
-        """Whether this pass reorders the forward graph inductor is compiling now.
-
-        Returns:
-            ``forward`` when set; by default (None), whether inductor's own
-            ``reorder_for_peak_memory`` is off in the config of this compile
-            (part of inductor's FX graph cache key, so cached graphs agree).
-        """
-        if self.forward is not None:
-            return self.forward
-        from torch._inductor import config as inductor_config
-
-        return not inductor_config.reorder_for_peak_memory
-
     def uuid(self) -> str:
         options = f"forward={self.forward}:hooked_only={self.hooked_only}"
         return hashlib.sha256(f"{_SOURCE_DIGEST}:{options}".encode()).hexdigest()
@@ -373,23 +349,20 @@ class ReorderPass(CustomGraphPass):
         return f"ReorderPass(forward={self.forward}, hooked_only={self.hooked_only})"
 
 
-def reorder_pass(forward: bool | None = None) -> ReorderPass:
+def reorder_pass(forward: bool = False) -> ReorderPass:
     """The pass to give inductor: ``torch.compile(model, options={"post_grad_custom_post_pass": sh.reorder_pass()})``.
 
     Args:
-        forward: None (default): backward graphs always, forward graphs only
-            when inductor's own ``reorder_for_peak_memory`` is off; True: every
-            forward graph too; False: backward graphs only (see :class:`ReorderPass`).
+        forward: reorder forward graphs too (default: backward graphs only, where
+            it measured lower than inductor's own scheduling; see :class:`ReorderPass`).
 
     Returns:
         A :class:`ReorderPass` (one shared instance per option: equal passes, equal cache keys).
 
     Raises:
-        ValueError: ``forward`` is not None, True or False.
+        Nothing.
     """
-    if forward is not None and not isinstance(forward, bool):
-        raise ValueError(f"reorder_pass: forward must be None, True or False, got {forward!r}")
-    return _REORDER_PASSES[forward, False]
+    return _REORDER_PASSES[bool(forward), False]
 
 
 def _with_pass(slot, ours: ReorderPass):
@@ -433,7 +406,7 @@ def inductor_placement(enabled: bool = True) -> Iterator[None]:
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
-    slot = _with_pass(inductor_config.post_grad_custom_post_pass, _REORDER_PASSES[None, True])
+    slot = _with_pass(inductor_config.post_grad_custom_post_pass, _REORDER_PASSES[False, True])
     with inductor_config.patch(post_grad_custom_post_pass=slot, allow_buffer_reuse=False), \
             functorch_config.patch(force_non_lazy_backward_lowering=True):  # fmt: skip
         yield
@@ -470,7 +443,7 @@ def _placing(is_backward: bool):
 def _inductor_backend(gm: torch.fx.GraphModule, example_inputs):
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": _REORDER_PASSES[None, False]})
+    return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": _REORDER_PASSES[False, False]})
 
 
 # The pass's behaviour lives in this file, the scheduler and the memory model: all in the digest.
@@ -480,7 +453,7 @@ _SOURCE_DIGEST = hashlib.sha256(
                                       *sorted((_HERE / "memory").glob("*.py"))])
 ).hexdigest()
 # One shared instance per option: equal passes, equal cache keys.
-_REORDER_PASSES = {(f, h): ReorderPass(forward=f, hooked_only=h) for f in (None, False, True) for h in (False, True)}
+_REORDER_PASSES = {(f, h): ReorderPass(forward=f, hooked_only=h) for f in (False, True) for h in (False, True)}
 # torch's own aot_eager (its min-cut partitioner, its input-mutation handling) with
 # placement added: the same graphs as "aot_eager", only reordered.
 _AOT_EAGER_BACKEND = functools.partial(aot_eager, fw_compiler=_placing(False), bw_compiler=_placing(True))
