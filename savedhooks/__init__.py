@@ -18,6 +18,7 @@ from savedhooks import fidelity, memory, schedule
 from savedhooks.fidelity import sensitivity
 from savedhooks.metrics import sqnr
 from savedhooks.passes import backend, reorder_pass
+from savedhooks.planner import InfeasibleBudgetError, Plan, plan
 from savedhooks.identity import UnfingerprintableError, fingerprint
 from savedhooks.hooks import (
     HookContext,
@@ -60,6 +61,10 @@ __all__ = [
     # placing hooks under torch.compile
     "backend",
     "reorder_pass",
+    # fitting a budget
+    "plan",
+    "Plan",
+    "InfeasibleBudgetError",
     # measuring
     "memory",
     "schedule",

@@ -99,8 +99,18 @@ def _key(x: torch.Tensor) -> tuple[str, str | None]:
     return f"g{index}:{ctx.node.name}", producing_op(ctx.node)
 
 
-def _size(s: object) -> int | str:
-    """A concrete size: the value, or a symbolic size's hint (dynamic shapes), else its expression."""
+def concrete_size(s: object) -> int | str:
+    """A concrete size: the value, or a symbolic size's hint (dynamic shapes), else its expression.
+
+    Args:
+        s: an int or a SymInt.
+
+    Returns:
+        The int, the hint's int, or the expression as a string.
+
+    Raises:
+        Nothing.
+    """
     if isinstance(s, int):
         return s
     hint = getattr(getattr(s, "node", None), "hint", None)
@@ -121,7 +131,7 @@ class Census(Codec):
         # AOTAutograd may trace a hook more than once per saved value: list it once
         if self.inner.choose(x) >= 0 and all(t.key != key for t in _RUN.census):
             nbytes = x.numel() * x.element_size()
-            _RUN.census.append(SavedTensor(key, op, tuple(map(_size, x.shape)), x.dtype, int(nbytes)))
+            _RUN.census.append(SavedTensor(key, op, tuple(map(concrete_size, x.shape)), x.dtype, int(nbytes)))
         return -1
 
 

@@ -117,17 +117,39 @@ def _db(value: float) -> str:
     return "exact" if math.isinf(value) and value > 0 else f"{value:.1f}"
 
 
-def _default_loss(output: Any) -> torch.Tensor:
-    """The output itself when it is a scalar; else the mean square of its floating tensors."""
+def default_loss(output: Any) -> torch.Tensor:
+    """The output itself when it is a scalar; else the mean square of its floating tensors.
+
+    Args:
+        output: what the model returned.
+
+    Returns:
+        A scalar tensor.
+
+    Raises:
+        ValueError: the output has no floating tensor.
+    """
     if isinstance(output, torch.Tensor) and output.dim() == 0:
         return output
     leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not leaves:
-        raise ValueError("sensitivity: the model returned no floating tensor; pass loss_fn")
+        raise ValueError("the model returned no floating tensor; pass loss_fn")
     return sum(t.float().pow(2).mean() for t in leaves)
 
 
-def _call(fn: Callable[..., Any], inputs: Any) -> Any:
+def call_model(fn: Callable[..., Any], inputs: Any) -> Any:
+    """Call ``fn`` with example inputs given as a tuple, a dict of keyword arguments or one tensor.
+
+    Args:
+        fn: the model or its compiled form.
+        inputs: positional arguments (tuple), keyword arguments (dict) or one tensor.
+
+    Returns:
+        What ``fn`` returns.
+
+    Raises:
+        Whatever ``fn`` raises.
+    """
     if isinstance(inputs, Mapping):
         return fn(**inputs)
     if isinstance(inputs, torch.Tensor):
@@ -191,14 +213,14 @@ def sensitivity(
     if not isinstance(individually, int) or individually < 0:
         raise ValueError(f"sensitivity: individually must be a non-negative int, got {individually!r}")
     codec = as_codec(fp8() if codec is None else codec, "sensitivity(codec=...)")
-    loss_fn = loss_fn or _default_loss
+    loss_fn = loss_fn or default_loss
     fn = model if backend is None else torch.compile(model, backend=backend)
 
     def step(hooks_codec: Codec) -> tuple[dict[str, torch.Tensor | None], list[SavedTensor]]:
         model.zero_grad(set_to_none=True)
         with keyed_run() as run, torch.random.fork_rng(), saved_tensors_hooks(hooks_codec.hooks()):
             torch.manual_seed(seed)
-            loss_fn(_call(fn, example_inputs)).backward()
+            loss_fn(call_model(fn, example_inputs)).backward()
         grads = {name: p.grad.detach().clone() if p.grad is not None else None for name, p in model.named_parameters()}
         return grads, run.census
 

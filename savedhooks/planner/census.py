@@ -1,0 +1,300 @@
+"""What the planner plans over: the saved tensors, their keys, and the step's memory timeline.
+
+Design notes
+------------
+* A plan names saved tensors by a *plan key* that the hooks can compute again in
+  any later process, with no run state: under ``torch.compile`` the saved value's
+  node name, producing op, shape and dtype (``"addmm_1|addmm|512x256|float32"``);
+  in eager mode (a loss run after the compiled model) ``"eager"``, the autograd
+  node and the shape and dtype. Saved tensors that share a plan key (graph breaks
+  repeat node names; eager tensors of one shape) get one choice together.
+* The timeline is one training step as the memory model sees it
+  (:mod:`savedhooks.memory`): the forward graphs in trace order, one point for
+  the tensors an eager loss saves, then the backward graphs in reverse order.
+  Each point holds the bytes alive above the step's inputs with nothing packed.
+  A saved tensor packed with placement (the reorder pass: pack right after its
+  producer, unpack right before its first use in the backward) holds only its
+  payload from the point after its producer up to its first use: its *span*.
+  Packing it lowers every point of its span by ``bytes - payload``.
+* A saved tensor whose storage is shared with another saved tensor or with a
+  graph output frees nothing when packed (the other holder keeps it): it gets no
+  span, so the planner never packs it for memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from savedhooks.codecs.base import producing_op
+from savedhooks.fidelity.select import SavedTensor, concrete_size
+from savedhooks.hooks import hook_context
+from savedhooks.memory import build_graph_memory, saved_activations, simulate
+
+__all__ = [
+    "GraphRecorder",
+    "GraphTimeline",
+    "StepTimeline",
+    "fresh_backend",
+    "key_of_saved",
+    "plan_key",
+    "recording_backend",
+    "step_timeline",
+    "timeline_of",
+]
+
+
+def _shape(shape: Any) -> str:
+    return "x".join(str(s) for s in shape) or "scalar"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def plan_key(x: torch.Tensor) -> str:
+    """The plan key of the saved tensor being packed (see the module notes).
+
+    Args:
+        x: the tensor a pack hook received.
+
+    Returns:
+        ``"node|op|shape|dtype"`` under compile, ``"eager|op|shape|dtype"`` in eager mode.
+
+    Raises:
+        Nothing.
+    """
+    ctx = hook_context()
+    shape = _shape(concrete_size(s) for s in x.shape)
+    if ctx is None:
+        op = type(x.grad_fn).__name__.removesuffix("Backward0") if x.grad_fn is not None else None
+        return f"eager|{op}|{shape}|{_dtype(x.dtype)}"
+    return f"{ctx.node.name}|{producing_op(ctx.node)}|{shape}|{_dtype(x.dtype)}"
+
+
+def key_of_saved(saved: SavedTensor) -> str:
+    """The plan key of a tensor listed by :class:`savedhooks.fidelity.select.Census`.
+
+    Args:
+        saved: a census entry (key ``"g<i>:<node>"`` or ``"eager:<n>"``).
+
+    Returns:
+        The same string :func:`plan_key` computes for it.
+
+    Raises:
+        Nothing.
+    """
+    where, _, name = saved.key.partition(":")
+    head = "eager" if where == "eager" else name
+    return f"{head}|{saved.op}|{_shape(saved.shape)}|{_dtype(saved.dtype)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphTimeline:
+    """One graph's share of the step timeline.
+
+    Attributes:
+        live: bytes alive during each node above the graph's inputs (a backward
+            graph's saved inputs count as inputs: freeing them makes it negative).
+        at: forward: saved node -> the node index that makes it (absent: it frees
+            nothing when packed); backward: saved input -> its first use.
+        retained: forward only: bytes the graph leaves alive (saved tensors, outputs).
+    """
+
+    live: tuple[int, ...]
+    at: Mapping[str, int]
+    retained: int = 0
+
+
+def _device(memory: Any) -> torch.device:
+    return next((b.device for b in memory.buffers if b.device.type != "cpu"), torch.device("cpu"))
+
+
+def _storage(node: torch.fx.Node) -> StorageWeakRef | None:
+    val = node.meta.get("val")
+    return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
+
+
+def _exclusive_saved(graph: torch.fx.Graph, saved: set[str]) -> set[str]:
+    """Saved nodes whose storage no graph input, other saved tensor or graph output holds."""
+    output = graph.find_nodes(op="output")[0]
+    held = collections.Counter(_storage(n) for n in pytree.tree_leaves(output.args) if isinstance(n, torch.fx.Node))
+    inputs = {_storage(n) for n in graph.find_nodes(op="placeholder")}
+    return {
+        n.name
+        for n in graph.nodes
+        if n.name in saved and n.op != "placeholder" and _storage(n) not in inputs and held[_storage(n)] == 1
+    }
+
+
+def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: bool = False) -> GraphTimeline:
+    """Summarize one AOTAutograd graph for the step timeline.
+
+    Args:
+        gm: a forward or backward graph with ``meta["val"]``.
+        saved: forward graphs: the names its backward reads (the saved values);
+            None for a backward graph.
+        fused: model the graph as inductor runs it (see
+            :func:`savedhooks.memory.build_graph_memory`).
+
+    Returns:
+        A :class:`GraphTimeline`.
+
+    Raises:
+        ValueError: as :func:`savedhooks.memory.build_graph_memory`.
+    """
+    backward = saved is None
+    memory = build_graph_memory(gm, donated=saved_activations(gm) if backward else (), fused=fused)
+    device = _device(memory)
+    during, after, _ = simulate(memory, device)
+    inputs = sum(b.nbytes for b in memory.buffers if b.is_input and b.device == device)
+    live = tuple(d - inputs for d in during)
+    index = {name: i for i, name in enumerate(memory.node_names)}
+    if backward:
+        first: dict[str, int] = {}
+        for i, reads in enumerate(memory.inputs):
+            for j in reads:
+                first.setdefault(memory.node_names[j], i)
+        return GraphTimeline(live, {n: first[n] for n in saved_activations(gm) if n in first})
+    at = {n: index[n] for n in _exclusive_saved(gm.graph, saved)}
+    return GraphTimeline(live, at, (after[-1] - inputs) if after else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimeline:
+    """The step's timeline and each saved tensor's span on it.
+
+    Attributes:
+        live: bytes alive at each point with nothing packed.
+        spans: census key (``"g<i>:<node>"``, ``"eager:<n>"``) -> ``(start, end)``:
+            the points where packing it frees its bytes (absent: it frees none).
+    """
+
+    live: tuple[int, ...]
+    spans: Mapping[str, tuple[int, int]]
+
+
+def step_timeline(
+    forwards: list[GraphTimeline], backwards: list[GraphTimeline], eager: list[SavedTensor]
+) -> StepTimeline:
+    """Lay the graphs of one step end to end (see the module notes).
+
+    Args:
+        forwards: forward graphs in trace order.
+        backwards: their backward graphs in the order they ran (the reverse).
+        eager: tensors saved outside the graphs (an eager loss), alive between
+            the last forward and the first backward.
+
+    Returns:
+        A :class:`StepTimeline`.
+
+    Raises:
+        ValueError: the numbers of forward and backward graphs differ.
+    """
+    if len(forwards) != len(backwards):
+        raise ValueError(f"{len(forwards)} forward graphs but {len(backwards)} backward graphs")
+    live: list[int] = []
+    starts: dict[int, tuple[int, int]] = {}
+    held = 0
+    for g, fw in enumerate(forwards):
+        starts[g] = (len(live), 0)
+        live.extend(held + v for v in fw.live)
+        held += fw.retained
+    loss_point = len(live)
+    live.append(held + sum(t.bytes for t in eager))
+    for g in reversed(range(len(forwards))):
+        held -= forwards[g].retained
+        bw = backwards[len(forwards) - 1 - g]
+        starts[g] = (starts[g][0], len(live))
+        live.extend(held + forwards[g].retained + v for v in bw.live)
+    spans: dict[str, tuple[int, int]] = {t.key: (loss_point, loss_point + 1) for t in eager}
+    for g, fw in enumerate(forwards):
+        bw = backwards[len(forwards) - 1 - g]
+        for name, made in fw.at.items():
+            if name in bw.at:
+                spans[f"g{g}:{name}"] = (starts[g][0] + made + 1, starts[g][1] + bw.at[name])
+    return StepTimeline(tuple(live), spans)
+
+
+class GraphRecorder(CustomGraphPass):
+    """A post-grad pass that keeps inductor's forward and backward graphs (never cached: it must see every compile)."""
+
+    def __init__(self) -> None:
+        self.forwards: list[torch.fx.GraphModule] = []
+        self.backwards: list[torch.fx.GraphModule] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from savedhooks.passes import is_backward_graph
+
+        gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+        (self.backwards if is_backward_graph(graph) else self.forwards).append(gm)
+
+    def uuid(self) -> None:
+        return None
+
+
+def fresh_backend(backend: str) -> Callable[..., Any]:
+    """``backend`` as a new object, so that dynamo compiles afresh instead of reusing an earlier compile.
+
+    Args:
+        backend: ``"aot_eager"`` or ``"inductor"``.
+
+    Returns:
+        A ``torch.compile`` backend that compiles as ``backend`` does.
+
+    Raises:
+        ValueError: another backend.
+    """
+    if backend == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return functools.partial(aot_eager)
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return functools.partial(compile_fx)
+    raise ValueError(f"plan: backend must be 'inductor' or 'aot_eager', got {backend!r}")
+
+
+def recording_backend(backend: str) -> tuple[Callable[..., Any], GraphRecorder, bool]:
+    """A ``torch.compile`` backend that compiles as ``backend`` does and keeps its AOTAutograd graphs.
+
+    A new backend object each call, so that dynamo compiles afresh instead of
+    reusing what an earlier compile of the model cached.
+
+    Args:
+        backend: ``"aot_eager"``, or ``"inductor"`` (graphs after its post-grad passes).
+
+    Returns:
+        ``(backend, recorder, fused)``: ``recorder`` fills as graphs compile;
+        ``fused`` says whether to model them as inductor runs them.
+
+    Raises:
+        ValueError: another backend.
+    """
+    recorder = GraphRecorder()
+    if backend == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+        def keep(graphs: list[torch.fx.GraphModule]) -> Callable[..., Any]:
+            def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+                graphs.append(gm)
+                return boxed_nop(gm, example_inputs)
+
+            return compiler
+
+        compilers = {"fw_compiler": keep(recorder.forwards), "bw_compiler": keep(recorder.backwards)}
+        return functools.partial(aot_eager, **compilers), recorder, False
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return functools.partial(compile_fx, config_patches={"post_grad_custom_post_pass": recorder}), recorder, True
+    raise ValueError(f"plan: backend must be 'inductor' or 'aot_eager', got {backend!r}")

@@ -1,0 +1,352 @@
+"""``sh.plan``: meet a peak-memory budget at the least modelled time, choosing a codec per saved tensor.
+
+Design notes
+------------
+* Three runs of one training step (forward, loss, backward; no optimizer step),
+  with the same inputs and random state:
+  1. the census: the model compiled with the target backend under
+     ``Census(Policy())`` hooks lists the saved tensors the policy would pack
+     (the candidates; what the policy keeps stays kept) with their keys;
+  2. the timeline: the model compiled again without hooks, its AOTAutograd
+     graphs kept (:func:`savedhooks.planner.census.recording_backend`) and laid
+     end to end by the memory model (:func:`~savedhooks.planner.census.step_timeline`);
+  3. none: the choice is modelled, not measured (:mod:`savedhooks.planner.search`).
+* Options per candidate: keep; bf16 (float32 and float64 tensors); fp8 (the
+  policy's codec, e4m3 blocks of 128); a bitmask for bool tensors. Payload bytes
+  come from encoding a fake tensor of the candidate's shape; time from
+  :func:`savedhooks.planner.costs.seconds_per_byte` on the inputs' device.
+* What the prediction covers: the compiled graphs and the tensors an eager loss
+  saves, with placement (the reorder pass, which plain ``torch.compile`` gets
+  inside :class:`savedhooks.saved_tensors_hooks`, ``sh.backend("aot_eager")``
+  under aot_eager). An eager loss's own temporaries are not in it.
+* First slice of the planner: codecs only. Recompute (selective activation
+  checkpointing) and offload are not chosen yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from savedhooks.codecs import Bitmask, Downcast, Float8, Policy
+from savedhooks.codecs.base import Codec
+from savedhooks.fidelity.select import Census, SavedTensor, keyed_run
+from savedhooks.fidelity.sensitivity import call_model, default_loss
+from savedhooks.hooks import HookPair, saved_tensors_hooks
+from savedhooks.planner.census import (
+    fresh_backend,
+    key_of_saved,
+    plan_key,
+    recording_backend,
+    step_timeline,
+    timeline_of,
+)
+from savedhooks.planner.costs import seconds_per_byte
+from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search
+
+__all__ = ["InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "plan"]
+
+_MiB = 1 << 20
+_JSON_VERSION = 1
+# the codecs a plan chooses among, by the names its JSON uses
+CODECS: dict[str, Codec] = {"bf16": Downcast(torch.bfloat16), "fp8": Float8(), "bitmask": Bitmask()}
+
+
+class InfeasibleBudgetError(ValueError):
+    """The budget is below the lowest peak the planner can reach.
+
+    Attributes:
+        budget_bytes: the budget asked for.
+        floor_bytes: the lowest modelled peak (every candidate at its smallest payload).
+    """
+
+    def __init__(self, budget_bytes: int, floor_bytes: int, baseline_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.floor_bytes = floor_bytes
+        super().__init__(
+            f"sh.plan: a budget of {budget_bytes / _MiB:.2f} MiB cannot be met: the lowest peak the planner "
+            f"reaches is {floor_bytes / _MiB:.2f} MiB (no hooks: {baseline_bytes / _MiB:.2f} MiB); "
+            f"pass budget_bytes >= {floor_bytes}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned(Codec):
+    """The codec a plan runs: its choice per plan key; the policy for saved tensors it does not name."""
+
+    choices: tuple[tuple[str, str], ...]
+    fallback: Codec | None = dataclasses.field(default_factory=Policy)
+
+    def __post_init__(self) -> None:
+        unknown = {name for _, name in self.choices if name != "keep" and name not in CODECS}
+        if unknown:
+            raise ValueError(f"Planned: unknown codec names {sorted(unknown)}; known: keep, {', '.join(CODECS)}")
+        object.__setattr__(self, "_lookup", dict(self.choices))
+
+    def codecs(self) -> tuple[Codec, ...]:
+        return tuple(CODECS.values()) + (self.fallback.codecs() if self.fallback is not None else ())
+
+    def choose(self, x: torch.Tensor) -> int:
+        name = self._lookup.get(plan_key(x))
+        if name is None:
+            index = self.fallback.choose(x) if self.fallback is not None else -1
+            return -1 if index < 0 else len(CODECS) + index
+        if name == "keep" or not CODECS[name].accepts(x):
+            return -1
+        return list(CODECS).index(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedTensor:
+    """One choice of a plan.
+
+    Attributes:
+        key: the plan key (see :mod:`savedhooks.planner.census`).
+        op: the producing op.
+        shape: its shape.
+        dtype: its dtype name (``"float32"``).
+        bytes: bytes kept without packing (all tensors of the key).
+        count: saved tensors with this key.
+        choice: ``"keep"`` or a codec name.
+        payload: bytes held with the choice.
+        seconds: modelled time of the choice per step.
+        at_peak: whether it is held at the predicted peak.
+    """
+
+    key: str
+    op: str | None
+    shape: tuple[int | str, ...]
+    dtype: str
+    bytes: int
+    count: int
+    choice: str
+    payload: int
+    seconds: float
+    at_peak: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What :func:`plan` chose, and what it predicts.
+
+    Attributes:
+        tensors: one entry per plan key, largest first.
+        budget_bytes: the budget asked for.
+        predicted_peak_bytes: the modelled peak of the planned step.
+        baseline_peak_bytes: the modelled peak without hooks.
+        floor_bytes: the lowest modelled peak reachable.
+        backend: the ``torch.compile`` backend the plan is for.
+        log: the search's moves.
+    """
+
+    tensors: tuple[PlannedTensor, ...]
+    budget_bytes: int
+    predicted_peak_bytes: int
+    baseline_peak_bytes: int
+    floor_bytes: int
+    backend: str
+    log: tuple[str, ...] = ()
+
+    @property
+    def hooks(self) -> HookPair:
+        """The hook pair that runs the plan: use it in ``sh.saved_tensors_hooks(plan.hooks)``."""
+        return Planned(tuple(sorted((t.key, t.choice) for t in self.tensors))).hooks()
+
+    @property
+    def seconds(self) -> float:
+        """Modelled time the plan adds per step."""
+        return sum(t.seconds for t in self.tensors)
+
+    def report(self) -> str:
+        """A Markdown table: per plan key, op, bytes, choice and modelled cost; the budget and peaks above it."""
+        heading = (
+            f"plan for {self.backend}: budget {self.budget_bytes / _MiB:.2f} MiB, predicted peak "
+            f"{self.predicted_peak_bytes / _MiB:.2f} MiB (no hooks {self.baseline_peak_bytes / _MiB:.2f}, "
+            f"floor {self.floor_bytes / _MiB:.2f}), modelled codec time {self.seconds * 1e3:.2f} ms per step"
+        )
+        lines = [
+            heading,
+            "",
+            "| saved tensor | op | shape | dtype | count | MiB | choice | payload MiB | ms | at peak |",
+            "|---|---|---|---|---:|---:|---|---:|---:|:---:|",
+        ]
+        for t in self.tensors:
+            name = t.key.split("|")[0]
+            shape = "x".join(map(str, t.shape))
+            lines.append(
+                f"| {name} | {t.op} | {shape} | {t.dtype} | {t.count} | {t.bytes / _MiB:.2f} | {t.choice} | "
+                f"{t.payload / _MiB:.2f} | {t.seconds * 1e3:.3f} | {'yes' if t.at_peak else ''} |"
+            )
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """The plan as JSON text (:meth:`from_json` reads it back)."""
+        return json.dumps({"version": _JSON_VERSION, **dataclasses.asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Read a plan written by :meth:`to_json`.
+
+        Args:
+            text: the JSON text.
+
+        Returns:
+            The :class:`Plan`.
+
+        Raises:
+            ValueError: not a plan, another version, or an unknown codec name.
+        """
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("version") != _JSON_VERSION:
+            raise ValueError(f"Plan.from_json: expected a savedhooks plan of version {_JSON_VERSION}")
+        data.pop("version")
+        tensors = tuple(PlannedTensor(**{**t, "shape": tuple(t["shape"])}) for t in data.pop("tensors"))
+        unknown = {t.choice for t in tensors} - {"keep", *CODECS}
+        if unknown:
+            raise ValueError(f"Plan.from_json: unknown codec names {sorted(unknown)}")
+        return cls(tensors=tensors, **{**data, "log": tuple(data.get("log", ()))})
+
+
+def _options(tensors: list[SavedTensor], device: torch.device, backend: str) -> tuple[Option, ...]:
+    """Keep, and each codec that accepts the tensors, with payload bytes (fake encode) and time."""
+    first = tensors[0]
+    total = sum(t.bytes for t in tensors)
+    options = [Option("keep", total, 0.0)]
+    if not all(isinstance(s, int) for s in first.shape):
+        return tuple(options)  # symbolic sizes: kept (the payload is not known)
+    names = ("bitmask",) if first.dtype == torch.bool else ("bf16", "fp8") if first.dtype.is_floating_point else ()
+    for name in names:
+        codec = CODECS[name]
+        if name == "bf16" and first.dtype not in (torch.float32, torch.float64):
+            continue
+        with FakeTensorMode():
+            x = torch.empty(first.shape, dtype=first.dtype, device=device)
+            if not codec.accepts(x):
+                continue
+            leaves = pytree.tree_leaves(codec.encode(x))
+            payload = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+        seconds = seconds_per_byte(codec, first.dtype, device, backend) * total
+        options.append(Option(name, payload * len(tensors), seconds))
+    return tuple(options)
+
+
+def _device(example_inputs: Any) -> torch.device:
+    tensors = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _step(fn: Callable[..., Any], model: torch.nn.Module, example_inputs: Any, loss_fn: Callable, seed: int) -> None:
+    model.zero_grad(set_to_none=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        loss_fn(call_model(fn, example_inputs)).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def plan(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    budget_bytes: int,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    backend: str = "inductor",
+    seed: int = 0,
+    verbose: bool = False,
+) -> Plan:
+    """Choose, per saved tensor, keep / bf16 / fp8 / bitmask so that the step's peak meets ``budget_bytes``.
+
+    Compiles the model twice (a census of the saved tensors under hooks that pack
+    nothing, then without hooks to model the step's memory) and runs one training
+    step each time; the model's gradients are cleared, its parameters unchanged.
+    The choice minimizes the modelled codec time; what the policy keeps for
+    fidelity (``sh.policy()``'s rules) stays kept. First slice: codecs only (no
+    recompute, no offload).
+
+    Args:
+        model: the module to train (not compiled: the plan compiles it).
+        example_inputs: a tuple of positional arguments, a dict of keyword
+            arguments, or one tensor, of the shapes training uses.
+        budget_bytes: the peak to meet, in bytes above what is alive before the
+            step (parameters, inputs, optimizer state excluded), as the memory
+            model predicts it for the compiled graphs with placement.
+        loss_fn: turns the model's output into a scalar (run eagerly, as in a
+            training loop); default: the output if it is a scalar, else the mean
+            square of its floating tensors.
+        backend: ``"inductor"`` (plain ``torch.compile``) or ``"aot_eager"``
+            (run it with ``sh.backend("aot_eager")``); the plan's keys are those
+            of this backend's graphs.
+        seed: ``torch.manual_seed`` before each step.
+        verbose: print the report.
+
+    Returns:
+        A :class:`Plan`; run it with ``sh.saved_tensors_hooks(plan.hooks)``.
+
+    Raises:
+        TypeError: ``model`` is not a module or ``budget_bytes`` not an int.
+        ValueError: ``budget_bytes`` is not positive, ``backend`` is unknown, or
+            the output has no floating tensor and no ``loss_fn``.
+        RuntimeError: the model did not compile (dynamo ran it eagerly).
+        InfeasibleBudgetError: the budget is below the lowest peak reachable
+            (the error names it).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
+        raise TypeError(f"plan: budget_bytes must be an int, got {budget_bytes!r}")
+    if budget_bytes <= 0:
+        raise ValueError(f"plan: budget_bytes must be positive, got {budget_bytes}")
+    recording, recorder, fused = recording_backend(backend)
+    loss_fn = loss_fn or default_loss
+    # every compile must trace (the census runs inside tracing): no dynamo, AOTAutograd or FX graph cache hits
+    with torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16), \
+            torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        with keyed_run() as run, saved_tensors_hooks(Census(Policy()).hooks(), reorder=False):
+            _step(torch.compile(model, backend=fresh_backend(backend)), model, example_inputs, loss_fn, seed)
+        _step(torch.compile(model, backend=recording), model, example_inputs, loss_fn, seed)
+    if not recorder.forwards or len(recorder.forwards) != len(recorder.backwards):
+        raise RuntimeError(
+            f"plan: the model did not compile into forward and backward graphs under {backend!r} "
+            f"({len(recorder.forwards)} forward, {len(recorder.backwards)} backward): did dynamo fall back to eager?"
+        )
+    forwards = []
+    for fw, bw in zip(recorder.forwards, reversed(recorder.backwards)):
+        saved = {n.name for n in bw.graph.find_nodes(op="placeholder")}
+        forwards.append(timeline_of(fw, saved, fused=fused))
+    backwards = [timeline_of(bw, fused=fused) for bw in recorder.backwards]
+    eager = [t for t in run.census if t.key.startswith("eager:")]
+    timeline = step_timeline(forwards, backwards, eager)
+
+    groups: dict[str, list[SavedTensor]] = {}
+    for t in run.census:
+        groups.setdefault(key_of_saved(t), []).append(t)
+    device = _device(example_inputs)
+    units = [
+        Unit(key, sum(t.bytes for t in ts), tuple(timeline.spans[t.key] for t in ts if t.key in timeline.spans),
+             _options(ts, device, backend))
+        for key, ts in sorted(groups.items())
+    ]
+    baseline = max(timeline.live, default=0)
+    floor = peak_of(timeline.live, units, floor_of(units))
+    if budget_bytes < floor:
+        raise InfeasibleBudgetError(budget_bytes, floor, baseline)
+    result = search(timeline.live, units, budget_bytes)
+    tensors = tuple(
+        PlannedTensor(
+            unit.key, groups[unit.key][0].op, groups[unit.key][0].shape,
+            str(groups[unit.key][0].dtype).removeprefix("torch."),
+            unit.bytes, len(groups[unit.key]), unit.options[o].name, unit.options[o].payload, unit.options[o].seconds,
+            any(start <= result.at < end for start, end in unit.spans),
+        )
+        for unit, o in sorted(zip(units, result.choice), key=lambda uo: (-uo[0].bytes, uo[0].key))
+    )
+    planned = Plan(tensors, budget_bytes, result.peak, baseline, floor, backend, result.log)
+    if verbose:
+        print(planned.report())
+    return planned
+

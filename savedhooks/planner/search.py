@@ -1,0 +1,192 @@
+"""Choose an option per saved tensor so that the step's peak meets a budget at the least modelled time.
+
+Design notes
+------------
+* A :class:`Unit` gets one choice: the saved tensors of one plan key, the bytes
+  they hold, their spans on the step timeline (:mod:`savedhooks.planner.census`)
+  and the options, ``options[0]`` being to keep them as they are (no time, no
+  saving). Choosing option ``o`` lowers every point of the spans by
+  ``bytes - o.payload``. The modelled peak is the largest point.
+* Greedy: while the peak is above the budget, take the move (a unit covering the
+  peak point, to an option with a smaller payload) that frees the most bytes at
+  that point per second it adds; ties go to more bytes, then to the lower key.
+  Packing never raises a point in this model, so the greedy reaches the budget
+  whenever the floor (every unit at its smallest payload) does.
+* Relax: then, the units in order of decreasing time, each tries its options in
+  list order (keep, then the wider ones) up to its choice and takes the first
+  that keeps the peak within budget: moves that later moves made unnecessary go,
+  and wider (more accurate) options replace narrower ones where the budget allows.
+* Deterministic; the log lists each move and the peak after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["Option", "SearchResult", "Unit", "floor_of", "peak_of", "search"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One way to hold a unit's tensors.
+
+    Attributes:
+        name: ``"keep"`` or a codec name (``"bf16"``, ``"fp8"``, ``"bitmask"``).
+        payload: bytes held while packed.
+        seconds: modelled time added per step (pack and unpack).
+    """
+
+    name: str
+    payload: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """Saved tensors that get one choice (see the module notes).
+
+    Attributes:
+        key: the plan key.
+        bytes: bytes held when kept.
+        spans: ``(start, end)`` points of the timeline where packing frees bytes.
+        options: ``options[0]`` keeps; the others pack.
+    """
+
+    key: str
+    bytes: int
+    spans: tuple[tuple[int, int], ...]
+    options: tuple[Option, ...]
+
+    def __post_init__(self) -> None:
+        if not self.options or self.options[0].name != "keep":
+            raise ValueError(f"unit {self.key}: options must start with 'keep', got {self.options!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """What :func:`search` chose.
+
+    Attributes:
+        choice: per unit, the index of its option.
+        peak: the modelled peak with that choice.
+        at: the timeline point where it is reached (the first such).
+        seconds: the modelled time the choice adds.
+        log: the moves, in order.
+    """
+
+    choice: tuple[int, ...]
+    peak: int
+    at: int
+    seconds: float
+    log: tuple[str, ...]
+
+
+def _mask(unit: Unit, points: int) -> torch.Tensor:
+    mask = torch.zeros(points, dtype=torch.int64)
+    for start, end in unit.spans:
+        mask[start:end] = 1
+    return mask
+
+
+def _live(live: torch.Tensor, units: Sequence[Unit], masks: Sequence[torch.Tensor], choice: Sequence[int]) -> torch.Tensor:
+    out = live.clone()
+    for unit, mask, o in zip(units, masks, choice):
+        out -= (unit.bytes - unit.options[o].payload) * mask
+    return out
+
+
+def peak_of(live: Sequence[int], units: Sequence[Unit], choice: Sequence[int]) -> int:
+    """The modelled peak of a choice.
+
+    Args:
+        live: the timeline's bytes with nothing packed.
+        units: the units.
+        choice: per unit, an option index.
+
+    Returns:
+        The largest point (0 for an empty timeline).
+
+    Raises:
+        IndexError: a choice is not an option of its unit.
+    """
+    if not live:
+        return 0
+    timeline = torch.tensor(live, dtype=torch.int64)
+    return int(_live(timeline, units, [_mask(u, len(live)) for u in units], choice).max())
+
+
+def floor_of(units: Sequence[Unit]) -> tuple[int, ...]:
+    """The choice that frees the most: every unit at its smallest payload (the first such option).
+
+    Args:
+        units: the units.
+
+    Returns:
+        Per unit, an option index.
+
+    Raises:
+        Nothing.
+    """
+    return tuple(min(range(len(u.options)), key=lambda o, u=u: (u.options[o].payload, o)) for u in units)
+
+
+def search(live: Sequence[int], units: Sequence[Unit], budget: int) -> SearchResult:
+    """Meet ``budget`` at the least modelled time (greedy, then relax; see the module notes).
+
+    Args:
+        live: the timeline's bytes with nothing packed.
+        units: the units.
+        budget: the peak to meet, in bytes.
+
+    Returns:
+        A :class:`SearchResult`; its peak is above ``budget`` only when the floor is.
+
+    Raises:
+        Nothing.
+    """
+    if not live:
+        return SearchResult(tuple(0 for _ in units), 0, 0, 0.0, ())
+    timeline = torch.tensor(live, dtype=torch.int64)
+    masks = [_mask(u, len(live)) for u in units]
+    choice = [0] * len(units)
+    current = timeline.clone()
+    log: list[str] = []
+    while int(current.max()) > budget:
+        at = int(current.argmax())
+        best: tuple[tuple[float, int], int, int] | None = None  # units are in key order: the first wins ties
+        for u, (unit, mask) in enumerate(zip(units, masks)):
+            if not mask[at]:
+                continue
+            here = unit.options[choice[u]]
+            for o, option in enumerate(unit.options):
+                freed = here.payload - option.payload
+                if freed <= 0:
+                    continue
+                rate = freed / max(option.seconds - here.seconds, 1e-12)
+                score = (rate, freed)
+                if best is None or score > best[0]:
+                    best = (score, u, o)
+        if best is None:
+            log.append(f"no move frees bytes at point {at}: the floor is {int(current.max())} bytes")
+            break
+        _, u, o = best
+        current -= (units[u].options[choice[u]].payload - units[u].options[o].payload) * masks[u]
+        log.append(f"{units[u].key}: {units[u].options[choice[u]].name} -> {units[u].options[o].name}, "
+                   f"peak {int(current.max())}")
+        choice[u] = o
+    if int(current.max()) <= budget:
+        order = sorted(range(len(units)), key=lambda u: (-units[u].options[choice[u]].seconds, units[u].key))
+        for u in order:
+            for o in range(choice[u]):
+                delta = (units[u].options[o].payload - units[u].options[choice[u]].payload) * masks[u]
+                if int((current + delta).max()) <= budget:
+                    current += delta
+                    log.append(f"relax {units[u].key}: {units[u].options[choice[u]].name} -> "
+                               f"{units[u].options[o].name}, peak {int(current.max())}")
+                    choice[u] = o
+                    break
+    seconds = sum(unit.options[o].seconds for unit, o in zip(units, choice))
+    return SearchResult(tuple(choice), int(current.max()), int(current.argmax()), seconds, tuple(log))

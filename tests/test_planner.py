@@ -1,0 +1,161 @@
+"""sh.plan: the search on hand-made timelines, the timeline of a step, and plans measured against the model."""
+
+import pytest
+import torch
+
+import savedhooks as sh
+from savedhooks.fidelity.select import SavedTensor
+from savedhooks.planner.census import GraphTimeline, step_timeline
+from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search
+
+
+def _units():
+    a = Unit("a", 60, ((1, 3),), (Option("keep", 60, 0.0), Option("bf16", 30, 1.0), Option("fp8", 15, 3.0)))
+    b = Unit("b", 40, ((1, 2),), (Option("keep", 40, 0.0), Option("fp8", 10, 0.5)))
+    return [a, b]
+
+
+def test_search_takes_the_most_bytes_per_second_then_drops_moves_the_budget_no_longer_needs():
+    live = [0, 100, 100, 10]
+    result = search(live, _units(), budget=70)
+    # greedy: b -> fp8 (60 B/s at point 1), then a -> bf16 (30 B/s beats fp8's 15 at point 2);
+    # relax: b back to keep, since a's bf16 alone meets 70 at both points
+    assert result.choice == (1, 0)
+    assert result.peak == 70 == peak_of(live, _units(), result.choice)
+    assert result.seconds == 1.0
+    assert [line.split(":")[0] for line in result.log] == ["b", "a", "relax b"]
+
+
+def test_search_stops_at_the_floor_when_the_budget_is_below_it():
+    live = [0, 100, 100, 10]
+    units = _units()
+    assert floor_of(units) == (2, 1)
+    floor = peak_of(live, units, floor_of(units))
+    assert floor == 55  # point 2: 100 - (60 - 15)
+    result = search(live, units, budget=50)
+    assert result.peak == floor > 50
+
+
+def test_unit_options_must_start_with_keep():
+    with pytest.raises(ValueError, match="start with 'keep'"):
+        Unit("a", 8, (), (Option("fp8", 2, 1.0),))
+
+
+def test_step_timeline_lays_forwards_in_order_then_the_loss_then_backwards_in_reverse():
+    fw0 = GraphTimeline(live=(10, 20), at={"a": 0}, retained=20)
+    fw1 = GraphTimeline(live=(5,), at={"b": 0}, retained=5)
+    bw1 = GraphTimeline(live=(1, -5), at={"b": 1})
+    bw0 = GraphTimeline(live=(3, -20), at={"a": 0})
+    loss = [SavedTensor("eager:0", "Mul", (2,), torch.float32, 7)]
+    timeline = step_timeline([fw0, fw1], [bw1, bw0], loss)
+    # fw0 | fw1 on top of fw0's retained | loss point | bw1 on top of both | bw0 on top of its own
+    assert timeline.live == (10, 20, 25, 32, 26, 20, 23, 0)
+    assert timeline.spans == {"eager:0": (3, 4), "g0:a": (1, 6), "g1:b": (3, 5)}
+
+
+def test_step_timeline_needs_a_backward_per_forward():
+    with pytest.raises(ValueError, match="2 forward graphs but 1 backward"):
+        step_timeline([GraphTimeline((1,), {}), GraphTimeline((1,), {})], [GraphTimeline((1,), {})], [])
+
+
+def _mlp():
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(3)]
+    return torch.nn.Sequential(*blocks), torch.randn(512, 64)
+
+
+def _loss(y):
+    return y.square().mean()
+
+
+def _measured_peak(model, x, hooks):
+    compiled = torch.compile(model, backend=sh.backend("aot_eager"))
+
+    def step():
+        with sh.saved_tensors_hooks(hooks):
+            _loss(compiled(x)).backward()
+
+    step()
+    model.zero_grad(set_to_none=True)
+    peak = sh.memory.measure_peak(step, device="cpu")
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return peak, grads
+
+
+def test_plan_meets_its_budget_and_the_measured_peak_is_the_predicted_one():
+    model, x = _mlp()
+    unbounded = sh.plan(model, (x,), budget_bytes=1 << 40, loss_fn=_loss, backend="aot_eager")
+    assert all(t.choice == "keep" for t in unbounded.tensors)
+    budget = (unbounded.baseline_peak_bytes + unbounded.floor_bytes) // 2
+    planned = sh.plan(model, (x,), budget_bytes=budget, loss_fn=_loss, backend="aot_eager")
+    assert {t.choice for t in planned.tensors} - {"keep"}, "a budget below the baseline packs something"
+    assert planned.predicted_peak_bytes <= budget
+    measured, _ = _measured_peak(model, x, planned.hooks)
+    baseline, _ = _measured_peak(model, x, unbounded.hooks)  # every candidate kept
+    assert measured <= budget
+    assert abs(measured - planned.predicted_peak_bytes) <= 0.02 * planned.predicted_peak_bytes
+    assert abs(baseline - planned.baseline_peak_bytes) <= 0.02 * baseline
+    assert "| choice |" in planned.report() and planned.report().count("\n") >= 3 + len(planned.tensors)
+
+
+def test_plan_below_the_floor_raises_and_names_the_floor():
+    model, x = _mlp()
+    with pytest.raises(sh.InfeasibleBudgetError, match="lowest peak the planner reaches is") as info:
+        sh.plan(model, (x,), budget_bytes=1024, loss_fn=_loss, backend="aot_eager")
+    floor = info.value.floor_bytes
+    at_floor = sh.plan(model, (x,), budget_bytes=floor, loss_fn=_loss, backend="aot_eager")
+    assert at_floor.predicted_peak_bytes == floor
+    measured, _ = _measured_peak(model, x, at_floor.hooks)
+    assert abs(measured - floor) <= 0.02 * floor
+
+
+def test_plan_round_trips_through_json_to_the_same_hooks():
+    model, x = _mlp()
+    unbounded = sh.plan(model, (x,), budget_bytes=1 << 40, loss_fn=_loss, backend="aot_eager")
+    planned = sh.plan(model, (x,), budget_bytes=int(0.8 * unbounded.baseline_peak_bytes), loss_fn=_loss,
+                      backend="aot_eager")
+    loaded = sh.Plan.from_json(planned.to_json())
+    assert loaded == planned
+    assert loaded.hooks is planned.hooks
+    _, first = _measured_peak(model, x, planned.hooks)
+    torch._dynamo.reset()
+    _, second = _measured_peak(model, x, loaded.hooks)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_plan_leaves_what_the_policy_keeps_out_of_its_choices():
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 64))
+              for _ in range(4)]
+    model, x = torch.nn.Sequential(*blocks), torch.randn(512, 64)
+    unbounded = sh.plan(model, (x,), budget_bytes=1 << 40, loss_fn=_loss, backend="aot_eager")
+    planned = sh.plan(model, (x,), budget_bytes=unbounded.floor_bytes, loss_fn=_loss, backend="aot_eager")
+    # layer norm's normalized output and the linears' outputs are candidates; its mean and rstd are not
+    assert "native_layer_norm" in {t.op for t in planned.tensors}
+    assert all(t.shape[-1] != 1 for t in planned.tensors)
+    assert any(t.choice == "fp8" for t in planned.tensors)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"model": lambda x: x}, TypeError, "torch.nn.Module"),
+        ({"budget_bytes": 1.5}, TypeError, "must be an int"),
+        ({"budget_bytes": True}, TypeError, "must be an int"),
+        ({"budget_bytes": 0}, ValueError, "must be positive"),
+        ({"backend": "eager"}, ValueError, "'inductor' or 'aot_eager'"),
+    ],
+)
+def test_plan_rejects_bad_input(kwargs, error, match):
+    model, x = _mlp()
+    args = {"model": model, "example_inputs": (x,), "budget_bytes": 1 << 30, "loss_fn": _loss, "backend": "aot_eager"}
+    with pytest.raises(error, match=match):
+        sh.plan(**{**args, **kwargs})
+
+
+def test_plan_json_and_codec_names_are_checked():
+    with pytest.raises(ValueError, match="version"):
+        sh.Plan.from_json('{"version": 99}')
+    with pytest.raises(ValueError, match="unknown codec names"):
+        sh.planner.Planned((("a|b|1|float32", "zip"),))
