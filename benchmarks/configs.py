@@ -310,9 +310,42 @@ def _bf16_checkpointing(workload: Workload, backend: str) -> Step:
     return _checkpointed(workload, backend, _bf16(workload))
 
 
-def _memory_budget(workload: Workload, backend: str) -> Step:
-    """The min-cut partitioner's recompute under ``activation_memory_budget`` (:data:`MEMORY_BUDGET`)."""
-    return _compiled(workload, backend, lambda: torch._functorch.config.patch(activation_memory_budget=MEMORY_BUDGET))
+def memory_budget(fraction: float) -> Config:
+    """A configuration: the min-cut partitioner's recompute under ``activation_memory_budget=fraction``.
+
+    Args:
+        fraction: torch's budget, in (0, 1].
+
+    Returns:
+        A :class:`Config` named ``"budget <fraction>"``.
+
+    Raises:
+        ValueError: ``fraction`` is outside (0, 1].
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"memory_budget: fraction must be in (0, 1], got {fraction}")
+    patch = functools.partial(torch._functorch.config.patch, activation_memory_budget=fraction)
+    return Config(f"budget {fraction:g}", lambda workload, backend: _compiled(workload, backend, patch), True, False,
+                  f"partitioner recompute, activation_memory_budget={fraction:g}")
+
+
+def planned(label: str, plan: sh.Plan) -> Config:
+    """A configuration: plain ``torch.compile`` inside ``sh.saved_tensors_hooks(plan.hooks)``.
+
+    Args:
+        label: what the plan was made for (the name is ``"plan <label>"``).
+        plan: an :func:`sh.plan` result for the workload's model.
+
+    Returns:
+        A :class:`Config`.
+
+    Raises:
+        Nothing.
+    """
+    hooks = plan.hooks
+    return Config(f"plan {label}", lambda workload, backend: _compiled(workload, backend,
+                                                                       lambda: sh.saved_tensors_hooks(hooks)),
+                  True, False, f"sh.plan at {plan.budget_bytes / (1 << 20):.1f} MiB")
 
 
 def _save_on_cpu(workload: Workload, backend: str) -> Step:
@@ -344,7 +377,7 @@ CONFIGS: dict[str, Config] = {
         Config("checkpoint", _checkpointing, True, False, "torch.utils.checkpoint per block"),
         Config("sh + checkpoint", _savedhooks_checkpointing, True, False,
                "checkpoint per block, sh.policy() on what is still saved"),
-        Config("budget 0.5", _memory_budget, True, False, "partitioner recompute, activation_memory_budget=0.5"),
+        memory_budget(MEMORY_BUDGET),
         Config("bf16", _bf16_compiled, True, False, "bf16 autocast, compiled, no hooks: the bf16 rows' baseline",
                baseline="bf16", in_default=False),
         Config("bf16 sh policy", _bf16_policy, True, False, "bf16 autocast, sh.policy() inlined",

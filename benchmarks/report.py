@@ -9,7 +9,7 @@ import pathlib
 
 from benchmarks.run import Row
 
-__all__ = ["COLUMNS", "plot_activation_memory", "plot_timeline", "read_csv", "table", "write_csv"]
+__all__ = ["COLUMNS", "plot_activation_memory", "plot_pareto", "plot_timeline", "read_csv", "table", "write_csv"]
 
 ABOVE = "▲"  # the table's marker for a peak above its no-hook baseline (Row.above_baseline)
 
@@ -186,6 +186,54 @@ def plot_activation_memory(rows: list[Row], path: str | pathlib.Path, title: str
         ax.tick_params(labelsize=7)
     axes[0][0].set_yticks(range(len(labels)), labels)
     axes[0][0].invert_yaxis()  # shared: the first configuration on top in every panel
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_pareto(rows: list[Row], path: str | pathlib.Path, title: str = "") -> pathlib.Path:
+    """Step time (over compiled) against activation peak, one panel per model; plans joined by a line.
+
+    Args:
+        rows: the rows (failed ones and rows without a step ratio are left out).
+        path: the PNG to write.
+        title: the figure's title.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if not r.error and r.activation_mib is not None and r.step_ratio is not None]
+    models = list(dict.fromkeys(r.model for r in ok))
+    fig, axes = plt.subplots(1, max(len(models), 1), figsize=(5.0 * max(len(models), 1), 4.0), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in ok if r.model == model]
+        plans = sorted((r for r in mine if r.config.startswith("plan")), key=lambda r: r.activation_mib)
+        ax.plot([r.activation_mib for r in plans], [r.step_ratio for r in plans], "o-", color="tab:green",
+                label="sh.plan")
+        for r in mine:
+            if not r.config.startswith("plan"):
+                ax.plot(r.activation_mib, r.step_ratio, "s", label=r.config)
+        for r in plans:
+            ax.annotate(r.config.removeprefix("plan "), (r.activation_mib, r.step_ratio), fontsize=7,
+                        textcoords="offset points", xytext=(3, 3))
+        ax.set_title(model, fontsize=9)
+        ax.set_xlabel("activation MiB", fontsize=8)
+        ax.set_ylabel("step time / compiled", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()

@@ -42,7 +42,19 @@ import savedhooks as sh
 from benchmarks.configs import CONFIGS, DEFAULT_CONFIGS, Config, GraphLog, Step
 from benchmarks.models import MODELS, Workload, make_workload
 
-__all__ = ["ABOVE_TOLERANCE_MIB", "BACKENDS", "DEFAULT_INDUCTOR", "Result", "Row", "jobs", "run", "with_baselines"]
+__all__ = [
+    "ABOVE_TOLERANCE_MIB",
+    "BACKENDS",
+    "DEFAULT_INDUCTOR",
+    "MIB",
+    "Result",
+    "Row",
+    "jobs",
+    "measure",
+    "reference_grads",
+    "run",
+    "with_baselines",
+]
 
 BACKENDS = ("inductor", "aot_eager")
 # configurations the default run compiles with inductor too ("sh + reorder" is "sh" there: the
@@ -278,7 +290,18 @@ def measure(
     return row, timeline
 
 
-def _reference_grads(workload: Workload) -> list[torch.Tensor | None]:
+def reference_grads(workload: Workload) -> list[torch.Tensor | None]:
+    """The eager no-hook step's gradients (CPU copies), one per parameter: the SQNR reference.
+
+    Args:
+        workload: the model and inputs (its gradients are cleared afterwards).
+
+    Returns:
+        One gradient (or None) per parameter.
+
+    Raises:
+        Whatever the step raises.
+    """
     torch.manual_seed(0)
     workload.model.zero_grad(set_to_none=True)
     workload.loss(workload.model).backward()
@@ -384,7 +407,7 @@ def run(
             workload = make_workload(name, size, device)
             workload.compiled_loss = compiled_loss
             descriptions[name] = workload.description
-            reference = _reference_grads(workload)
+            reference = reference_grads(workload)
             for config, backend in todo[name]:
                 bar.set_description(f"{name}: {config.name} ({backend})")
                 try:

@@ -68,8 +68,8 @@ def _loss(y):
     return y.square().mean()
 
 
-def _measured_peak(model, x, hooks):
-    compiled = torch.compile(model, backend=sh.backend("aot_eager"))
+def _measured_peak(model, x, hooks, backend="aot_eager"):
+    compiled = torch.compile(model, backend=sh.backend("aot_eager") if backend == "aot_eager" else backend)
 
     def step():
         with sh.saved_tensors_hooks(hooks):
@@ -85,10 +85,11 @@ def _measured_peak(model, x, hooks):
 
 def test_plan_meets_its_budget_and_the_measured_peak_is_the_predicted_one():
     model, x = _mlp()
-    unbounded = sh.plan(model, (x,), budget_bytes=1 << 40, loss_fn=_loss, backend="aot_eager")
+    survey = sh.planner.survey(model, (x,), loss_fn=_loss, backend="aot_eager")
+    unbounded = survey.plan(1 << 40)
     assert all(t.choice == "keep" for t in unbounded.tensors)
     budget = (unbounded.baseline_peak_bytes + unbounded.floor_bytes) // 2
-    planned = sh.plan(model, (x,), budget_bytes=budget, loss_fn=_loss, backend="aot_eager")
+    planned = survey.plan(budget)
     assert {t.choice for t in planned.tensors} - {"keep"}, "a budget below the baseline packs something"
     assert planned.predicted_peak_bytes <= budget
     measured, _ = _measured_peak(model, x, planned.hooks)
@@ -99,12 +100,24 @@ def test_plan_meets_its_budget_and_the_measured_peak_is_the_predicted_one():
     assert "| choice |" in planned.report() and planned.report().count("\n") >= 3 + len(planned.tensors)
 
 
+def test_plan_under_plain_torch_compile_predicts_the_measured_peak():
+    model, x = _mlp()
+    survey = sh.planner.survey(model, (x,), loss_fn=_loss, backend="inductor")
+    planned = survey.plan((survey.baseline_bytes + survey.floor_bytes) // 2)
+    assert {t.choice for t in planned.tensors} - {"keep"}
+    measured, _ = _measured_peak(model, x, planned.hooks, backend="inductor")
+    assert measured <= planned.budget_bytes
+    assert abs(measured - planned.predicted_peak_bytes) <= 0.05 * planned.predicted_peak_bytes
+
+
 def test_plan_below_the_floor_raises_and_names_the_floor():
     model, x = _mlp()
     with pytest.raises(sh.InfeasibleBudgetError, match="lowest peak the planner reaches is") as info:
         sh.plan(model, (x,), budget_bytes=1024, loss_fn=_loss, backend="aot_eager")
     floor = info.value.floor_bytes
-    at_floor = sh.plan(model, (x,), budget_bytes=floor, loss_fn=_loss, backend="aot_eager")
+    survey = sh.planner.survey(model, (x,), loss_fn=_loss, backend="aot_eager")
+    assert survey.floor_bytes == floor
+    at_floor = survey.plan(floor)
     assert at_floor.predicted_peak_bytes == floor
     measured, _ = _measured_peak(model, x, at_floor.hooks)
     assert abs(measured - floor) <= 0.02 * floor
@@ -112,9 +125,8 @@ def test_plan_below_the_floor_raises_and_names_the_floor():
 
 def test_plan_round_trips_through_json_to_the_same_hooks():
     model, x = _mlp()
-    unbounded = sh.plan(model, (x,), budget_bytes=1 << 40, loss_fn=_loss, backend="aot_eager")
-    planned = sh.plan(model, (x,), budget_bytes=int(0.8 * unbounded.baseline_peak_bytes), loss_fn=_loss,
-                      backend="aot_eager")
+    survey = sh.planner.survey(model, (x,), loss_fn=_loss, backend="aot_eager")
+    planned = survey.plan(int(0.8 * survey.baseline_bytes))
     loaded = sh.Plan.from_json(planned.to_json())
     assert loaded == planned
     assert loaded.hooks is planned.hooks
@@ -129,8 +141,8 @@ def test_plan_leaves_what_the_policy_keeps_out_of_its_choices():
     blocks = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 64))
               for _ in range(4)]
     model, x = torch.nn.Sequential(*blocks), torch.randn(512, 64)
-    unbounded = sh.plan(model, (x,), budget_bytes=1 << 40, loss_fn=_loss, backend="aot_eager")
-    planned = sh.plan(model, (x,), budget_bytes=unbounded.floor_bytes, loss_fn=_loss, backend="aot_eager")
+    survey = sh.planner.survey(model, (x,), loss_fn=_loss, backend="aot_eager")
+    planned = survey.plan(survey.floor_bytes)
     # layer norm's normalized output and the linears' outputs are candidates; its mean and rstd are not
     assert "native_layer_norm" in {t.op for t in planned.tensors}
     assert all(t.shape[-1] != 1 for t in planned.tensors)

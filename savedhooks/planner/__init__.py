@@ -5,6 +5,6 @@ Reads :mod:`savedhooks.memory` (the step's timeline) and produces codec choices
 codecs only; recompute and offload are not chosen yet.
 """
 
-from savedhooks.planner.plan import InfeasibleBudgetError, Plan, Planned, PlannedTensor, plan
+from savedhooks.planner.plan import InfeasibleBudgetError, Plan, Planned, PlannedTensor, Survey, plan, survey
 
-__all__ = ["InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "plan"]
+__all__ = ["InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "Survey", "plan", "survey"]

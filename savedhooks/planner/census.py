@@ -135,6 +135,29 @@ def _exclusive_saved(graph: torch.fx.Graph, saved: set[str]) -> set[str]:
     }
 
 
+def _reused_in_place(gm: torch.fx.GraphModule, memory: Any, device: torch.device) -> list[int]:
+    """Per node, the bytes inductor writes in place: a pointwise kernel's output takes a same-size buffer that dies with it.
+
+    Inductor's generated code does this (``buf5 = buf2; del buf2  # reuse``
+    before a fused pointwise kernel), a saved input included; the buffer model
+    allocates before it frees, so without this rule a GELU backward counts its
+    output on top of the matmul gradient it overwrites.
+    """
+    nodes = {n.name: n for n in gm.graph.nodes}
+    reused = []
+    for name, made, freed in zip(memory.node_names, memory.allocs, memory.frees):
+        pool = [memory.buffers[b].nbytes for b in freed if memory.buffers[b].device == device]
+        total = 0
+        if torch.Tag.pointwise in getattr(nodes[name].target, "tags", ()):
+            for b in made:
+                size = memory.buffers[b].nbytes
+                if memory.buffers[b].device == device and size in pool:
+                    pool.remove(size)
+                    total += size
+        reused.append(total)
+    return reused
+
+
 def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: bool = False) -> GraphTimeline:
     """Summarize one AOTAutograd graph for the step timeline.
 
@@ -142,8 +165,10 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
         gm: a forward or backward graph with ``meta["val"]``.
         saved: forward graphs: the names its backward reads (the saved values);
             None for a backward graph.
-        fused: model the graph as inductor runs it (see
-            :func:`savedhooks.memory.build_graph_memory`).
+        fused: model the graph as inductor runs it: its fusion (see
+            :func:`savedhooks.memory.build_graph_memory`) and its in-place
+            reuse (a pointwise kernel writes into a same-size buffer that dies
+            with it).
 
     Returns:
         A :class:`GraphTimeline`.
@@ -155,6 +180,8 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
     memory = build_graph_memory(gm, donated=saved_activations(gm) if backward else (), fused=fused)
     device = _device(memory)
     during, after, _ = simulate(memory, device)
+    if fused:
+        during = [d - r for d, r in zip(during, _reused_in_place(gm, memory, device))]
     inputs = sum(b.nbytes for b in memory.buffers if b.is_input and b.device == device)
     live = tuple(d - inputs for d in during)
     index = {name: i for i, name in enumerate(memory.node_names)}

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -50,7 +50,7 @@ from savedhooks.planner.census import (
 from savedhooks.planner.costs import seconds_per_byte
 from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search
 
-__all__ = ["InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "plan"]
+__all__ = ["InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "Survey", "plan", "survey"]
 
 _MiB = 1 << 20
 _JSON_VERSION = 1
@@ -249,57 +249,109 @@ def _step(fn: Callable[..., Any], model: torch.nn.Module, example_inputs: Any, l
     model.zero_grad(set_to_none=True)
 
 
-def plan(
-    model: torch.nn.Module,
-    example_inputs: Any,
-    budget_bytes: int,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    backend: str = "inductor",
-    seed: int = 0,
-    verbose: bool = False,
-) -> Plan:
-    """Choose, per saved tensor, keep / bf16 / fp8 / bitmask so that the step's peak meets ``budget_bytes``.
-
-    Compiles the model twice (a census of the saved tensors under hooks that pack
-    nothing, then without hooks to model the step's memory) and runs one training
-    step each time; the model's gradients are cleared, its parameters unchanged.
-    The choice minimizes the modelled codec time; what the policy keeps for
-    fidelity (``sh.policy()``'s rules) stays kept. First slice: codecs only (no
-    recompute, no offload).
-
-    Args:
-        model: the module to train (not compiled: the plan compiles it).
-        example_inputs: a tuple of positional arguments, a dict of keyword
-            arguments, or one tensor, of the shapes training uses.
-        budget_bytes: the peak to meet, in bytes above what is alive before the
-            step (parameters, inputs, optimizer state excluded), as the memory
-            model predicts it for the compiled graphs with placement.
-        loss_fn: turns the model's output into a scalar (run eagerly, as in a
-            training loop); default: the output if it is a scalar, else the mean
-            square of its floating tensors.
-        backend: ``"inductor"`` (plain ``torch.compile``) or ``"aot_eager"``
-            (run it with ``sh.backend("aot_eager")``); the plan's keys are those
-            of this backend's graphs.
-        seed: ``torch.manual_seed`` before each step.
-        verbose: print the report.
-
-    Returns:
-        A :class:`Plan`; run it with ``sh.saved_tensors_hooks(plan.hooks)``.
-
-    Raises:
-        TypeError: ``model`` is not a module or ``budget_bytes`` not an int.
-        ValueError: ``budget_bytes`` is not positive, ``backend`` is unknown, or
-            the output has no floating tensor and no ``loss_fn``.
-        RuntimeError: the model did not compile (dynamo ran it eagerly).
-        InfeasibleBudgetError: the budget is below the lowest peak reachable
-            (the error names it).
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
+def _check_budget(budget_bytes: Any) -> None:
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
         raise TypeError(f"plan: budget_bytes must be an int, got {budget_bytes!r}")
     if budget_bytes <= 0:
         raise ValueError(f"plan: budget_bytes must be positive, got {budget_bytes}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Survey:
+    """What planning needs from a model, measured once (:func:`survey`); :meth:`plan` for each budget.
+
+    Attributes:
+        units: the candidates, in key order (:class:`savedhooks.planner.search.Unit`).
+        saved: plan key -> the census entries of its saved tensors.
+        live: the step's timeline with nothing packed.
+        backend: the ``torch.compile`` backend surveyed.
+    """
+
+    units: tuple[Unit, ...]
+    saved: Mapping[str, tuple[SavedTensor, ...]]
+    live: tuple[int, ...]
+    backend: str
+
+    @property
+    def baseline_bytes(self) -> int:
+        """The modelled peak with nothing packed."""
+        return max(self.live, default=0)
+
+    @property
+    def floor_bytes(self) -> int:
+        """The lowest modelled peak: every candidate at its smallest payload."""
+        return peak_of(self.live, self.units, floor_of(self.units))
+
+    def plan(self, budget_bytes: int, verbose: bool = False) -> Plan:
+        """The plan for one budget (no compile, no step: the search alone).
+
+        Args:
+            budget_bytes: as for :func:`plan`.
+            verbose: print the report.
+
+        Returns:
+            A :class:`Plan`.
+
+        Raises:
+            TypeError: ``budget_bytes`` is not an int.
+            ValueError: ``budget_bytes`` is not positive.
+            InfeasibleBudgetError: the budget is below :attr:`floor_bytes`.
+        """
+        _check_budget(budget_bytes)
+        floor = self.floor_bytes
+        if budget_bytes < floor:
+            raise InfeasibleBudgetError(budget_bytes, floor, self.baseline_bytes)
+        result = search(self.live, self.units, budget_bytes)
+        tensors = []
+        for unit, o in sorted(zip(self.units, result.choice), key=lambda uo: (-uo[0].bytes, uo[0].key)):
+            first, option = self.saved[unit.key][0], unit.options[o]
+            at_peak = any(start <= result.at < end for start, end in unit.spans)
+            dtype = str(first.dtype).removeprefix("torch.")
+            tensors.append(PlannedTensor(unit.key, first.op, first.shape, dtype, unit.bytes, len(self.saved[unit.key]),
+                                         option.name, option.payload, option.seconds, at_peak))
+        planned = Plan(tuple(tensors), budget_bytes, result.peak, self.baseline_bytes, floor, self.backend, result.log)
+        if verbose:
+            print(planned.report())
+        return planned
+
+
+def survey(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    backend: str = "inductor",
+    seed: int = 0,
+) -> Survey:
+    """Census the saved tensors and model the step's memory, once, to plan for any budget.
+
+    Compiles the model twice (a census of the saved tensors under hooks that pack
+    nothing, then without hooks, its graphs kept for the memory model) and runs
+    one training step each time; the model's gradients are cleared, its
+    parameters unchanged. Calibrates each codec's time once per process.
+
+    Args:
+        model: the module to train (not compiled: the survey compiles it).
+        example_inputs: a tuple of positional arguments, a dict of keyword
+            arguments, or one tensor, of the shapes training uses.
+        loss_fn: turns the model's output into a scalar (run eagerly, as in a
+            training loop); default: the output if it is a scalar, else the mean
+            square of its floating tensors.
+        backend: ``"inductor"`` (plain ``torch.compile``) or ``"aot_eager"``
+            (run the plan with ``sh.backend("aot_eager")``); the plan's keys are
+            those of this backend's graphs.
+        seed: ``torch.manual_seed`` before each step.
+
+    Returns:
+        A :class:`Survey`.
+
+    Raises:
+        TypeError: ``model`` is not a module.
+        ValueError: ``backend`` is unknown, or the output has no floating tensor
+            and no ``loss_fn``.
+        RuntimeError: the model did not compile (dynamo ran it eagerly).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
     recording, recorder, fused = recording_backend(backend)
     loss_fn = loss_fn or default_loss
     # every compile must trace (the census runs inside tracing): no dynamo, AOTAutograd or FX graph cache hits
@@ -321,32 +373,57 @@ def plan(
     backwards = [timeline_of(bw, fused=fused) for bw in recorder.backwards]
     eager = [t for t in run.census if t.key.startswith("eager:")]
     timeline = step_timeline(forwards, backwards, eager)
-
     groups: dict[str, list[SavedTensor]] = {}
     for t in run.census:
         groups.setdefault(key_of_saved(t), []).append(t)
     device = _device(example_inputs)
-    units = [
+    units = tuple(
         Unit(key, sum(t.bytes for t in ts), tuple(timeline.spans[t.key] for t in ts if t.key in timeline.spans),
              _options(ts, device, backend))
         for key, ts in sorted(groups.items())
-    ]
-    baseline = max(timeline.live, default=0)
-    floor = peak_of(timeline.live, units, floor_of(units))
-    if budget_bytes < floor:
-        raise InfeasibleBudgetError(budget_bytes, floor, baseline)
-    result = search(timeline.live, units, budget_bytes)
-    tensors = tuple(
-        PlannedTensor(
-            unit.key, groups[unit.key][0].op, groups[unit.key][0].shape,
-            str(groups[unit.key][0].dtype).removeprefix("torch."),
-            unit.bytes, len(groups[unit.key]), unit.options[o].name, unit.options[o].payload, unit.options[o].seconds,
-            any(start <= result.at < end for start, end in unit.spans),
-        )
-        for unit, o in sorted(zip(units, result.choice), key=lambda uo: (-uo[0].bytes, uo[0].key))
     )
-    planned = Plan(tensors, budget_bytes, result.peak, baseline, floor, backend, result.log)
-    if verbose:
-        print(planned.report())
-    return planned
+    return Survey(units, {k: tuple(v) for k, v in groups.items()}, timeline.live, backend)
 
+
+def plan(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    budget_bytes: int,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    backend: str = "inductor",
+    seed: int = 0,
+    verbose: bool = False,
+) -> Plan:
+    """Choose, per saved tensor, keep / bf16 / fp8 / bitmask so that the step's peak meets ``budget_bytes``.
+
+    :func:`survey` then :meth:`Survey.plan`: two compiles and two training steps
+    (gradients cleared, parameters unchanged), then the search. The choice
+    minimizes the modelled codec time; what the policy keeps for fidelity
+    (``sh.policy()``'s rules) stays kept. First slice: codecs only (no
+    recompute, no offload). To plan several budgets, survey once.
+
+    Args:
+        model: the module to train (not compiled: the plan compiles it).
+        example_inputs: a tuple of positional arguments, a dict of keyword
+            arguments, or one tensor, of the shapes training uses.
+        budget_bytes: the peak to meet, in bytes above what is alive before the
+            step (parameters, inputs, optimizer state excluded), as the memory
+            model predicts it for the compiled graphs with placement.
+        loss_fn: as for :func:`survey`.
+        backend: as for :func:`survey`.
+        seed: ``torch.manual_seed`` before each step.
+        verbose: print the report.
+
+    Returns:
+        A :class:`Plan`; run it with ``sh.saved_tensors_hooks(plan.hooks)``.
+
+    Raises:
+        TypeError: ``model`` is not a module or ``budget_bytes`` not an int.
+        ValueError: ``budget_bytes`` is not positive, ``backend`` is unknown, or
+            the output has no floating tensor and no ``loss_fn``.
+        RuntimeError: the model did not compile (dynamo ran it eagerly).
+        InfeasibleBudgetError: the budget is below the lowest peak reachable
+            (the error names it).
+    """
+    _check_budget(budget_bytes)
+    return survey(model, example_inputs, loss_fn, backend, seed).plan(budget_bytes, verbose)

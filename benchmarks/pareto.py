@@ -1,0 +1,126 @@
+"""Peak against step time: ``sh.plan`` at several budgets next to what users would otherwise pick.
+
+``python -m benchmarks.pareto --models gpt2 llama --size 8`` measures, per model,
+under inductor (plain ``torch.compile``), with the loss compiled with the model
+(``--eager-loss``: run it eagerly on the compiled model's output):
+
+* ``compiled``: no hooks (the reference for the ratios);
+* ``checkpoint``: ``torch.utils.checkpoint`` per block;
+* ``sh``: fp8 for every saved floating tensor (``sh.fp8()``);
+* ``budget <f>``: torch's min-cut partitioner under ``activation_memory_budget=f``;
+* ``plan checkpoint``: ``sh.plan`` with ``budget_bytes`` = the checkpoint row's
+  measured activation peak (the issue's acceptance budget);
+* ``plan <f>``: ``sh.plan`` at ``f`` of its modelled no-hook peak, and
+  ``plan floor`` at the lowest peak it can reach.
+
+Each row is measured as the main job measures (``benchmarks.run.measure``: one
+warm-up step, the peak of one step, the median of ``--repeats`` steps, the
+worst parameter-gradient SQNR against eager without hooks); a plan's
+``predicted_mib`` is its modelled peak. The model is surveyed once
+(``sh.planner.survey``) and planned per budget. Writes ``pareto.csv`` (the main
+job's row schema) and ``pareto.png`` (step time against activation peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import time
+
+import savedhooks as sh
+from benchmarks.configs import CONFIGS, Config, memory_budget, planned
+from benchmarks.models import MODELS, Workload, make_workload
+from benchmarks.report import plot_pareto, table, write_csv
+from benchmarks.run import MIB, Row, measure, reference_grads, with_baselines
+
+__all__ = ["main", "run_model"]
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def _survey(workload: Workload) -> sh.planner.Survey:
+    if workload.compiled_loss:
+        return sh.planner.survey(workload.with_loss(), workload.inputs, backend="inductor")
+    return sh.planner.survey(workload.model, workload.inputs, loss_fn=workload.loss_of, backend="inductor")
+
+
+def _measured(workload: Workload, config: Config, repeats: int, reference, predicted: int | None = None) -> Row:
+    row, _ = measure(workload, config, "inductor", "cpu", repeats, reference)
+    return row if predicted is None else dataclasses.replace(row, predicted_mib=predicted / MIB)
+
+
+def run_model(
+    name: str, size: float, fractions: list[float], memory_budgets: list[float], repeats: int, eager_loss: bool
+) -> list[Row]:
+    """Measure one model's rows (see the module docstring).
+
+    Args:
+        name: a model of ``benchmarks.models.MODELS``.
+        size: batch multiplier.
+        fractions: plan budgets as fractions of the modelled no-hook peak.
+        memory_budgets: torch's ``activation_memory_budget`` values.
+        repeats: timed steps per row.
+        eager_loss: run the loss eagerly instead of compiling it with the model.
+
+    Returns:
+        The rows, with ratios filled in.
+
+    Raises:
+        Whatever building or running a configuration raises.
+    """
+    workload = make_workload(name, size, "cpu")
+    workload.compiled_loss = not eager_loss
+    reference = reference_grads(workload)
+    rows = [_measured(workload, CONFIGS[c], repeats, reference) for c in ("compiled", "checkpoint", "sh")]
+    rows += [_measured(workload, memory_budget(f), repeats, reference) for f in memory_budgets]
+    survey = _survey(workload)
+    checkpoint = next(r for r in rows if r.config == "checkpoint")
+    budgets = {"checkpoint": int(checkpoint.activation_mib * MIB)}
+    budgets |= {f"{f:g}": int(f * survey.baseline_bytes) for f in fractions}
+    budgets["floor"] = survey.floor_bytes
+    for label, budget in budgets.items():
+        if budget < survey.floor_bytes:
+            print(f"{name}: plan {label}: {budget / MIB:.1f} MiB is below the floor {survey.floor_bytes / MIB:.1f}")
+            continue
+        plan = survey.plan(budget)
+        rows.append(_measured(workload, planned(label, plan), repeats, reference, plan.predicted_peak_bytes))
+    return with_baselines(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the models, print the table, write the CSV and the plot.
+
+    Args:
+        argv: the command line (default ``sys.argv[1:]``).
+
+    Returns:
+        0.
+
+    Raises:
+        SystemExit: bad flags.
+    """
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.pareto", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=list(MODELS), metavar="MODEL")
+    parser.add_argument("--size", type=float, default=8.0, help="batch multiplier (default 8)")
+    parser.add_argument("--fractions", nargs="*", type=float, default=[0.8, 0.6],
+                        help="plan budgets as fractions of the modelled no-hook peak (default 0.8 0.6)")
+    parser.add_argument("--memory-budgets", nargs="*", type=float, default=[0.3, 0.6],
+                        help="torch activation_memory_budget values (default 0.3 0.6)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per row (default 3)")
+    parser.add_argument("--eager-loss", action="store_true", help="run the loss eagerly (default: compiled with it)")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for pareto.csv and pareto.png")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    rows = []
+    for name in args.models:
+        rows += run_model(name, args.size, args.fractions, args.memory_budgets, args.repeats, args.eager_loss)
+    print(table(rows))
+    csv = write_csv(rows, args.out / "pareto.csv")
+    png = plot_pareto(rows, args.out / "pareto.png", title=f"CPU, inductor, --size {args.size:g}")
+    print(f"\n{len(rows)} rows, {time.perf_counter() - start:.0f} s; wrote {csv}, {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
