@@ -136,6 +136,28 @@ def _label(r: Row) -> str:
     return r.config if r.backend == "eager" else f"{r.config} ({r.backend})"
 
 
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, fig, path: str | pathlib.Path, title: str) -> pathlib.Path:
+    """Title, lay out, write ``path`` (its folder made) and close the figure."""
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_activation_memory(rows: list[Row], path: str | pathlib.Path, title: str = "") -> pathlib.Path:
     """Bar chart of measured activation memory (and the predicted one, where there is one), one panel per model.
 
@@ -152,10 +174,7 @@ def plot_activation_memory(rows: list[Row], path: str | pathlib.Path, title: str
     Raises:
         ImportError: matplotlib is not installed.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     ok = [r for r in rows if not r.error and r.activation_mib is not None]
     models = list(dict.fromkeys(r.model for r in ok))
@@ -186,14 +205,7 @@ def plot_activation_memory(rows: list[Row], path: str | pathlib.Path, title: str
         ax.tick_params(labelsize=7)
     axes[0][0].set_yticks(range(len(labels)), labels)
     axes[0][0].invert_yaxis()  # shared: the first configuration on top in every panel
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
 
 
 def plot_pareto(rows: list[Row], path: str | pathlib.Path, title: str = "") -> pathlib.Path:
@@ -210,10 +222,7 @@ def plot_pareto(rows: list[Row], path: str | pathlib.Path, title: str = "") -> p
     Raises:
         ImportError: matplotlib is not installed.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     ok = [r for r in rows if not r.error and r.activation_mib is not None and r.step_ratio is not None]
     models = list(dict.fromkeys(r.model for r in ok))
@@ -221,7 +230,7 @@ def plot_pareto(rows: list[Row], path: str | pathlib.Path, title: str = "") -> p
     for ax, model in zip(axes[0], models):
         mine = [r for r in ok if r.model == model]
         plans = sorted((r for r in mine if r.config.startswith("plan")), key=lambda r: r.activation_mib)
-        ax.plot([r.activation_mib for r in plans], [r.step_ratio for r in plans], "o-", color="tab:green",
+        ax.plot([r.activation_mib for r in plans], [r.step_ratio for r in plans], "o-", color="black",
                 label="sh.plan")
         for r in mine:
             if not r.config.startswith("plan"):
@@ -234,14 +243,7 @@ def plot_pareto(rows: list[Row], path: str | pathlib.Path, title: str = "") -> p
         ax.set_ylabel("step time / compiled", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
 
 
 def plot_timeline(
@@ -261,11 +263,7 @@ def plot_timeline(
     Raises:
         ImportError: matplotlib is not installed.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     mib = 2.0**20
     fig, ax = plt.subplots(figsize=(10, 4))
     for config, (curve, n_forward) in timelines.items():
@@ -278,9 +276,4 @@ def plot_timeline(
     ax.set_ylabel("predicted live MiB above the step's inputs")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, "")

@@ -360,7 +360,8 @@ def survey(
             torch._inductor.config.patch(fx_graph_cache=False):
         with keyed_run() as run, saved_tensors_hooks(Census(Policy()).hooks(), reorder=False):
             _step(torch.compile(model, backend=fresh_backend(backend)), model, example_inputs, loss_fn, seed)
-        _step(torch.compile(model, backend=recording), model, example_inputs, loss_fn, seed)
+        with recorder.kernel_order():
+            _step(torch.compile(model, backend=recording), model, example_inputs, loss_fn, seed)
     if not recorder.forwards or len(recorder.forwards) != len(recorder.backwards):
         raise RuntimeError(
             f"plan: the model did not compile into forward and backward graphs under {backend!r} "
