@@ -171,3 +171,33 @@ def test_plan_json_and_codec_names_are_checked():
         sh.Plan.from_json('{"version": 99}')
     with pytest.raises(ValueError, match="unknown codec names"):
         sh.planner.Planned((("a|b|1|float32", "zip"),))
+
+
+def _two_branches():
+    def f(x, w1, w2):
+        a = (x @ w1).relu()
+        b = (x @ w2).sum()
+        return a, b
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(f)(torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4))
+
+
+def _names(gm):
+    return [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+
+def test_run_in_kernel_order_follows_the_kernels_and_refuses_an_order_that_breaks_dependencies():
+    from savedhooks.planner.census import run_in_kernel_order
+
+    gm = _two_branches()
+    assert _names(gm) == ["mm", "relu", "mm_1", "sum_1"]
+    assert not run_in_kernel_order(gm)  # no order kept: left as it is
+    gm.meta["savedhooks_kernel_order"] = [["mm_1"], ["sum_1"], ["mm"], ["relu"]]
+    assert run_in_kernel_order(gm)
+    assert _names(gm) == ["mm_1", "sum_1", "mm", "relu"]
+    gm.graph.lint()
+    gm.meta["savedhooks_kernel_order"] = [["relu"], ["mm"]]  # relu before its input: refused
+    assert not run_in_kernel_order(gm)
+    assert _names(gm) == ["mm_1", "sum_1", "mm", "relu"]
