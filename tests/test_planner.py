@@ -10,8 +10,8 @@ from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search
 
 
 def _units():
-    a = Unit("a", 60, ((1, 3),), (Option("keep", 60, 0.0), Option("bf16", 30, 1.0), Option("fp8", 15, 3.0)))
-    b = Unit("b", 40, ((1, 2),), (Option("keep", 40, 0.0), Option("fp8", 10, 0.5)))
+    a = Unit("a", 60, ((1, 3, 60),), (Option("keep", 60, 0.0), Option("bf16", 30, 1.0), Option("fp8", 15, 3.0)))
+    b = Unit("b", 40, ((1, 2, 40),), (Option("keep", 40, 0.0), Option("fp8", 10, 0.5)))
     return [a, b]
 
 
@@ -34,6 +34,16 @@ def test_search_stops_at_the_floor_when_the_budget_is_below_it():
     assert floor == 55  # point 2: 100 - (60 - 15)
     result = search(live, units, budget=50)
     assert result.peak == floor > 50
+
+
+def test_a_unit_of_several_tensors_frees_each_tensor_s_share_on_its_own_span():
+    # views of one 30-byte storage, 10 bytes each, unpacked one after another in the backward
+    unit = Unit("qkv", 30, ((0, 2, 10), (0, 3, 10), (0, 4, 10)), (Option("keep", 30, 0.0), Option("fp8", 6, 1.0)))
+    live = [100, 100, 100, 100, 100]
+    # each packed view frees 8 bytes while it is packed
+    assert peak_of(live, [unit], (1,)) == 100  # the last point: nothing packed any more
+    assert peak_of(live[:4], [unit], (1,)) == 92  # point 3: one view still packed
+    assert peak_of(live[:2], [unit], (1,)) == 76  # points 0-1: all three packed
 
 
 def test_unit_options_must_start_with_keep():

@@ -21,9 +21,11 @@ Design notes
   ``reorder_for_peak_memory`` while the survey compiles; measured exact on the
   benchmark's MLP, gpt2 and llama at size 1, where the FX order over-predicted
   the MLP's backward by 12 %), with its fusion and its in-place reuse.
-* A saved tensor whose storage is shared with another saved tensor or with a
-  graph output frees nothing when packed (the other holder keeps it): it gets no
-  span, so the planner never packs it for memory.
+* Saved tensors that are views of one storage (attention's q, k and v split
+  from one projection) free it only when all of them are packed: they get one
+  choice together, their spans starting after the last of them is made. A saved
+  tensor whose storage a graph input or another graph output holds frees nothing
+  when packed: it gets no span, so the planner never packs it for memory.
 """
 
 from __future__ import annotations
@@ -114,11 +116,15 @@ class GraphTimeline:
         at: forward: saved node -> the node index that makes it (absent: it frees
             nothing when packed); backward: saved input -> its first use.
         retained: forward only: bytes the graph leaves alive (saved tensors, outputs).
+        together: forward only: saved node -> the saved nodes sharing its storage
+            (views of one buffer, such as attention's q, k and v): packing frees
+            it only when all are packed, so they get one choice.
     """
 
     live: tuple[int, ...]
     at: Mapping[str, int]
     retained: int = 0
+    together: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 def _device(memory: Any) -> torch.device:
@@ -130,16 +136,22 @@ def _storage(node: torch.fx.Node) -> StorageWeakRef | None:
     return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
 
 
-def _exclusive_saved(graph: torch.fx.Graph, saved: set[str]) -> set[str]:
-    """Saved nodes whose storage no graph input, other saved tensor or graph output holds."""
+def _storage_groups(graph: torch.fx.Graph, saved: set[str]) -> dict[str, tuple[str, ...]]:
+    """Saved nodes whose packing can free their storage, each with the saved nodes sharing that storage.
+
+    A storage that a graph input or a graph output other than the saved tensors
+    holds is never freed by packing: its saved nodes are left out.
+    """
     output = graph.find_nodes(op="output")[0]
     held = collections.Counter(_storage(n) for n in pytree.tree_leaves(output.args) if isinstance(n, torch.fx.Node))
     inputs = {_storage(n) for n in graph.find_nodes(op="placeholder")}
-    return {
-        n.name
-        for n in graph.nodes
-        if n.name in saved and n.op != "placeholder" and _storage(n) not in inputs and held[_storage(n)] == 1
-    }
+    members: dict[StorageWeakRef, list[str]] = {}
+    for node in graph.nodes:
+        ref = _storage(node)
+        if node.name in saved and node.op != "placeholder" and ref is not None and ref not in inputs:
+            members.setdefault(ref, []).append(node.name)
+    # each saved tensor is one output position; one more means a user output (or a duplicate) holds it too
+    return {name: tuple(names) for ref, names in members.items() if held[ref] == len(names) for name in names}
 
 
 def _reused_in_place(gm: torch.fx.GraphModule, memory: Any, device: torch.device) -> list[int]:
@@ -201,8 +213,11 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
             for j in reads:
                 first.setdefault(memory.node_names[j], i)
         return GraphTimeline(live, {n: first[n] for n in saved_activations(gm) if n in first})
-    at = {n: index[n] for n in _exclusive_saved(gm.graph, saved)}
-    return GraphTimeline(live, at, (after[-1] - inputs) if after else 0)
+    groups = _storage_groups(gm.graph, saved)
+    # a shared storage is freed once all its saved views are packed: after the last of them is made
+    at = {n: max(index[m] for m in group) for n, group in groups.items()}
+    together = {n: group for n, group in groups.items() if len(group) > 1}
+    return GraphTimeline(live, at, (after[-1] - inputs) if after else 0, together)
 
 
 @dataclasses.dataclass(frozen=True)

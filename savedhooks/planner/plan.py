@@ -40,6 +40,7 @@ from savedhooks.fidelity.select import Census, SavedTensor, keyed_run
 from savedhooks.fidelity.sensitivity import call_model, default_loss
 from savedhooks.hooks import HookPair, saved_tensors_hooks
 from savedhooks.planner.census import (
+    GraphTimeline,
     fresh_backend,
     key_of_saved,
     plan_key,
@@ -107,7 +108,8 @@ class PlannedTensor:
     """One choice of a plan.
 
     Attributes:
-        key: the plan key (see :mod:`savedhooks.planner.census`).
+        key: the plan key (see :mod:`savedhooks.planner.census`); views of one
+            storage get one choice, their keys joined by ``" + "``.
         op: the producing op.
         shape: its shape.
         dtype: its dtype name (``"float32"``).
@@ -129,6 +131,11 @@ class PlannedTensor:
     payload: int
     seconds: float
     at_peak: bool
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The plan keys the choice applies to (several for views of one storage: ``key`` joins them with " + ")."""
+        return tuple(self.key.split(" + "))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +163,7 @@ class Plan:
     @property
     def hooks(self) -> HookPair:
         """The hook pair that runs the plan: use it in ``sh.saved_tensors_hooks(plan.hooks)``."""
-        return Planned(tuple(sorted((t.key, t.choice) for t in self.tensors))).hooks()
+        return Planned(tuple(sorted((key, t.choice) for t in self.tensors for key in t.keys))).hooks()
 
     @property
     def seconds(self) -> float:
@@ -177,7 +184,7 @@ class Plan:
             "|---|---|---|---|---:|---:|---|---:|---:|:---:|",
         ]
         for t in self.tensors:
-            name = t.key.split("|")[0]
+            name = ", ".join(key.split("|")[0] for key in t.keys)
             shape = "x".join(map(str, t.shape))
             lines.append(
                 f"| {name} | {t.op} | {shape} | {t.dtype} | {t.count} | {t.bytes / _MiB:.2f} | {t.choice} | "
@@ -262,7 +269,8 @@ class Survey:
 
     Attributes:
         units: the candidates, in key order (:class:`savedhooks.planner.search.Unit`).
-        saved: plan key -> the census entries of its saved tensors.
+        saved: unit key (a plan key, or several joined by ``" + "``) -> the census
+            entries of its saved tensors.
         live: the step's timeline with nothing packed.
         backend: the ``torch.compile`` backend surveyed.
     """
@@ -305,7 +313,7 @@ class Survey:
         tensors = []
         for unit, o in sorted(zip(self.units, result.choice), key=lambda uo: (-uo[0].bytes, uo[0].key)):
             first, option = self.saved[unit.key][0], unit.options[o]
-            at_peak = any(start <= result.at < end for start, end in unit.spans)
+            at_peak = any(start <= result.at < end for start, end, _ in unit.spans)
             dtype = str(first.dtype).removeprefix("torch.")
             tensors.append(PlannedTensor(unit.key, first.op, first.shape, dtype, unit.bytes, len(self.saved[unit.key]),
                                          option.name, option.payload, option.seconds, at_peak))
@@ -374,16 +382,67 @@ def survey(
     backwards = [timeline_of(bw, fused=fused) for bw in recorder.backwards]
     eager = [t for t in run.census if t.key.startswith("eager:")]
     timeline = step_timeline(forwards, backwards, eager)
-    groups: dict[str, list[SavedTensor]] = {}
-    for t in run.census:
-        groups.setdefault(key_of_saved(t), []).append(t)
+    groups, blocked = _choice_groups(run.census, forwards)
     device = _device(example_inputs)
     units = tuple(
-        Unit(key, sum(t.bytes for t in ts), tuple(timeline.spans[t.key] for t in ts if t.key in timeline.spans),
-             _options(ts, device, backend))
+        Unit(key, sum(t.bytes for t in ts),
+             tuple((*timeline.spans[t.key], t.bytes) for t in ts if t.key in timeline.spans and t.key not in blocked),
+             _merged_options([_options(same, device, backend) for same in _by_plan_key(ts)]))
         for key, ts in sorted(groups.items())
     )
-    return Survey(units, {k: tuple(v) for k, v in groups.items()}, timeline.live, backend)
+    return Survey(units, groups, timeline.live, backend)
+
+
+def _by_plan_key(tensors: tuple[SavedTensor, ...]) -> list[list[SavedTensor]]:
+    by_key: dict[str, list[SavedTensor]] = {}
+    for t in tensors:
+        by_key.setdefault(key_of_saved(t), []).append(t)
+    return list(by_key.values())
+
+
+def _choice_groups(
+    census: list[SavedTensor], forwards: list[GraphTimeline]
+) -> tuple[dict[str, tuple[SavedTensor, ...]], set[str]]:
+    """Census entries by unit: one plan key, or the plan keys of views sharing a storage (joined by " + ").
+
+    Returns the units and the census keys whose storage also holds a tensor that
+    is not a candidate (the policy keeps it): packing them frees nothing.
+    """
+    plan_key = {t.key: key_of_saved(t) for t in census}
+    root = {k: k for k in plan_key.values()}
+
+    def find(k: str) -> str:
+        while root[k] != k:
+            k = root[k]
+        return k
+
+    blocked: set[str] = set()
+    for g, fw in enumerate(forwards):
+        for group in set(fw.together.values()):
+            keys = [f"g{g}:{name}" for name in group]
+            if not all(k in plan_key for k in keys):
+                blocked.update(keys)
+                continue
+            for k in keys[1:]:
+                root[find(plan_key[k])] = find(plan_key[keys[0]])
+    members: dict[str, list[str]] = {}
+    for k in sorted(root):
+        members.setdefault(find(k), []).append(k)
+    unit_of = {k: " + ".join(ks) for ks in members.values() for k in ks}
+    units: dict[str, list[SavedTensor]] = {}
+    for t in census:
+        units.setdefault(unit_of[plan_key[t.key]], []).append(t)
+    return {k: tuple(v) for k, v in units.items()}, blocked
+
+
+def _merged_options(per_key: list[tuple[Option, ...]]) -> tuple[Option, ...]:
+    """The options every plan key of a unit has, payloads and times summed."""
+    names = [o.name for o in per_key[0] if all(any(p.name == o.name for p in opts) for opts in per_key)]
+    return tuple(
+        Option(name, sum(o.payload for opts in per_key for o in opts if o.name == name),
+               sum(o.seconds for opts in per_key for o in opts if o.name == name))
+        for name in names
+    )
 
 
 def plan(

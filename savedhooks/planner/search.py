@@ -2,11 +2,13 @@
 
 Design notes
 ------------
-* A :class:`Unit` gets one choice: the saved tensors of one plan key, the bytes
-  they hold, their spans on the step timeline (:mod:`savedhooks.planner.census`)
-  and the options, ``options[0]`` being to keep them as they are (no time, no
-  saving). Choosing option ``o`` lowers every point of the spans by
-  ``bytes - o.payload``. The modelled peak is the largest point.
+* A :class:`Unit` gets one choice: the saved tensors of one plan key (or of
+  views sharing a storage), the bytes they hold, their spans on the step
+  timeline (:mod:`savedhooks.planner.census`), each with the bytes of the
+  tensor it belongs to, and the options, ``options[0]`` being to keep them as
+  they are (no time, no saving). Choosing option ``o`` lowers each point of a
+  tensor's span by that tensor's share of ``bytes - o.payload`` (payloads are
+  taken as proportional to bytes). The modelled peak is the largest point.
 * Greedy: while the peak is above the budget, take the move (a unit covering the
   peak point, to an option with a smaller payload) that frees the most bytes at
   that point per second it adds; ties go to more bytes, then to the lower key.
@@ -51,13 +53,14 @@ class Unit:
     Attributes:
         key: the plan key.
         bytes: bytes held when kept.
-        spans: ``(start, end)`` points of the timeline where packing frees bytes.
+        spans: ``(start, end, tensor_bytes)``: the points of the timeline where
+            packing one of its tensors frees bytes, and that tensor's bytes.
         options: ``options[0]`` keeps; the others pack.
     """
 
     key: str
     bytes: int
-    spans: tuple[tuple[int, int], ...]
+    spans: tuple[tuple[int, int, int], ...]
     options: tuple[Option, ...]
 
     def __post_init__(self) -> None:
@@ -85,9 +88,10 @@ class SearchResult:
 
 
 def _mask(unit: Unit, points: int) -> torch.Tensor:
-    mask = torch.zeros(points, dtype=torch.int64)
-    for start, end in unit.spans:
-        mask[start:end] = 1
+    """Per point, the share of the unit's saving freed there (its tensors' bytes over the unit's)."""
+    mask = torch.zeros(points, dtype=torch.float64)
+    for start, end, nbytes in unit.spans:
+        mask[start:end] += nbytes / max(unit.bytes, 1)
     return mask
 
 
@@ -96,6 +100,10 @@ def _live(live: torch.Tensor, units: Sequence[Unit], masks: Sequence[torch.Tenso
     for unit, mask, o in zip(units, masks, choice):
         out -= (unit.bytes - unit.options[o].payload) * mask
     return out
+
+
+def _peak(points: torch.Tensor) -> int:
+    return round(float(points.max()))
 
 
 def peak_of(live: Sequence[int], units: Sequence[Unit], choice: Sequence[int]) -> int:
@@ -114,8 +122,8 @@ def peak_of(live: Sequence[int], units: Sequence[Unit], choice: Sequence[int]) -
     """
     if not live:
         return 0
-    timeline = torch.tensor(live, dtype=torch.int64)
-    return int(_live(timeline, units, [_mask(u, len(live)) for u in units], choice).max())
+    timeline = torch.tensor(live, dtype=torch.float64)
+    return round(float(_live(timeline, units, [_mask(u, len(live)) for u in units], choice).max()))
 
 
 def floor_of(units: Sequence[Unit]) -> tuple[int, ...]:
@@ -149,12 +157,12 @@ def search(live: Sequence[int], units: Sequence[Unit], budget: int) -> SearchRes
     """
     if not live:
         return SearchResult(tuple(0 for _ in units), 0, 0, 0.0, ())
-    timeline = torch.tensor(live, dtype=torch.int64)
+    timeline = torch.tensor(live, dtype=torch.float64)
     masks = [_mask(u, len(live)) for u in units]
     choice = [0] * len(units)
     current = timeline.clone()
     log: list[str] = []
-    while int(current.max()) > budget:
+    while _peak(current) > budget:
         at = int(current.argmax())
         best: tuple[tuple[float, int], int, int] | None = None  # units are in key order: the first wins ties
         for u, (unit, mask) in enumerate(zip(units, masks)):
@@ -170,23 +178,23 @@ def search(live: Sequence[int], units: Sequence[Unit], budget: int) -> SearchRes
                 if best is None or score > best[0]:
                     best = (score, u, o)
         if best is None:
-            log.append(f"no move frees bytes at point {at}: the floor is {int(current.max())} bytes")
+            log.append(f"no move frees bytes at point {at}: the floor is {_peak(current)} bytes")
             break
         _, u, o = best
         current -= (units[u].options[choice[u]].payload - units[u].options[o].payload) * masks[u]
         log.append(f"{units[u].key}: {units[u].options[choice[u]].name} -> {units[u].options[o].name}, "
-                   f"peak {int(current.max())}")
+                   f"peak {_peak(current)}")
         choice[u] = o
-    if int(current.max()) <= budget:
+    if _peak(current) <= budget:
         order = sorted(range(len(units)), key=lambda u: (-units[u].options[choice[u]].seconds, units[u].key))
         for u in order:
             for o in range(choice[u]):
                 delta = (units[u].options[o].payload - units[u].options[choice[u]].payload) * masks[u]
-                if int((current + delta).max()) <= budget:
+                if _peak(current + delta) <= budget:
                     current += delta
                     log.append(f"relax {units[u].key}: {units[u].options[choice[u]].name} -> "
-                               f"{units[u].options[o].name}, peak {int(current.max())}")
+                               f"{units[u].options[o].name}, peak {_peak(current)}")
                     choice[u] = o
                     break
     seconds = sum(unit.options[o].seconds for unit, o in zip(units, choice))
-    return SearchResult(tuple(choice), int(current.max()), int(current.argmax()), seconds, tuple(log))
+    return SearchResult(tuple(choice), _peak(current), int(current.argmax()), seconds, tuple(log))
