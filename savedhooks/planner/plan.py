@@ -2,15 +2,18 @@
 
 Design notes
 ------------
-* Three runs of one training step (forward, loss, backward; no optimizer step),
-  with the same inputs and random state:
+* The survey runs one training step (forward, loss, backward; no optimizer
+  step) twice, with the same inputs and random state:
   1. the census: the model compiled with the target backend under
      ``Census(Policy())`` hooks lists the saved tensors the policy would pack
      (the candidates; what the policy keeps stays kept) with their keys;
   2. the timeline: the model compiled again without hooks, its AOTAutograd
      graphs kept (:func:`savedhooks.planner.census.recording_backend`) and laid
-     end to end by the memory model (:func:`~savedhooks.planner.census.step_timeline`);
-  3. none: the choice is modelled, not measured (:mod:`savedhooks.planner.search`).
+     end to end by the memory model (:func:`~savedhooks.planner.census.step_timeline`).
+  Planning a budget is then the search alone (:mod:`savedhooks.planner.search`):
+  the choice is modelled, not measured.
+* Units: the census entries of one plan key, or of several whose tensors are
+  views of one storage (they free it together, so they get one choice).
 * Options per candidate: keep; bf16 (float32 and float64 tensors); fp8 (the
   policy's codec, e4m3 blocks of 128); a bitmask for bool tensors. Payload bytes
   come from encoding a fake tensor of the candidate's shape; time from
