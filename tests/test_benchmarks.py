@@ -324,3 +324,24 @@ def test_reorder_inductor_predicts_the_forward_that_inductor_runs_in_fx_order():
     assert len(recorder.peaks) == 1  # the forward graph only
     assert 0.85 * forward <= recorder.peaks[0] <= forward
     assert INDUCTOR_CONFIGS["inductor"]()[3] is None  # inductor reorders after the passes: nothing to predict
+
+
+def test_memory_budget_configs_are_named_by_their_fraction_and_checked():
+    from benchmarks.configs import memory_budget
+
+    assert CONFIGS["budget 0.5"].name == memory_budget(0.5).name == "budget 0.5"
+    assert memory_budget(0.25).description == "partitioner recompute, activation_memory_budget=0.25"
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+            memory_budget(bad)
+
+
+def test_pareto_plot_joins_the_plans_and_marks_the_others(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks.report import plot_pareto
+
+    rows = [Row("m", c, "inductor", "cpu", activation_mib=mib, step_ms=ms)
+            for c, mib, ms in (("compiled", 10.0, 100.0), ("checkpoint", 6.0, 120.0), ("plan 0.8", 8.0, 101.0),
+                               ("plan floor", 4.0, 110.0))]
+    png = plot_pareto(with_baselines(rows), tmp_path / "pareto.png", title="t")
+    assert png.exists() and png.stat().st_size > 10_000

@@ -50,7 +50,7 @@ def test_every_subpackage_is_in_the_wheel():
 def test_public_functions_document_args_returns_raises():
     missing = []
     namespaces = [savedhooks, savedhooks.codecs, savedhooks.fidelity, savedhooks.memory, savedhooks.metrics,
-                  savedhooks.passes, savedhooks.schedule]
+                  savedhooks.passes, savedhooks.planner, savedhooks.schedule]
     namespaces += [savedhooks.kernels] + [importlib.import_module(f"savedhooks.kernels.{m}") for m in ("fp8", "bitmask")]
     if importlib.util.find_spec("triton") is not None:
         names = ("triton_support", "fp8_triton", "bitmask_triton")
