@@ -29,14 +29,13 @@ import pathlib
 import time
 
 import savedhooks as sh
+from benchmarks.__main__ import RESULTS
 from benchmarks.configs import CONFIGS, Config, memory_budget, planned
 from benchmarks.models import MODELS, Workload, make_workload
 from benchmarks.report import plot_pareto, table, write_csv
 from benchmarks.run import MIB, Row, measure, reference_grads, with_baselines
 
 __all__ = ["main", "run_model"]
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def _survey(workload: Workload) -> sh.planner.Survey:

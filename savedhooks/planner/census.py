@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -46,6 +47,8 @@ from savedhooks.codecs.base import producing_op
 from savedhooks.fidelity.select import SavedTensor, concrete_size
 from savedhooks.hooks import hook_context
 from savedhooks.memory import build_graph_memory, saved_activations, simulate
+from savedhooks.memory.estimate import _input_bytes, _report_device
+from savedhooks.passes import is_backward_graph
 
 __all__ = [
     "GraphRecorder",
@@ -127,10 +130,6 @@ class GraphTimeline:
     together: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
-def _device(memory: Any) -> torch.device:
-    return next((b.device for b in memory.buffers if b.device.type != "cpu"), torch.device("cpu"))
-
-
 def _storage(node: torch.fx.Node) -> StorageWeakRef | None:
     val = node.meta.get("val")
     return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
@@ -200,11 +199,11 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
     if fused:
         run_in_kernel_order(gm)
     memory = build_graph_memory(gm, donated=saved_activations(gm) if backward else (), fused=fused)
-    device = _device(memory)
+    device = _report_device(memory)
     during, after, _ = simulate(memory, device)
     if fused:
         during = [d - r for d, r in zip(during, _reused_in_place(gm, memory, device))]
-    inputs = sum(b.nbytes for b in memory.buffers if b.is_input and b.device == device)
+    inputs = _input_bytes(memory, device)
     live = tuple(d - inputs for d in during)
     index = {name: i for i, name in enumerate(memory.node_names)}
     if backward:
@@ -289,8 +288,6 @@ class GraphRecorder(CustomGraphPass):
         self._last: torch.fx.GraphModule | None = None
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        from savedhooks.passes import is_backward_graph
-
         gm = torch.fx.GraphModule(torch.nn.Module(), graph)
         (self.backwards if is_backward_graph(graph) else self.forwards).append(gm)
         self._last = gm
@@ -387,11 +384,12 @@ def run_in_kernel_order(gm: torch.fx.GraphModule) -> bool:
     return True
 
 
-def fresh_backend(backend: str) -> Callable[..., Any]:
+def fresh_backend(backend: str, **keywords: Any) -> Callable[..., Any]:
     """``backend`` as a new object, so that dynamo compiles afresh instead of reusing an earlier compile.
 
     Args:
         backend: ``"aot_eager"`` or ``"inductor"``.
+        **keywords: passed on to torch's ``aot_eager`` or inductor's ``compile_fx``.
 
     Returns:
         A ``torch.compile`` backend that compiles as ``backend`` does.
@@ -400,14 +398,22 @@ def fresh_backend(backend: str) -> Callable[..., Any]:
         ValueError: another backend.
     """
     if backend == "aot_eager":
-        from torch._dynamo.backends.debugging import aot_eager
-
-        return functools.partial(aot_eager)
+        return functools.partial(aot_eager, **keywords)
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return functools.partial(compile_fx)
+        return functools.partial(compile_fx, **keywords)
     raise ValueError(f"plan: backend must be 'inductor' or 'aot_eager', got {backend!r}")
+
+
+def _keeping(graphs: list[torch.fx.GraphModule]) -> Callable[..., Any]:
+    """An aot_eager graph compiler that appends each graph to ``graphs`` and runs it as aot_eager does."""
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return boxed_nop(gm, example_inputs)
+
+    return compiler
 
 
 def recording_backend(backend: str) -> tuple[Callable[..., Any], GraphRecorder, bool]:
@@ -428,19 +434,6 @@ def recording_backend(backend: str) -> tuple[Callable[..., Any], GraphRecorder, 
     """
     recorder = GraphRecorder()
     if backend == "aot_eager":
-        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
-
-        def keep(graphs: list[torch.fx.GraphModule]) -> Callable[..., Any]:
-            def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-                graphs.append(gm)
-                return boxed_nop(gm, example_inputs)
-
-            return compiler
-
-        compilers = {"fw_compiler": keep(recorder.forwards), "bw_compiler": keep(recorder.backwards)}
-        return functools.partial(aot_eager, **compilers), recorder, False
-    if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return functools.partial(compile_fx, config_patches={"post_grad_custom_post_pass": recorder}), recorder, True
-    raise ValueError(f"plan: backend must be 'inductor' or 'aot_eager', got {backend!r}")
+        compilers = {"fw_compiler": _keeping(recorder.forwards), "bw_compiler": _keeping(recorder.backwards)}
+        return fresh_backend(backend, **compilers), recorder, False
+    return fresh_backend(backend, config_patches={"post_grad_custom_post_pass": recorder}), recorder, True

@@ -411,8 +411,8 @@ def _choice_groups(
     Returns the units and the census keys whose storage also holds a tensor that
     is not a candidate (the policy keeps it): packing them frees nothing.
     """
-    plan_key = {t.key: key_of_saved(t) for t in census}
-    root = {k: k for k in plan_key.values()}
+    key_of = {t.key: key_of_saved(t) for t in census}
+    root = {k: k for k in key_of.values()}
 
     def find(k: str) -> str:
         while root[k] != k:
@@ -423,18 +423,18 @@ def _choice_groups(
     for g, fw in enumerate(forwards):
         for group in set(fw.together.values()):
             keys = [f"g{g}:{name}" for name in group]
-            if not all(k in plan_key for k in keys):
+            if not all(k in key_of for k in keys):
                 blocked.update(keys)
                 continue
             for k in keys[1:]:
-                root[find(plan_key[k])] = find(plan_key[keys[0]])
+                root[find(key_of[k])] = find(key_of[keys[0]])
     members: dict[str, list[str]] = {}
     for k in sorted(root):
         members.setdefault(find(k), []).append(k)
     unit_of = {k: " + ".join(ks) for ks in members.values() for k in ks}
     units: dict[str, list[SavedTensor]] = {}
     for t in census:
-        units.setdefault(unit_of[plan_key[t.key]], []).append(t)
+        units.setdefault(unit_of[key_of[t.key]], []).append(t)
     return {k: tuple(v) for k, v in units.items()}, blocked
 
 
