@@ -330,22 +330,34 @@ def memory_budget(fraction: float) -> Config:
 
 
 def planned(label: str, plan: sh.Plan) -> Config:
-    """A configuration: plain ``torch.compile`` inside ``sh.saved_tensors_hooks(plan.hooks)``.
+    """A configuration: the plan's recompute applied, plain ``torch.compile`` inside ``sh.saved_tensors_hooks(plan.hooks)``.
 
     Args:
         label: what the plan was made for (the name is ``"plan <label>"``).
-        plan: an :func:`sh.plan` result for the workload's model.
+        plan: an :func:`sh.plan` result for the module the workload compiles
+            (:meth:`Workload.with_loss` when its loss is compiled, else its model).
 
     Returns:
-        A :class:`Config`.
+        A :class:`Config` (closing its step reverts the recompute).
 
     Raises:
         Nothing.
     """
     hooks = plan.hooks
-    return Config(f"plan {label}", lambda workload, backend: _compiled(workload, backend,
-                                                                       lambda: sh.saved_tensors_hooks(hooks)),
-                  True, False, f"sh.plan at {plan.budget_bytes / (1 << 20):.1f} MiB")
+
+    def build(workload: Workload, backend: str) -> Step:
+        module = workload.with_loss() if workload.compiled_loss else workload.model
+        plan.apply(module)  # the blocks are shared with workload.model: the compiled module sees them
+        try:
+            step = _compiled(workload, backend, lambda: sh.saved_tensors_hooks(hooks))
+        except BaseException:
+            plan.revert(module)
+            raise
+        step.close = lambda: plan.revert(module)
+        return step
+
+    recompute = f", recompute {len(plan.recompute)} blocks" if plan.recompute else ""
+    return Config(f"plan {label}", build, True, False, f"sh.plan at {plan.budget_bytes / (1 << 20):.1f} MiB{recompute}")
 
 
 def _save_on_cpu(workload: Workload, backend: str) -> Step:

@@ -9,15 +9,18 @@ under inductor (plain ``torch.compile``), with the loss compiled with the model
 * ``sh``: fp8 for every saved floating tensor (``sh.fp8()``);
 * ``budget <f>``: torch's min-cut partitioner under ``activation_memory_budget=f``;
 * ``plan checkpoint``: ``sh.plan`` with ``budget_bytes`` = the checkpoint row's
-  measured activation peak (the issue's acceptance budget);
+  measured activation peak (the issue's acceptance budget); a plan recomputes
+  the blocks it chose (``plan.apply``) and packs with ``plan.hooks``;
 * ``plan <f>``: ``sh.plan`` at ``f`` of its modelled no-hook peak, and
   ``plan floor`` at the lowest peak it can reach.
 
 Each row is measured as the main job measures (``benchmarks.run.measure``: one
 warm-up step, the peak of one step, the median of ``--repeats`` steps, the
 worst parameter-gradient SQNR against eager without hooks); a plan's
-``predicted_mib`` is its modelled peak. The model is surveyed once
-(``sh.planner.survey``) and planned per budget. Writes ``pareto.csv`` (the main
+``predicted_mib`` is its modelled peak. The model is surveyed once per
+recompute setting (``sh.planner.Planner``) and planned per budget; the log of
+each plan (which recompute settings met the budget, at what modelled time) is
+printed. Writes ``pareto.csv`` (the main
 job's row schema) and ``pareto.png`` (step time against activation peak).
 """
 
@@ -38,10 +41,10 @@ from benchmarks.run import MIB, Row, measure, reference_grads, with_baselines
 __all__ = ["main", "run_model"]
 
 
-def _survey(workload: Workload) -> sh.planner.Survey:
+def _planner(workload: Workload) -> sh.planner.Planner:
     if workload.compiled_loss:
-        return sh.planner.survey(workload.with_loss(), workload.inputs, backend="inductor")
-    return sh.planner.survey(workload.model, workload.inputs, loss_fn=workload.loss_of, backend="inductor")
+        return sh.planner.Planner(workload.with_loss(), workload.inputs, backend="inductor")
+    return sh.planner.Planner(workload.model, workload.inputs, loss_fn=workload.loss_of, backend="inductor")
 
 
 def _measured(workload: Workload, config: Config, repeats: int, reference, predicted: int | None = None) -> Row:
@@ -73,16 +76,17 @@ def run_model(
     reference = reference_grads(workload)
     rows = [_measured(workload, CONFIGS[c], repeats, reference) for c in ("compiled", "checkpoint", "sh")]
     rows += [_measured(workload, memory_budget(f), repeats, reference) for f in memory_budgets]
-    survey = _survey(workload)
+    planner = _planner(workload)
     checkpoint = next(r for r in rows if r.config == "checkpoint")
     budgets = {"checkpoint": int(checkpoint.activation_mib * MIB)}
-    budgets |= {f"{f:g}": int(f * survey.baseline_bytes) for f in fractions}
-    budgets["floor"] = survey.floor_bytes
+    budgets |= {f"{f:g}": int(f * planner.baseline_bytes) for f in fractions}
+    budgets["floor"] = planner.floor_bytes
     for label, budget in budgets.items():
-        if budget < survey.floor_bytes:
-            print(f"{name}: plan {label}: {budget / MIB:.1f} MiB is below the floor {survey.floor_bytes / MIB:.1f}")
+        if budget < planner.floor_bytes:
+            print(f"{name}: plan {label}: {budget / MIB:.1f} MiB is below the floor {planner.floor_bytes / MIB:.1f}")
             continue
-        plan = survey.plan(budget)
+        plan = planner.plan(budget)
+        print(f"{name}: plan {label}: " + "; ".join(line for line in plan.log if line.startswith(("recompute", "kept"))))
         rows.append(_measured(workload, planned(label, plan), repeats, reference, plan.predicted_peak_bytes))
     return with_baselines(rows)
 

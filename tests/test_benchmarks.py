@@ -345,3 +345,23 @@ def test_pareto_plot_joins_the_plans_and_marks_the_others(tmp_path):
                                ("plan floor", 4.0, 110.0))]
     png = plot_pareto(with_baselines(rows), tmp_path / "pareto.png", title="t")
     assert png.exists() and png.stat().st_size > 10_000
+
+
+def test_a_planned_configuration_recomputes_the_plan_s_blocks_and_close_reverts_them():
+    import savedhooks as sh
+    from benchmarks.configs import planned
+
+    workload = make_workload("mlp", 0.25, "cpu")
+    paths = sh.planner.find_blocks(workload.model)
+    plan = sh.Plan(tensors=(), budget_bytes=1, predicted_peak_bytes=1, baseline_peak_bytes=1, floor_bytes=1,
+                   backend="aot_eager", recompute=paths[:2])
+    config = planned("t", plan)
+    assert config.name == "plan t" and "recompute 2 blocks" in config.description
+    step = config.build(workload, "aot_eager")
+    try:
+        assert ["forward" in vars(workload.model.get_submodule(p)) for p in paths] == [True, True] + [False] * (
+            len(paths) - 2)
+        step.forward().backward()
+    finally:
+        step.close()
+    assert not any("forward" in vars(workload.model.get_submodule(p)) for p in paths)

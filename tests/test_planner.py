@@ -125,12 +125,13 @@ def test_plan_below_the_floor_raises_and_names_the_floor():
     with pytest.raises(sh.InfeasibleBudgetError, match="lowest peak the planner reaches is") as info:
         sh.plan(model, (x,), budget_bytes=1024, loss_fn=_loss, backend="aot_eager")
     floor = info.value.floor_bytes
-    survey = sh.planner.survey(model, (x,), loss_fn=_loss, backend="aot_eager")
-    assert survey.floor_bytes == floor
-    at_floor = survey.plan(floor)
+    planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
+    assert planner.floor_bytes == floor == min(planner.survey(k).floor_bytes for k in planner.strategies)
+    at_floor = planner.plan(floor)
     assert at_floor.predicted_peak_bytes == floor
-    measured, _ = _measured_peak(model, x, at_floor.hooks)
-    assert abs(measured - floor) <= 0.02 * floor
+    measured, _ = _measured_peak(at_floor.apply(model), x, at_floor.hooks)
+    at_floor.revert(model)
+    assert abs(measured - floor) <= 0.05 * floor
 
 
 def test_plan_round_trips_through_json_to_the_same_hooks():
@@ -198,7 +199,7 @@ def _names(gm):
     return [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
 
 
-def test_run_in_kernel_order_follows_the_kernels_and_refuses_an_order_that_breaks_dependencies():
+def test_run_in_kernel_order_follows_the_kernels_and_makes_a_node_wait_for_its_inputs():
     from savedhooks.planner.census import run_in_kernel_order
 
     gm = _two_branches()
@@ -208,6 +209,8 @@ def test_run_in_kernel_order_follows_the_kernels_and_refuses_an_order_that_break
     assert run_in_kernel_order(gm)
     assert _names(gm) == ["mm_1", "sum_1", "mm", "relu"]
     gm.graph.lint()
-    gm.meta["savedhooks_kernel_order"] = [["relu"], ["mm"]]  # relu before its input: refused
-    assert not run_in_kernel_order(gm)
-    assert _names(gm) == ["mm_1", "sum_1", "mm", "relu"]
+    # relu placed before its input (an op split into kernels is placed with its first): it waits for mm
+    gm.meta["savedhooks_kernel_order"] = [["relu"], ["mm"]]
+    assert run_in_kernel_order(gm)
+    assert _names(gm) == ["mm", "relu", "mm_1", "sum_1"]
+    gm.graph.lint()

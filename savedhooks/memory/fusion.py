@@ -17,6 +17,8 @@ which inductor still realizes a heavily reused pointwise result
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.fx
 
@@ -65,11 +67,14 @@ def _consumers(node: torch.fx.Node) -> list[torch.fx.Node]:
     return found
 
 
-def inlined_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+def inlined_nodes(graph: torch.fx.Graph, realized: Collection[str] = ()) -> set[torch.fx.Node]:
     """Pointwise nodes that inductor fuses into every consumer (no buffer of their own).
 
     Args:
         graph: an AOTAutograd forward or backward graph (nodes with ``meta["val"]``).
+        realized: names of nodes known to have a buffer although the rule would
+            inline them (inductor realizes a pointwise result that many kernels
+            read); they and their views are not inlined.
 
     Returns:
         The nodes with the ``pointwise`` tag whose consumers, looking through
@@ -82,6 +87,8 @@ def inlined_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     inlined: set[torch.fx.Node] = set()
     for node in reversed(graph.nodes):  # consumers first: a view of an inlined node is inlined too
         if torch.Tag.pointwise not in _tags(node) or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        if node.name in realized:
             continue
         consumers = _consumers(node)
         if consumers and all(any(t in _tags(c) for t in _FUSING_TAGS) for c in consumers):

@@ -15,6 +15,7 @@ Design notes
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -102,7 +103,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return int(hint) if hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
 
 
-def build_graph_memory(gm: torch.fx.GraphModule, donated: tuple[str, ...] = (), fused: bool = False) -> GraphMemory:
+def build_graph_memory(
+    gm: torch.fx.GraphModule, donated: tuple[str, ...] = (), fused: bool = False, realized: Collection[str] = ()
+) -> GraphMemory:
     """Build the buffer model of a graph whose nodes carry ``meta["val"]``.
 
     Args:
@@ -111,6 +114,8 @@ def build_graph_memory(gm: torch.fx.GraphModule, donated: tuple[str, ...] = (), 
         fused: model the graph as inductor runs it: pointwise nodes that it
             computes inside their consumers (:func:`savedhooks.memory.fusion.inlined_nodes`)
             get no buffer, and their consumers read what they read.
+        realized: with ``fused``, names of nodes inductor stored although the
+            rule inlines them (see :func:`~savedhooks.memory.fusion.inlined_nodes`).
 
     Returns:
         A :class:`GraphMemory`.
@@ -124,7 +129,7 @@ def build_graph_memory(gm: torch.fx.GraphModule, donated: tuple[str, ...] = (), 
     if unknown:
         raise ValueError(f"donated names are not graph inputs: {sorted(unknown)}")
     storage_to_buffers: dict[StorageWeakRef, set[int]] = {}
-    inlined = inlined_nodes(gm.graph) if fused else set()
+    inlined = inlined_nodes(gm.graph, realized) if fused else set()
     buffers: list[dict[str, Any]] = []
     node_names: list[str] = []
     allocs: list[list[int]] = []

@@ -1,10 +1,15 @@
-"""Planning: meet a peak-memory budget by choosing, per saved tensor, how it is held.
+"""Planning: meet a peak-memory budget by choosing which blocks to recompute and, per saved tensor, how it is held.
 
-Reads :mod:`savedhooks.memory` (the step's timeline) and produces codec choices
-(:class:`Plan`, run with ``sh.saved_tensors_hooks(plan.hooks)``). First slice:
-codecs only; recompute and offload are not chosen yet.
+Reads :mod:`savedhooks.memory` (the step's timeline) and produces checkpoint
+choices (:meth:`Plan.apply`: ``torch.utils.checkpoint`` per block) and codec
+choices (:class:`Plan`, run with ``sh.saved_tensors_hooks(plan.hooks)``).
+Offload is not chosen yet.
 """
 
-from savedhooks.planner.plan import InfeasibleBudgetError, Plan, Planned, PlannedTensor, Survey, plan, survey
+from savedhooks.planner.plan import Planner, plan
+from savedhooks.planner.recompute import find_blocks
+from savedhooks.planner.result import InfeasibleBudgetError, Plan, Planned, PlannedTensor
+from savedhooks.planner.survey import Survey, survey
 
-__all__ = ["InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "Survey", "plan", "survey"]
+__all__ = ["InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "Planner", "Survey", "find_blocks", "plan",
+           "survey"]

@@ -34,6 +34,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import heapq
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -185,7 +186,8 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
             None for a backward graph.
         fused: model the graph as inductor runs it: in its kernels' order where
             it was kept (:func:`run_in_kernel_order`; the graph is reordered in
-            place), with its fusion (see :func:`savedhooks.memory.build_graph_memory`)
+            place), with its fusion (see :func:`savedhooks.memory.build_graph_memory`;
+            what inductor stored where :meth:`GraphRecorder.kernel_order` saw it)
             and its in-place reuse (a pointwise kernel writes into a same-size
             buffer that dies with it).
 
@@ -198,7 +200,8 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
     backward = saved is None
     if fused:
         run_in_kernel_order(gm)
-    memory = build_graph_memory(gm, donated=saved_activations(gm) if backward else (), fused=fused)
+    donated = saved_activations(gm) if backward else ()
+    memory = build_graph_memory(gm, donated=donated, fused=fused, realized=gm.meta.get(_REALIZED, ()))
     device = _report_device(memory)
     during, after, _ = simulate(memory, device)
     if fused:
@@ -213,8 +216,17 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
                 first.setdefault(memory.node_names[j], i)
         return GraphTimeline(live, {n: first[n] for n in saved_activations(gm) if n in first})
     groups = _storage_groups(gm.graph, saved)
-    # a shared storage is freed once all its saved views are packed: after the last of them is made
-    at = {n: max(index[m] for m in group) for n, group in groups.items()}
+    # a storage is freed once all its saved views are packed and the forward has read it for the last time
+    nodes = {n.name: n for n in gm.graph.nodes}
+    last_read: dict[StorageWeakRef | None, int] = {}
+    for node in gm.graph.nodes:
+        if node.name in index:
+            for arg in node.all_input_nodes:
+                last_read[_storage(arg)] = index[node.name]
+    at = {
+        n: max(max(index[m] for m in group), last_read.get(_storage(nodes[n]), -1))
+        for n, group in groups.items()
+    }
     together = {n: group for n, group in groups.items() if len(group) > 1}
     return GraphTimeline(live, at, (after[-1] - inputs) if after else 0, together)
 
@@ -302,7 +314,8 @@ class GraphRecorder(CustomGraphPass):
         Wraps ``torch._inductor.memory.reorder_for_peak_memory`` (inductor's
         last reordering of its kernels, which the scheduler imports when it runs)
         for the duration: there is no hook after it. The order lands in the
-        graph's ``meta["savedhooks_kernel_order"]``.
+        graph's ``meta["savedhooks_kernel_order"]``, the FX nodes whose values
+        inductor stored (its buffers' origin nodes) in ``meta["savedhooks_realized"]``.
 
         Args:
             None.
@@ -320,11 +333,17 @@ class GraphRecorder(CustomGraphPass):
         def reorder(nodes: Any, *args: Any, **kwargs: Any) -> Any:
             ordered = original(nodes, *args, **kwargs)
             if self._last is not None:
+                subs = [sub for snode in ordered for sub in snode.get_nodes()]
                 self._last.meta[_KERNEL_ORDER] = [
                     [o.name for o in (sub.node.get_origins() if getattr(sub, "node", None) is not None else ())]
-                    for snode in ordered
-                    for sub in snode.get_nodes()
+                    for sub in subs
                 ]
+                self._last.meta[_REALIZED] = sorted(
+                    origin.name
+                    for sub in subs
+                    for buffer in sub.get_outputs()
+                    if (origin := getattr(buffer.node, "origin_node", None)) is not None
+                )
             return ordered
 
         inductor_memory.reorder_for_peak_memory = reorder
@@ -335,6 +354,7 @@ class GraphRecorder(CustomGraphPass):
 
 
 _KERNEL_ORDER = "savedhooks_kernel_order"
+_REALIZED = "savedhooks_realized"
 
 
 def run_in_kernel_order(gm: torch.fx.GraphModule) -> bool:
@@ -342,8 +362,9 @@ def run_in_kernel_order(gm: torch.fx.GraphModule) -> bool:
 
     A node runs with the first kernel made from it; a node no kernel came from
     (views, placeholders) runs right before its first user that has a position.
-    Placeholders stay first. If that order is not topological, or no kernel order
-    was kept, the graph is left as it is.
+    Placeholders stay first. Where that order is not topological (an op split into
+    several kernels, a fill then a scatter, is placed with its first), a node
+    waits for its inputs. If no kernel order was kept, the graph is left as it is.
 
     Args:
         gm: a graph recorded by a :class:`GraphRecorder`.
@@ -372,12 +393,23 @@ def run_in_kernel_order(gm: torch.fx.GraphModule) -> bool:
         else:
             later = [key[u][0] for u in node.users if u in key]
             key[node] = (min(later, default=len(kernels)), index[node])
-    order = sorted(nodes, key=key.__getitem__)
-    done: set[torch.fx.Node] = set()
-    for node in order:
-        if any(a not in done for a in node.all_input_nodes):
-            return False
-        done.add(node)
+    # kernel order where it is topological; a node whose inputs come later (an op split into several kernels,
+    # e.g. a fill then a scatter) waits for them
+    waiting = {n: sum(1 for a in n.all_input_nodes if a in index) for n in nodes}
+    ready = [(key[n], n.name) for n in nodes if not waiting[n]]
+    by_name = {n.name: n for n in nodes}
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        node = by_name[heapq.heappop(ready)[1]]
+        order.append(node)
+        for user in node.users:
+            if user in waiting:
+                waiting[user] -= 1
+                if not waiting[user]:
+                    heapq.heappush(ready, (key[user], user.name))
+    if len(order) != len(nodes):
+        return False
     output = gm.graph.output_node()
     for node in order:
         output.prepend(node)

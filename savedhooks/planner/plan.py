@@ -1,300 +1,127 @@
-"""``sh.plan``: meet a peak-memory budget at the least modelled time, choosing a codec per saved tensor.
+"""``sh.plan``: meet a peak-memory budget at the least modelled time, mixing recompute and codecs.
 
 Design notes
 ------------
-* The survey runs one training step (forward, loss, backward; no optimizer
-  step) twice, with the same inputs and random state:
-  1. the census: the model compiled with the target backend under
-     ``Census(Policy())`` hooks lists the saved tensors the policy would pack
-     (the candidates; what the policy keeps stays kept) with their keys;
-  2. the timeline: the model compiled again without hooks, its AOTAutograd
-     graphs kept (:func:`savedhooks.planner.census.recording_backend`) and laid
-     end to end by the memory model (:func:`~savedhooks.planner.census.step_timeline`).
-  Planning a budget is then the search alone (:mod:`savedhooks.planner.search`):
-  the choice is modelled, not measured.
-* Units: the census entries of one plan key, or of several whose tensors are
-  views of one storage (they free it together, so they get one choice).
-* Options per candidate: keep; bf16 (float32 and float64 tensors); fp8 (the
-  policy's codec, e4m3 blocks of 128); a bitmask for bool tensors. Payload bytes
-  come from encoding a fake tensor of the candidate's shape; time from
-  :func:`savedhooks.planner.costs.seconds_per_byte` on the inputs' device.
-* What the prediction covers: the compiled graphs and the tensors an eager loss
-  saves, with placement (the reorder pass, which plain ``torch.compile`` gets
-  inside :class:`savedhooks.saved_tensors_hooks`, ``sh.backend("aot_eager")``
-  under aot_eager). An eager loss's own temporaries are not in it.
-* First slice of the planner: codecs only. Recompute (selective activation
-  checkpointing) and offload are not chosen yet.
+* Strategies, one signature (a recompute setting -> a survey -> a plan for the
+  budget): recompute the first ``k`` of the model's blocks
+  (:mod:`savedhooks.planner.recompute`) and choose a codec per saved tensor of
+  what is still saved (:mod:`savedhooks.planner.survey`,
+  :mod:`savedhooks.planner.search`). Each ``k`` is surveyed once (two compiles
+  and two steps), lazily, and kept for other budgets.
+* The driver tries ``k = 0 .. L`` (``L`` blocks; at most :data:`MAX_STRATEGIES`
+  values spread evenly over them), plans the budget with each whose floor meets
+  it, and keeps the least modelled time (codec time + the recomputed blocks'
+  forward time); ties go to fewer recomputed blocks. Its log says what each
+  strategy reached and why the kept one won.
+* Floors are not monotone in ``k``: a recomputed block's backward materializes
+  its whole forward again, so the floor is the least over the strategies.
+* Not chosen yet: offload, selective (per-op) recompute inside a block, and a
+  fidelity cost for lossy codecs (the policy's keeps are respected instead).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from savedhooks.codecs import Bitmask, Downcast, Float8, Policy
-from savedhooks.codecs.base import Codec
-from savedhooks.fidelity.select import Census, SavedTensor, keyed_run
-from savedhooks.fidelity.sensitivity import call_model, default_loss
-from savedhooks.hooks import HookPair, saved_tensors_hooks
-from savedhooks.planner.census import (
-    GraphTimeline,
-    fresh_backend,
-    key_of_saved,
-    plan_key,
-    recording_backend,
-    step_timeline,
-    timeline_of,
-)
-from savedhooks.planner.costs import seconds_per_byte
-from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search
+from savedhooks.planner.recompute import block_seconds, find_blocks
+from savedhooks.planner.result import InfeasibleBudgetError, Plan, check_budget
+from savedhooks.planner.survey import Survey, survey
 
-__all__ = ["InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "Survey", "plan", "survey"]
+__all__ = ["MAX_STRATEGIES", "Planner", "plan"]
 
 _MiB = 1 << 20
-_JSON_VERSION = 1
-# the codecs a plan chooses among, by the names its JSON uses
-CODECS: dict[str, Codec] = {"bf16": Downcast(torch.bfloat16), "fp8": Float8(), "bitmask": Bitmask()}
+MAX_STRATEGIES = 5  # recompute settings tried at most (k = 0 .. L blocks, spread evenly)
 
 
-class InfeasibleBudgetError(ValueError):
-    """The budget is below the lowest peak the planner can reach.
+class Planner:
+    """Plans for one model and input shape: surveys each recompute setting once, then plans any budget.
 
     Attributes:
-        budget_bytes: the budget asked for.
-        floor_bytes: the lowest modelled peak (every candidate at its smallest payload).
+        blocks: the module paths of the blocks a plan may recompute.
+        strategies: the numbers of leading blocks tried (``0`` first).
     """
 
-    def __init__(self, budget_bytes: int, floor_bytes: int, baseline_bytes: int) -> None:
-        self.budget_bytes = budget_bytes
-        self.floor_bytes = floor_bytes
-        super().__init__(
-            f"sh.plan: a budget of {budget_bytes / _MiB:.2f} MiB cannot be met: the lowest peak the planner "
-            f"reaches is {floor_bytes / _MiB:.2f} MiB (no hooks: {baseline_bytes / _MiB:.2f} MiB); "
-            f"pass budget_bytes >= {floor_bytes}"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Planned(Codec):
-    """The codec a plan runs: its choice per plan key; the policy for saved tensors it does not name."""
-
-    choices: tuple[tuple[str, str], ...]
-    fallback: Codec | None = dataclasses.field(default_factory=Policy)
-
-    def __post_init__(self) -> None:
-        unknown = {name for _, name in self.choices if name != "keep" and name not in CODECS}
-        if unknown:
-            raise ValueError(f"Planned: unknown codec names {sorted(unknown)}; known: keep, {', '.join(CODECS)}")
-        object.__setattr__(self, "_lookup", dict(self.choices))
-
-    def codecs(self) -> tuple[Codec, ...]:
-        return tuple(CODECS.values()) + (self.fallback.codecs() if self.fallback is not None else ())
-
-    def choose(self, x: torch.Tensor) -> int:
-        name = self._lookup.get(plan_key(x))
-        if name is None:
-            index = self.fallback.choose(x) if self.fallback is not None else -1
-            return -1 if index < 0 else len(CODECS) + index
-        if name == "keep" or not CODECS[name].accepts(x):
-            return -1
-        return list(CODECS).index(name)
-
-
-@dataclasses.dataclass(frozen=True)
-class PlannedTensor:
-    """One choice of a plan.
-
-    Attributes:
-        key: the plan key (see :mod:`savedhooks.planner.census`); views of one
-            storage get one choice, their keys joined by ``" + "``.
-        op: the producing op.
-        shape: its shape.
-        dtype: its dtype name (``"float32"``).
-        bytes: bytes kept without packing (all tensors of the key).
-        count: saved tensors with this key.
-        choice: ``"keep"`` or a codec name.
-        payload: bytes held with the choice.
-        seconds: modelled time of the choice per step.
-        at_peak: whether it is held at the predicted peak.
-    """
-
-    key: str
-    op: str | None
-    shape: tuple[int | str, ...]
-    dtype: str
-    bytes: int
-    count: int
-    choice: str
-    payload: int
-    seconds: float
-    at_peak: bool
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        """The plan keys the choice applies to (several for views of one storage: ``key`` joins them with " + ")."""
-        return tuple(self.key.split(" + "))
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What :func:`plan` chose, and what it predicts.
-
-    Attributes:
-        tensors: one entry per plan key, largest first.
-        budget_bytes: the budget asked for.
-        predicted_peak_bytes: the modelled peak of the planned step.
-        baseline_peak_bytes: the modelled peak without hooks.
-        floor_bytes: the lowest modelled peak reachable.
-        backend: the ``torch.compile`` backend the plan is for.
-        log: the search's moves.
-    """
-
-    tensors: tuple[PlannedTensor, ...]
-    budget_bytes: int
-    predicted_peak_bytes: int
-    baseline_peak_bytes: int
-    floor_bytes: int
-    backend: str
-    log: tuple[str, ...] = ()
-
-    @property
-    def hooks(self) -> HookPair:
-        """The hook pair that runs the plan: use it in ``sh.saved_tensors_hooks(plan.hooks)``."""
-        return Planned(tuple(sorted((key, t.choice) for t in self.tensors for key in t.keys))).hooks()
-
-    @property
-    def seconds(self) -> float:
-        """Modelled time the plan adds per step."""
-        return sum(t.seconds for t in self.tensors)
-
-    def report(self) -> str:
-        """A Markdown table: per plan key, op, bytes, choice and modelled cost; the budget and peaks above it."""
-        heading = (
-            f"plan for {self.backend}: budget {self.budget_bytes / _MiB:.2f} MiB, predicted peak "
-            f"{self.predicted_peak_bytes / _MiB:.2f} MiB (no hooks {self.baseline_peak_bytes / _MiB:.2f}, "
-            f"floor {self.floor_bytes / _MiB:.2f}), modelled codec time {self.seconds * 1e3:.2f} ms per step"
-        )
-        lines = [
-            heading,
-            "",
-            "| saved tensor | op | shape | dtype | count | MiB | choice | payload MiB | ms | at peak |",
-            "|---|---|---|---|---:|---:|---|---:|---:|:---:|",
-        ]
-        for t in self.tensors:
-            name = ", ".join(key.split("|")[0] for key in t.keys)
-            shape = "x".join(map(str, t.shape))
-            lines.append(
-                f"| {name} | {t.op} | {shape} | {t.dtype} | {t.count} | {t.bytes / _MiB:.2f} | {t.choice} | "
-                f"{t.payload / _MiB:.2f} | {t.seconds * 1e3:.3f} | {'yes' if t.at_peak else ''} |"
-            )
-        return "\n".join(lines)
-
-    def to_json(self) -> str:
-        """The plan as JSON text (:meth:`from_json` reads it back)."""
-        return json.dumps({"version": _JSON_VERSION, **dataclasses.asdict(self)}, indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> Plan:
-        """Read a plan written by :meth:`to_json`.
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        example_inputs: Any,
+        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        backend: str = "inductor",
+        seed: int = 0,
+        blocks: Sequence[str] | None = None,
+    ) -> None:
+        """Set up the planner; nothing is compiled until a survey is needed.
 
         Args:
-            text: the JSON text.
-
-        Returns:
-            The :class:`Plan`.
+            model: the module to train (not compiled: the planner compiles it).
+            example_inputs: as for :func:`plan`.
+            loss_fn: as for :func:`plan`.
+            backend: as for :func:`plan`.
+            seed: as for :func:`plan`.
+            blocks: as for :func:`plan`.
 
         Raises:
-            ValueError: not a plan, another version, or an unknown codec name.
+            TypeError: ``model`` is not a module, or ``blocks`` is a string.
+            ValueError: ``backend`` is unknown or a block path names no submodule.
         """
-        data = json.loads(text)
-        if not isinstance(data, dict) or data.get("version") != _JSON_VERSION:
-            raise ValueError(f"Plan.from_json: expected a savedhooks plan of version {_JSON_VERSION}")
-        data.pop("version")
-        tensors = tuple(PlannedTensor(**{**t, "shape": tuple(t["shape"])}) for t in data.pop("tensors"))
-        unknown = {t.choice for t in tensors} - {"keep", *CODECS}
-        if unknown:
-            raise ValueError(f"Plan.from_json: unknown codec names {sorted(unknown)}")
-        return cls(tensors=tensors, **{**data, "log": tuple(data.get("log", ()))})
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
+        if backend not in ("inductor", "aot_eager"):
+            raise ValueError(f"plan: backend must be 'inductor' or 'aot_eager', got {backend!r}")
+        if isinstance(blocks, str):
+            raise TypeError(f"plan: blocks must be a sequence of module paths, got the string {blocks!r}")
+        self.blocks = find_blocks(model) if blocks is None else tuple(blocks)
+        for path in self.blocks:
+            try:
+                model.get_submodule(path)
+            except AttributeError as error:
+                raise ValueError(f"plan: the model has no submodule {path!r} (blocks)") from error
+        self._args = (model, example_inputs, loss_fn, backend, seed)
+        count = len(self.blocks)
+        steps = min(count + 1, MAX_STRATEGIES)
+        self.strategies = tuple(sorted({round(i * count / max(steps - 1, 1)) for i in range(steps)}))
+        self._surveys: dict[int, Survey] = {}
+        self._block_seconds: tuple[float, ...] | None = None
 
+    def survey(self, k: int) -> Survey:
+        """The survey with the first ``k`` blocks recomputed (made once, then kept).
 
-def _options(tensors: list[SavedTensor], device: torch.device, backend: str) -> tuple[Option, ...]:
-    """Keep, and each codec that accepts the tensors, with payload bytes (fake encode) and time."""
-    first = tensors[0]
-    total = sum(t.bytes for t in tensors)
-    options = [Option("keep", total, 0.0)]
-    if not all(isinstance(s, int) for s in first.shape):
-        return tuple(options)  # symbolic sizes: kept (the payload is not known)
-    names = ("bitmask",) if first.dtype == torch.bool else ("bf16", "fp8") if first.dtype.is_floating_point else ()
-    for name in names:
-        codec = CODECS[name]
-        if name == "bf16" and first.dtype not in (torch.float32, torch.float64):
-            continue
-        with FakeTensorMode():
-            x = torch.empty(first.shape, dtype=first.dtype, device=device)
-            if not codec.accepts(x):
-                continue
-            leaves = pytree.tree_leaves(codec.encode(x))
-            payload = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-        seconds = seconds_per_byte(codec, first.dtype, device, backend) * total
-        options.append(Option(name, payload * len(tensors), seconds))
-    return tuple(options)
+        Args:
+            k: leading blocks to recompute, ``0 <= k <= len(blocks)``.
 
+        Returns:
+            A :class:`~savedhooks.planner.survey.Survey`.
 
-def _device(example_inputs: Any) -> torch.device:
-    tensors = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
-    return tensors[0].device if tensors else torch.device("cpu")
-
-
-def _step(fn: Callable[..., Any], model: torch.nn.Module, example_inputs: Any, loss_fn: Callable, seed: int) -> None:
-    model.zero_grad(set_to_none=True)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        loss_fn(call_model(fn, example_inputs)).backward()
-    model.zero_grad(set_to_none=True)
-
-
-def _check_budget(budget_bytes: Any) -> None:
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
-        raise TypeError(f"plan: budget_bytes must be an int, got {budget_bytes!r}")
-    if budget_bytes <= 0:
-        raise ValueError(f"plan: budget_bytes must be positive, got {budget_bytes}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Survey:
-    """What planning needs from a model, measured once (:func:`survey`); :meth:`plan` for each budget.
-
-    Attributes:
-        units: the candidates, in key order (:class:`savedhooks.planner.search.Unit`).
-        saved: unit key (a plan key, or several joined by ``" + "``) -> the census
-            entries of its saved tensors.
-        live: the step's timeline with nothing packed.
-        backend: the ``torch.compile`` backend surveyed.
-    """
-
-    units: tuple[Unit, ...]
-    saved: Mapping[str, tuple[SavedTensor, ...]]
-    live: tuple[int, ...]
-    backend: str
+        Raises:
+            ValueError: ``k`` out of range.
+            RuntimeError: the model did not compile.
+        """
+        if not 0 <= k <= len(self.blocks):
+            raise ValueError(f"Planner.survey: k must be in 0..{len(self.blocks)}, got {k}")
+        if k not in self._surveys:
+            model, inputs, loss_fn, backend, seed = self._args
+            if k and self._block_seconds is None:
+                self._block_seconds = block_seconds(model, inputs, self.blocks)
+            seconds = sum(self._block_seconds[:k]) if k else 0.0
+            self._surveys[k] = survey(model, inputs, loss_fn, backend, seed, self.blocks[:k], seconds)
+        return self._surveys[k]
 
     @property
     def baseline_bytes(self) -> int:
-        """The modelled peak with nothing packed."""
-        return max(self.live, default=0)
+        """The modelled peak with nothing packed and nothing recomputed."""
+        return self.survey(0).baseline_bytes
 
     @property
     def floor_bytes(self) -> int:
-        """The lowest modelled peak: every candidate at its smallest payload."""
-        return peak_of(self.live, self.units, floor_of(self.units))
+        """The lowest modelled peak over the strategies (surveys them all)."""
+        return min(self.survey(k).floor_bytes for k in self.strategies)
 
     def plan(self, budget_bytes: int, verbose: bool = False) -> Plan:
-        """The plan for one budget (no compile, no step: the search alone).
+        """The least-time plan meeting ``budget_bytes`` over the strategies (surveys them all).
 
         Args:
             budget_bytes: as for :func:`plan`.
@@ -308,144 +135,28 @@ class Survey:
             ValueError: ``budget_bytes`` is not positive.
             InfeasibleBudgetError: the budget is below :attr:`floor_bytes`.
         """
-        _check_budget(budget_bytes)
-        floor = self.floor_bytes
+        check_budget(budget_bytes)
+        baseline, floor = self.baseline_bytes, self.floor_bytes
         if budget_bytes < floor:
-            raise InfeasibleBudgetError(budget_bytes, floor, self.baseline_bytes)
-        result = search(self.live, self.units, budget_bytes)
-        tensors = []
-        for unit, o in sorted(zip(self.units, result.choice), key=lambda uo: (-uo[0].bytes, uo[0].key)):
-            first, option = self.saved[unit.key][0], unit.options[o]
-            at_peak = any(start <= result.at < end for start, end, _ in unit.spans)
-            dtype = str(first.dtype).removeprefix("torch.")
-            tensors.append(PlannedTensor(unit.key, first.op, first.shape, dtype, unit.bytes, len(self.saved[unit.key]),
-                                         option.name, option.payload, option.seconds, at_peak))
-        planned = Plan(tuple(tensors), budget_bytes, result.peak, self.baseline_bytes, floor, self.backend, result.log)
-        if verbose:
-            print(planned.report())
-        return planned
-
-
-def survey(
-    model: torch.nn.Module,
-    example_inputs: Any,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    backend: str = "inductor",
-    seed: int = 0,
-) -> Survey:
-    """Census the saved tensors and model the step's memory, once, to plan for any budget.
-
-    Compiles the model twice (a census of the saved tensors under hooks that pack
-    nothing, then without hooks, its graphs kept for the memory model) and runs
-    one training step each time; the model's gradients are cleared, its
-    parameters unchanged. Calibrates each codec's time once per process.
-
-    Args:
-        model: the module to train (not compiled: the survey compiles it).
-        example_inputs: a tuple of positional arguments, a dict of keyword
-            arguments, or one tensor, of the shapes training uses.
-        loss_fn: turns the model's output into a scalar (run eagerly, as in a
-            training loop); default: the output if it is a scalar, else the mean
-            square of its floating tensors.
-        backend: ``"inductor"`` (plain ``torch.compile``) or ``"aot_eager"``
-            (run the plan with ``sh.backend("aot_eager")``); the plan's keys are
-            those of this backend's graphs.
-        seed: ``torch.manual_seed`` before each step.
-
-    Returns:
-        A :class:`Survey`.
-
-    Raises:
-        TypeError: ``model`` is not a module.
-        ValueError: ``backend`` is unknown, or the output has no floating tensor
-            and no ``loss_fn``.
-        RuntimeError: the model did not compile (dynamo ran it eagerly).
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
-    recording, recorder, fused = recording_backend(backend)
-    loss_fn = loss_fn or default_loss
-    # every compile must trace (the census runs inside tracing): no dynamo, AOTAutograd or FX graph cache hits
-    with torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16), \
-            torch._functorch.config.patch(enable_autograd_cache=False), \
-            torch._inductor.config.patch(fx_graph_cache=False):
-        with keyed_run() as run, saved_tensors_hooks(Census(Policy()).hooks(), reorder=False):
-            _step(torch.compile(model, backend=fresh_backend(backend)), model, example_inputs, loss_fn, seed)
-        with recorder.kernel_order():
-            _step(torch.compile(model, backend=recording), model, example_inputs, loss_fn, seed)
-    if not recorder.forwards or len(recorder.forwards) != len(recorder.backwards):
-        raise RuntimeError(
-            f"plan: the model did not compile into forward and backward graphs under {backend!r} "
-            f"({len(recorder.forwards)} forward, {len(recorder.backwards)} backward): did dynamo fall back to eager?"
-        )
-    forwards = []
-    for fw, bw in zip(recorder.forwards, reversed(recorder.backwards)):
-        saved = {n.name for n in bw.graph.find_nodes(op="placeholder")}
-        forwards.append(timeline_of(fw, saved, fused=fused))
-    backwards = [timeline_of(bw, fused=fused) for bw in recorder.backwards]
-    eager = [t for t in run.census if t.key.startswith("eager:")]
-    timeline = step_timeline(forwards, backwards, eager)
-    groups, blocked = _choice_groups(run.census, forwards)
-    device = _device(example_inputs)
-    units = tuple(
-        Unit(key, sum(t.bytes for t in ts),
-             tuple((*timeline.spans[t.key], t.bytes) for t in ts if t.key in timeline.spans and t.key not in blocked),
-             _merged_options([_options(same, device, backend) for same in _by_plan_key(ts)]))
-        for key, ts in sorted(groups.items())
-    )
-    return Survey(units, groups, timeline.live, backend)
-
-
-def _by_plan_key(tensors: tuple[SavedTensor, ...]) -> list[list[SavedTensor]]:
-    by_key: dict[str, list[SavedTensor]] = {}
-    for t in tensors:
-        by_key.setdefault(key_of_saved(t), []).append(t)
-    return list(by_key.values())
-
-
-def _choice_groups(
-    census: list[SavedTensor], forwards: list[GraphTimeline]
-) -> tuple[dict[str, tuple[SavedTensor, ...]], set[str]]:
-    """Census entries by unit: one plan key, or the plan keys of views sharing a storage (joined by " + ").
-
-    Returns the units and the census keys whose storage also holds a tensor that
-    is not a candidate (the policy keeps it): packing them frees nothing.
-    """
-    key_of = {t.key: key_of_saved(t) for t in census}
-    root = {k: k for k in key_of.values()}
-
-    def find(k: str) -> str:
-        while root[k] != k:
-            k = root[k]
-        return k
-
-    blocked: set[str] = set()
-    for g, fw in enumerate(forwards):
-        for group in set(fw.together.values()):
-            keys = [f"g{g}:{name}" for name in group]
-            if not all(k in key_of for k in keys):
-                blocked.update(keys)
+            raise InfeasibleBudgetError(budget_bytes, floor, baseline)
+        log, best = [], None
+        for k in self.strategies:
+            found = self.survey(k)
+            if budget_bytes < found.floor_bytes:
+                log.append(f"recompute {k} blocks: floor {found.floor_bytes / _MiB:.2f} MiB is above the budget")
                 continue
-            for k in keys[1:]:
-                root[find(key_of[k])] = find(key_of[keys[0]])
-    members: dict[str, list[str]] = {}
-    for k in sorted(root):
-        members.setdefault(find(k), []).append(k)
-    unit_of = {k: " + ".join(ks) for ks in members.values() for k in ks}
-    units: dict[str, list[SavedTensor]] = {}
-    for t in census:
-        units.setdefault(unit_of[key_of[t.key]], []).append(t)
-    return {k: tuple(v) for k, v in units.items()}, blocked
-
-
-def _merged_options(per_key: list[tuple[Option, ...]]) -> tuple[Option, ...]:
-    """The options every plan key of a unit has, payloads and times summed."""
-    names = [o.name for o in per_key[0] if all(any(p.name == o.name for p in opts) for opts in per_key)]
-    return tuple(
-        Option(name, sum(o.payload for opts in per_key for o in opts if o.name == name),
-               sum(o.seconds for opts in per_key for o in opts if o.name == name))
-        for name in names
-    )
+            candidate = found.plan(budget_bytes)
+            log.append(f"recompute {k} blocks: peak {candidate.predicted_peak_bytes / _MiB:.2f} MiB, "
+                       f"{candidate.seconds * 1e3:.2f} ms (recompute {candidate.recompute_seconds * 1e3:.2f})")
+            if best is None or candidate.seconds < best.seconds:
+                best = candidate
+        assert best is not None  # the budget meets the least floor
+        log.append(f"kept: recompute {len(best.recompute)} blocks, the least modelled time")
+        chosen = dataclasses.replace(best, baseline_peak_bytes=baseline, floor_bytes=floor,
+                                     log=(*best.log, *log))
+        if verbose:
+            print(chosen.report())
+        return chosen
 
 
 def plan(
@@ -456,14 +167,16 @@ def plan(
     backend: str = "inductor",
     seed: int = 0,
     verbose: bool = False,
+    blocks: Sequence[str] | None = None,
 ) -> Plan:
-    """Choose, per saved tensor, keep / bf16 / fp8 / bitmask so that the step's peak meets ``budget_bytes``.
+    """Choose which blocks to recompute and, per saved tensor, keep / bf16 / fp8 / bitmask, to meet ``budget_bytes``.
 
-    :func:`survey` then :meth:`Survey.plan`: two compiles and two training steps
-    (gradients cleared, parameters unchanged), then the search. The choice
-    minimizes the modelled codec time; what the policy keeps for fidelity
-    (``sh.policy()``'s rules) stays kept. First slice: codecs only (no
-    recompute, no offload). To plan several budgets, survey once.
+    A :class:`Planner`'s :meth:`~Planner.plan`: per recompute setting two
+    compiles and two training steps (gradients cleared, parameters unchanged),
+    then the search. The choice minimizes the modelled time (codecs and
+    recompute); what the policy keeps for fidelity (``sh.policy()``'s rules)
+    stays kept. Not chosen yet: offload. To plan several budgets, keep a
+    :class:`Planner`.
 
     Args:
         model: the module to train (not compiled: the plan compiles it).
@@ -472,21 +185,32 @@ def plan(
         budget_bytes: the peak to meet, in bytes above what is alive before the
             step (parameters, inputs, optimizer state excluded), as the memory
             model predicts it for the compiled graphs with placement.
-        loss_fn: as for :func:`survey`.
-        backend: as for :func:`survey`.
+        loss_fn: turns the model's output into a scalar (run eagerly, as in a
+            training loop); default: the output if it is a scalar, else the mean
+            square of its floating tensors.
+        backend: ``"inductor"`` (plain ``torch.compile``) or ``"aot_eager"``
+            (run the plan with ``sh.backend("aot_eager")``); the plan's keys are
+            those of this backend's graphs.
         seed: ``torch.manual_seed`` before each step.
         verbose: print the report.
+        blocks: module paths of the blocks the plan may recompute, in forward
+            order; default: the children of the model's largest
+            ``nn.ModuleList`` of one class (:func:`~savedhooks.planner.recompute.find_blocks`);
+            ``()``: codecs only.
 
     Returns:
-        A :class:`Plan`; run it with ``sh.saved_tensors_hooks(plan.hooks)``.
+        A :class:`Plan`: run it with ``plan.apply(model)`` (the recompute),
+        then ``torch.compile`` inside ``sh.saved_tensors_hooks(plan.hooks)``.
 
     Raises:
-        TypeError: ``model`` is not a module or ``budget_bytes`` not an int.
-        ValueError: ``budget_bytes`` is not positive, ``backend`` is unknown, or
-            the output has no floating tensor and no ``loss_fn``.
+        TypeError: ``model`` is not a module, ``budget_bytes`` not an int, or
+            ``blocks`` a string.
+        ValueError: ``budget_bytes`` is not positive, ``backend`` is unknown, a
+            block path names no submodule, or the output has no floating tensor
+            and no ``loss_fn``.
         RuntimeError: the model did not compile (dynamo ran it eagerly).
         InfeasibleBudgetError: the budget is below the lowest peak reachable
             (the error names it).
     """
-    _check_budget(budget_bytes)
-    return survey(model, example_inputs, loss_fn, backend, seed).plan(budget_bytes, verbose)
+    check_budget(budget_bytes)
+    return Planner(model, example_inputs, loss_fn, backend, seed, blocks).plan(budget_bytes, verbose)

@@ -1,0 +1,243 @@
+"""What a plan is: the choice per saved tensor, the blocks recomputed, the predicted peak; JSON; the hooks that run it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import torch
+
+from savedhooks.codecs import Bitmask, Downcast, Float8, Policy
+from savedhooks.codecs.base import Codec
+from savedhooks.hooks import HookPair
+from savedhooks.planner.census import plan_key
+from savedhooks.planner.recompute import checkpoint_blocks, restore_blocks
+
+__all__ = ["CODECS", "InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "check_budget"]
+
+_MiB = 1 << 20
+_JSON_VERSION = 2  # 2: recompute, recompute_seconds
+# the codecs a plan chooses among, by the names its JSON uses
+CODECS: dict[str, Codec] = {"bf16": Downcast(torch.bfloat16), "fp8": Float8(), "bitmask": Bitmask()}
+
+
+class InfeasibleBudgetError(ValueError):
+    """The budget is below the lowest peak the planner can reach.
+
+    Attributes:
+        budget_bytes: the budget asked for.
+        floor_bytes: the lowest modelled peak (every candidate at its smallest payload).
+    """
+
+    def __init__(self, budget_bytes: int, floor_bytes: int, baseline_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.floor_bytes = floor_bytes
+        super().__init__(
+            f"sh.plan: a budget of {budget_bytes / _MiB:.2f} MiB cannot be met: the lowest peak the planner "
+            f"reaches is {floor_bytes / _MiB:.2f} MiB (no hooks: {baseline_bytes / _MiB:.2f} MiB); "
+            f"pass budget_bytes >= {floor_bytes}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned(Codec):
+    """The codec a plan runs: its choice per plan key; the policy for saved tensors it does not name."""
+
+    choices: tuple[tuple[str, str], ...]
+    fallback: Codec | None = dataclasses.field(default_factory=Policy)
+
+    def __post_init__(self) -> None:
+        unknown = {name for _, name in self.choices if name != "keep" and name not in CODECS}
+        if unknown:
+            raise ValueError(f"Planned: unknown codec names {sorted(unknown)}; known: keep, {', '.join(CODECS)}")
+        object.__setattr__(self, "_lookup", dict(self.choices))
+
+    def codecs(self) -> tuple[Codec, ...]:
+        return tuple(CODECS.values()) + (self.fallback.codecs() if self.fallback is not None else ())
+
+    def choose(self, x: torch.Tensor) -> int:
+        name = self._lookup.get(plan_key(x))
+        if name is None:
+            index = self.fallback.choose(x) if self.fallback is not None else -1
+            return -1 if index < 0 else len(CODECS) + index
+        if name == "keep" or not CODECS[name].accepts(x):
+            return -1
+        return list(CODECS).index(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedTensor:
+    """One choice of a plan.
+
+    Attributes:
+        key: the plan key (see :mod:`savedhooks.planner.census`); views of one
+            storage get one choice, their keys joined by ``" + "``.
+        op: the producing op.
+        shape: its shape.
+        dtype: its dtype name (``"float32"``).
+        bytes: bytes kept without packing (all tensors of the key).
+        count: saved tensors with this key.
+        choice: ``"keep"`` or a codec name.
+        payload: bytes held with the choice.
+        seconds: modelled time of the choice per step.
+        at_peak: whether it is held at the predicted peak.
+    """
+
+    key: str
+    op: str | None
+    shape: tuple[int | str, ...]
+    dtype: str
+    bytes: int
+    count: int
+    choice: str
+    payload: int
+    seconds: float
+    at_peak: bool
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The plan keys the choice applies to (several for views of one storage: ``key`` joins them with " + ")."""
+        return tuple(self.key.split(" + "))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What :func:`plan` chose, and what it predicts.
+
+    Attributes:
+        tensors: one entry per plan key, largest first.
+        budget_bytes: the budget asked for.
+        predicted_peak_bytes: the modelled peak of the planned step.
+        baseline_peak_bytes: the modelled peak without hooks.
+        floor_bytes: the lowest modelled peak reachable.
+        backend: the ``torch.compile`` backend the plan is for.
+        log: the search's moves.
+        recompute: module paths (relative to the planned model) of the blocks
+            the plan recomputes in the backward (:meth:`apply`).
+        recompute_seconds: modelled time of those recomputes per step.
+    """
+
+    tensors: tuple[PlannedTensor, ...]
+    budget_bytes: int
+    predicted_peak_bytes: int
+    baseline_peak_bytes: int
+    floor_bytes: int
+    backend: str
+    log: tuple[str, ...] = ()
+    recompute: tuple[str, ...] = ()
+    recompute_seconds: float = 0.0
+
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Checkpoint the blocks the plan recomputes (``torch.utils.checkpoint``, non-reentrant), in place.
+
+        Call it on the module that was planned, before ``torch.compile``;
+        :meth:`revert` undoes it. The module tree and ``state_dict`` are unchanged.
+
+        Args:
+            model: the planned module.
+
+        Returns:
+            ``model``.
+
+        Raises:
+            ValueError: ``model`` lacks a block the plan names.
+        """
+        checkpoint_blocks(model, self.recompute)
+        return model
+
+    def revert(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Undo :meth:`apply`.
+
+        Args:
+            model: the module :meth:`apply` changed.
+
+        Returns:
+            ``model``.
+
+        Raises:
+            ValueError: ``model`` lacks a block the plan names.
+        """
+        restore_blocks(model, self.recompute)
+        return model
+
+    @property
+    def hooks(self) -> HookPair:
+        """The hook pair that runs the plan: use it in ``sh.saved_tensors_hooks(plan.hooks)``."""
+        return Planned(tuple(sorted((key, t.choice) for t in self.tensors for key in t.keys))).hooks()
+
+    @property
+    def seconds(self) -> float:
+        """Modelled time the plan adds per step: its codecs and its recomputes."""
+        return sum(t.seconds for t in self.tensors) + self.recompute_seconds
+
+    def report(self) -> str:
+        """A Markdown table: per plan key, op, bytes, choice and modelled cost; the budget and peaks above it."""
+        heading = (
+            f"plan for {self.backend}: budget {self.budget_bytes / _MiB:.2f} MiB, predicted peak "
+            f"{self.predicted_peak_bytes / _MiB:.2f} MiB (no hooks {self.baseline_peak_bytes / _MiB:.2f}, "
+            f"floor {self.floor_bytes / _MiB:.2f}), modelled time {self.seconds * 1e3:.2f} ms per step"
+        )
+        recompute = ", ".join(self.recompute) or "none"
+        heading += f"\nrecomputed blocks: {recompute} ({self.recompute_seconds * 1e3:.2f} ms per step)"
+        lines = [
+            heading,
+            "",
+            "| saved tensor | op | shape | dtype | count | MiB | choice | payload MiB | ms | at peak |",
+            "|---|---|---|---|---:|---:|---|---:|---:|:---:|",
+        ]
+        for t in self.tensors:
+            name = ", ".join(key.split("|")[0] for key in t.keys)
+            shape = "x".join(map(str, t.shape))
+            lines.append(
+                f"| {name} | {t.op} | {shape} | {t.dtype} | {t.count} | {t.bytes / _MiB:.2f} | {t.choice} | "
+                f"{t.payload / _MiB:.2f} | {t.seconds * 1e3:.3f} | {'yes' if t.at_peak else ''} |"
+            )
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """The plan as JSON text (:meth:`from_json` reads it back)."""
+        return json.dumps({"version": _JSON_VERSION, **dataclasses.asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Read a plan written by :meth:`to_json`.
+
+        Args:
+            text: the JSON text.
+
+        Returns:
+            The :class:`Plan`.
+
+        Raises:
+            ValueError: not a plan, another version, or an unknown codec name.
+        """
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("version") not in (1, _JSON_VERSION):
+            raise ValueError(f"Plan.from_json: expected a savedhooks plan of version 1 to {_JSON_VERSION}")
+        data.pop("version")
+        data["recompute"] = tuple(data.get("recompute", ()))
+        tensors = tuple(PlannedTensor(**{**t, "shape": tuple(t["shape"])}) for t in data.pop("tensors"))
+        unknown = {t.choice for t in tensors} - {"keep", *CODECS}
+        if unknown:
+            raise ValueError(f"Plan.from_json: unknown codec names {sorted(unknown)}")
+        return cls(tensors=tensors, **{**data, "log": tuple(data.get("log", ()))})
+
+
+def check_budget(budget_bytes: Any) -> None:
+    """Raise unless ``budget_bytes`` is a positive int.
+
+    Args:
+        budget_bytes: the value to check.
+
+    Returns:
+        None.
+
+    Raises:
+        TypeError: not an int (or a bool).
+        ValueError: not positive.
+    """
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
+        raise TypeError(f"plan: budget_bytes must be an int, got {budget_bytes!r}")
+    if budget_bytes <= 0:
+        raise ValueError(f"plan: budget_bytes must be positive, got {budget_bytes}")

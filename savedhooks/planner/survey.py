@@ -1,0 +1,292 @@
+"""The survey: what planning needs from a model, measured once per recompute setting; then a search per budget.
+
+Design notes
+------------
+* The survey runs one training step (forward, loss, backward; no optimizer
+  step) twice, with the same inputs and random state:
+  1. the census: the model compiled with the target backend under
+     ``Census(Policy())`` hooks lists the saved tensors the policy would pack
+     (the candidates; what the policy keeps stays kept) with their keys;
+  2. the timeline: the model compiled again without hooks, its AOTAutograd
+     graphs kept (:func:`savedhooks.planner.census.recording_backend`) and laid
+     end to end by the memory model (:func:`~savedhooks.planner.census.step_timeline`).
+  Planning a budget is then the search alone (:mod:`savedhooks.planner.search`):
+  the choice is modelled, not measured.
+* Blocks that a setting recomputes are checkpointed during both steps
+  (:mod:`savedhooks.planner.recompute`): the census and the graphs are those of
+  the model as the plan will run it (block inputs saved, the blocks' forwards
+  recomputed in the backward graph).
+* Units: the census entries of one plan key, or of several whose tensors are
+  views of one storage (they free it together, so they get one choice).
+* Options per candidate: keep; bf16 (float32 and float64 tensors); fp8 (the
+  policy's codec, e4m3 blocks of 128); a bitmask for bool tensors. Payload bytes
+  come from encoding a fake tensor of the candidate's shape; time from
+  :func:`savedhooks.planner.costs.seconds_per_byte` on the inputs' device.
+* What the prediction covers: the compiled graphs and the tensors an eager loss
+  saves, with placement (the reorder pass, which plain ``torch.compile`` gets
+  inside :class:`savedhooks.saved_tensors_hooks`, ``sh.backend("aot_eager")``
+  under aot_eager). An eager loss's own temporaries are not in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from savedhooks.codecs import Policy
+from savedhooks.fidelity.select import Census, SavedTensor, keyed_run
+from savedhooks.fidelity.sensitivity import call_model, default_loss
+from savedhooks.hooks import saved_tensors_hooks
+from savedhooks.planner.census import (
+    GraphTimeline,
+    fresh_backend,
+    key_of_saved,
+    recording_backend,
+    step_timeline,
+    timeline_of,
+)
+from savedhooks.planner.costs import seconds_per_byte
+from savedhooks.planner.recompute import block_seconds, checkpointed
+from savedhooks.planner.result import CODECS, InfeasibleBudgetError, Plan, PlannedTensor, check_budget
+from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search
+
+__all__ = ["Survey", "survey"]
+
+
+def _options(tensors: list[SavedTensor], device: torch.device, backend: str) -> tuple[Option, ...]:
+    """Keep, and each codec that accepts the tensors, with payload bytes (fake encode) and time."""
+    first = tensors[0]
+    total = sum(t.bytes for t in tensors)
+    options = [Option("keep", total, 0.0)]
+    if not all(isinstance(s, int) for s in first.shape):
+        return tuple(options)  # symbolic sizes: kept (the payload is not known)
+    names = ("bitmask",) if first.dtype == torch.bool else ("bf16", "fp8") if first.dtype.is_floating_point else ()
+    for name in names:
+        codec = CODECS[name]
+        if name == "bf16" and first.dtype not in (torch.float32, torch.float64):
+            continue
+        with FakeTensorMode():
+            x = torch.empty(first.shape, dtype=first.dtype, device=device)
+            if not codec.accepts(x):
+                continue
+            leaves = pytree.tree_leaves(codec.encode(x))
+            payload = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+        seconds = seconds_per_byte(codec, first.dtype, device, backend) * total
+        options.append(Option(name, payload * len(tensors), seconds))
+    return tuple(options)
+
+
+def _device(example_inputs: Any) -> torch.device:
+    tensors = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _step(fn: Callable[..., Any], model: torch.nn.Module, example_inputs: Any, loss_fn: Callable, seed: int) -> None:
+    model.zero_grad(set_to_none=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        loss_fn(call_model(fn, example_inputs)).backward()
+    model.zero_grad(set_to_none=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Survey:
+    """What planning needs from a model, measured once (:func:`survey`); :meth:`plan` for each budget.
+
+    Attributes:
+        units: the candidates, in key order (:class:`savedhooks.planner.search.Unit`).
+        saved: unit key (a plan key, or several joined by ``" + "``) -> the census
+            entries of its saved tensors.
+        live: the step's timeline with nothing packed.
+        backend: the ``torch.compile`` backend surveyed.
+        recompute: the blocks checkpointed during the survey (module paths).
+        recompute_seconds: modelled time of their recompute per step.
+    """
+
+    units: tuple[Unit, ...]
+    saved: Mapping[str, tuple[SavedTensor, ...]]
+    live: tuple[int, ...]
+    backend: str
+    recompute: tuple[str, ...] = ()
+    recompute_seconds: float = 0.0
+
+    @property
+    def baseline_bytes(self) -> int:
+        """The modelled peak with nothing packed."""
+        return max(self.live, default=0)
+
+    @property
+    def floor_bytes(self) -> int:
+        """The lowest modelled peak: every candidate at its smallest payload."""
+        return peak_of(self.live, self.units, floor_of(self.units))
+
+    def plan(self, budget_bytes: int, verbose: bool = False) -> Plan:
+        """The plan for one budget (no compile, no step: the search alone).
+
+        Args:
+            budget_bytes: as for :func:`plan`.
+            verbose: print the report.
+
+        Returns:
+            A :class:`Plan`.
+
+        Raises:
+            TypeError: ``budget_bytes`` is not an int.
+            ValueError: ``budget_bytes`` is not positive.
+            InfeasibleBudgetError: the budget is below :attr:`floor_bytes`.
+        """
+        check_budget(budget_bytes)
+        floor = self.floor_bytes
+        if budget_bytes < floor:
+            raise InfeasibleBudgetError(budget_bytes, floor, self.baseline_bytes)
+        result = search(self.live, self.units, budget_bytes)
+        tensors = []
+        for unit, o in sorted(zip(self.units, result.choice), key=lambda uo: (-uo[0].bytes, uo[0].key)):
+            first, option = self.saved[unit.key][0], unit.options[o]
+            at_peak = any(start <= result.at < end for start, end, _ in unit.spans)
+            dtype = str(first.dtype).removeprefix("torch.")
+            tensors.append(PlannedTensor(unit.key, first.op, first.shape, dtype, unit.bytes, len(self.saved[unit.key]),
+                                         option.name, option.payload, option.seconds, at_peak))
+        planned = Plan(tuple(tensors), budget_bytes, result.peak, self.baseline_bytes, floor, self.backend, result.log,
+                       self.recompute, self.recompute_seconds)
+        if verbose:
+            print(planned.report())
+        return planned
+
+
+def survey(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    backend: str = "inductor",
+    seed: int = 0,
+    recompute: Sequence[str] = (),
+    recompute_seconds: float | None = None,
+) -> Survey:
+    """Census the saved tensors and model the step's memory, once, to plan for any budget.
+
+    Compiles the model twice (a census of the saved tensors under hooks that pack
+    nothing, then without hooks, its graphs kept for the memory model) and runs
+    one training step each time; the model's gradients are cleared, its
+    parameters unchanged. Calibrates each codec's time once per process.
+
+    Args:
+        model: the module to train (not compiled: the survey compiles it).
+        example_inputs: a tuple of positional arguments, a dict of keyword
+            arguments, or one tensor, of the shapes training uses.
+        loss_fn: turns the model's output into a scalar (run eagerly, as in a
+            training loop); default: the output if it is a scalar, else the mean
+            square of its floating tensors.
+        backend: ``"inductor"`` (plain ``torch.compile``) or ``"aot_eager"``
+            (run the plan with ``sh.backend("aot_eager")``); the plan's keys are
+            those of this backend's graphs.
+        seed: ``torch.manual_seed`` before each step.
+        recompute: module paths of blocks to checkpoint during the survey (as
+            the plan will run them: :meth:`Plan.apply`).
+        recompute_seconds: their recompute time per step; ``None``: measured
+            (:func:`savedhooks.planner.recompute.block_seconds`).
+
+    Returns:
+        A :class:`Survey`.
+
+    Raises:
+        TypeError: ``model`` is not a module.
+        ValueError: ``backend`` is unknown, the output has no floating tensor
+            and no ``loss_fn``, or a ``recompute`` path names no submodule.
+        RuntimeError: the model did not compile (dynamo ran it eagerly).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
+    recording, recorder, fused = recording_backend(backend)
+    loss_fn = loss_fn or default_loss
+    # every compile must trace (the census runs inside tracing): no dynamo, AOTAutograd or FX graph cache hits
+    recompute = tuple(recompute)
+    if recompute_seconds is None:
+        recompute_seconds = sum(block_seconds(model, example_inputs, recompute)) if recompute else 0.0
+    with checkpointed(model, recompute), \
+            torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16), \
+            torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        with keyed_run() as run, saved_tensors_hooks(Census(Policy()).hooks(), reorder=False):
+            _step(torch.compile(model, backend=fresh_backend(backend)), model, example_inputs, loss_fn, seed)
+        with recorder.kernel_order():
+            _step(torch.compile(model, backend=recording), model, example_inputs, loss_fn, seed)
+    if not recorder.forwards or len(recorder.forwards) != len(recorder.backwards):
+        raise RuntimeError(
+            f"plan: the model did not compile into forward and backward graphs under {backend!r} "
+            f"({len(recorder.forwards)} forward, {len(recorder.backwards)} backward): did dynamo fall back to eager?"
+        )
+    forwards = []
+    for fw, bw in zip(recorder.forwards, reversed(recorder.backwards)):
+        saved = {n.name for n in bw.graph.find_nodes(op="placeholder")}
+        forwards.append(timeline_of(fw, saved, fused=fused))
+    backwards = [timeline_of(bw, fused=fused) for bw in recorder.backwards]
+    eager = [t for t in run.census if t.key.startswith("eager:")]
+    timeline = step_timeline(forwards, backwards, eager)
+    groups, blocked = _choice_groups(run.census, forwards)
+    device = _device(example_inputs)
+    units = tuple(
+        Unit(key, sum(t.bytes for t in ts),
+             tuple((*timeline.spans[t.key], t.bytes) for t in ts if t.key in timeline.spans and t.key not in blocked),
+             _merged_options([_options(same, device, backend) for same in _by_plan_key(ts)]))
+        for key, ts in sorted(groups.items())
+    )
+    return Survey(units, groups, timeline.live, backend, recompute, recompute_seconds)
+
+
+def _by_plan_key(tensors: tuple[SavedTensor, ...]) -> list[list[SavedTensor]]:
+    by_key: dict[str, list[SavedTensor]] = {}
+    for t in tensors:
+        by_key.setdefault(key_of_saved(t), []).append(t)
+    return list(by_key.values())
+
+
+def _choice_groups(
+    census: list[SavedTensor], forwards: list[GraphTimeline]
+) -> tuple[dict[str, tuple[SavedTensor, ...]], set[str]]:
+    """Census entries by unit: one plan key, or the plan keys of views sharing a storage (joined by " + ").
+
+    Returns the units and the census keys whose storage also holds a tensor that
+    is not a candidate (the policy keeps it): packing them frees nothing.
+    """
+    key_of = {t.key: key_of_saved(t) for t in census}
+    root = {k: k for k in key_of.values()}
+
+    def find(k: str) -> str:
+        while root[k] != k:
+            k = root[k]
+        return k
+
+    blocked: set[str] = set()
+    for g, fw in enumerate(forwards):
+        for group in set(fw.together.values()):
+            keys = [f"g{g}:{name}" for name in group]
+            if not all(k in key_of for k in keys):
+                blocked.update(keys)
+                continue
+            for k in keys[1:]:
+                root[find(key_of[k])] = find(key_of[keys[0]])
+    members: dict[str, list[str]] = {}
+    for k in sorted(root):
+        members.setdefault(find(k), []).append(k)
+    unit_of = {k: " + ".join(ks) for ks in members.values() for k in ks}
+    units: dict[str, list[SavedTensor]] = {}
+    for t in census:
+        units.setdefault(unit_of[key_of[t.key]], []).append(t)
+    return {k: tuple(v) for k, v in units.items()}, blocked
+
+
+def _merged_options(per_key: list[tuple[Option, ...]]) -> tuple[Option, ...]:
+    """The options every plan key of a unit has, payloads and times summed."""
+    names = [o.name for o in per_key[0] if all(any(p.name == o.name for p in opts) for opts in per_key)]
+    return tuple(
+        Option(name, sum(o.payload for opts in per_key for o in opts if o.name == name),
+               sum(o.seconds for opts in per_key for o in opts if o.name == name))
+        for name in names
+    )
+

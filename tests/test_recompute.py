@@ -1,0 +1,168 @@
+"""sh.plan's recompute: blocks found and checkpointed with torch's checkpoint, strategies surveyed, plans applied."""
+
+import pytest
+import torch
+
+import savedhooks as sh
+from savedhooks.memory.fusion import inlined_nodes
+from savedhooks.planner.recompute import block_seconds, checkpoint_blocks, checkpointed, find_blocks, restore_blocks
+
+
+class _Net(torch.nn.Module):
+    """A stem, a ModuleList of same-class blocks (the largest list), a small list of mixed classes, a head."""
+
+    def __init__(self, width: int = 64, blocks: int = 3) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(width, width)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+            for _ in range(blocks)
+        )
+        self.extras = torch.nn.ModuleList([torch.nn.Linear(width, width), torch.nn.ReLU()])
+        self.head = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(self.extras[1](self.extras[0](x)))
+
+
+def _net():
+    torch.manual_seed(0)
+    return _Net(), torch.randn(512, 64)
+
+
+def _loss(y):
+    return y.square().mean()
+
+
+def _grads(model, fn, x):
+    model.zero_grad(set_to_none=True)
+    _loss(fn(x)).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _saved_bytes(model, x):
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _loss(model(x)).backward()
+    model.zero_grad(set_to_none=True)
+    return total
+
+
+def test_find_blocks_takes_the_largest_list_of_one_class():
+    model, _ = _net()
+    assert find_blocks(model) == ("layers.0", "layers.1", "layers.2")
+    assert find_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))) == ("0", "1")
+    assert find_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())) == ()
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        find_blocks(lambda x: x)
+
+
+def test_checkpointed_blocks_give_the_same_gradients_save_less_and_keep_the_module_tree():
+    model, x = _net()
+    keys = list(model.state_dict())
+    reference, saved = _grads(model, model, x), _saved_bytes(model, x)
+    checkpoint_blocks(model, find_blocks(model))
+    checkpoint_blocks(model, find_blocks(model))  # idempotent: one checkpoint per block
+    assert list(model.state_dict()) == keys
+    assert all(torch.equal(a, b) for a, b in zip(reference, _grads(model, model, x)))
+    # each block saves its input once instead of its two linears' inputs and the GELU's
+    assert _saved_bytes(model, x) < saved - 3 * 512 * 256 * 4
+    compiled = torch.compile(model, backend="aot_eager")
+    assert all(torch.equal(a, b) for a, b in zip(reference, _grads(model, compiled, x)))
+    restore_blocks(model)
+    assert _saved_bytes(model, x) == saved
+    assert all("forward" not in vars(layer) for layer in model.layers)
+
+
+def test_checkpointed_restores_only_what_it_checkpointed_and_paths_are_checked():
+    model, _ = _net()
+    checkpoint_blocks(model, ["layers.0"])
+    with checkpointed(model, ["layers.0", "layers.1"]):
+        assert "forward" in vars(model.layers[1])
+    assert "forward" in vars(model.layers[0]) and "forward" not in vars(model.layers[1])
+    with pytest.raises(ValueError, match="no submodule 'layers.7'"):
+        checkpoint_blocks(model, ["layers.1", "layers.7"])
+    assert "forward" not in vars(model.layers[1])  # nothing changed when a path is bad
+
+
+def test_block_seconds_times_each_block_in_one_forward():
+    model, x = _net()
+    seconds = block_seconds(model, (x,), find_blocks(model), repeats=2)
+    assert len(seconds) == 3 and all(0 < s < 10 for s in seconds)
+    with pytest.raises(ValueError, match="repeats"):
+        block_seconds(model, (x,), ["layers.0"], repeats=0)
+    model.spare = torch.nn.Linear(4, 4)  # never called in the forward
+    with pytest.raises(RuntimeError, match=r"\['spare'\] did not run"):
+        block_seconds(model, (x,), ["layers.0", "spare"])
+
+
+def test_inlined_nodes_leaves_out_what_inductor_realized():
+    def f(x):
+        t = x.tanh()
+        return (t * 2).sum(), (t + 1).sum()
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(f)(torch.randn(8))
+    names = {n.name for n in inlined_nodes(gm.graph)}
+    assert "tanh" in names
+    assert "tanh" not in {n.name for n in inlined_nodes(gm.graph, realized={"tanh"})}
+
+
+def test_the_planner_recomputes_blocks_when_codecs_alone_cannot_meet_the_budget():
+    model, x = _net()
+    planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
+    assert planner.blocks == ("layers.0", "layers.1", "layers.2") and planner.strategies == (0, 1, 2, 3)
+    codecs_only = planner.survey(0)
+    assert planner.floor_bytes < codecs_only.floor_bytes, "recompute reaches lower than codecs alone"
+    budget = (planner.floor_bytes + codecs_only.floor_bytes) // 2
+    planned = planner.plan(budget)
+    assert planned.recompute and planned.recompute == planner.blocks[: len(planned.recompute)]
+    assert planned.predicted_peak_bytes <= budget and planned.recompute_seconds > 0
+    assert planned.seconds >= planned.recompute_seconds
+    assert any(line.startswith("recompute 0 blocks: floor") for line in planned.log)
+    assert "recomputed blocks: layers.0" in planned.report()
+    reference = _grads(model, model, x)
+    planned.apply(model)
+    compiled = torch.compile(model, backend=sh.backend("aot_eager"))
+
+    def step():
+        with sh.saved_tensors_hooks(planned.hooks):
+            _loss(compiled(x)).backward()
+
+    step()
+    model.zero_grad(set_to_none=True)
+    measured = sh.memory.measure_peak(step, device="cpu")
+    grads = [p.grad for p in model.parameters()]
+    assert measured <= budget
+    assert abs(measured - planned.predicted_peak_bytes) <= 0.05 * planned.predicted_peak_bytes
+    assert min(sh.sqnr(r, g) for r, g in zip(reference, grads)) > 25
+    planned.revert(model)
+    assert all("forward" not in vars(layer) for layer in model.layers)
+    loaded = sh.Plan.from_json(planned.to_json())
+    assert loaded == planned and loaded.recompute == planned.recompute
+
+
+def test_a_budget_the_codecs_meet_cheaper_recomputes_nothing_and_bad_blocks_are_refused():
+    model, x = _net()
+    planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
+    unbounded = planner.plan(1 << 40)
+    assert unbounded.recompute == () and all(t.choice == "keep" for t in unbounded.tensors)
+    assert sh.planner.Planner(model, (x,), blocks=()).strategies == (0,)
+    with pytest.raises(ValueError, match="no submodule 'nope'"):
+        sh.planner.Planner(model, (x,), blocks=["nope"])
+    with pytest.raises(TypeError, match="sequence of module paths"):
+        sh.planner.Planner(model, (x,), blocks="layers.0")
+    with pytest.raises(ValueError, match="k must be in 0..3"):
+        planner.survey(4)
