@@ -166,3 +166,13 @@ def test_a_budget_the_codecs_meet_cheaper_recomputes_nothing_and_bad_blocks_are_
         sh.planner.Planner(model, (x,), blocks="layers.0")
     with pytest.raises(ValueError, match="k must be in 0..3"):
         planner.survey(4)
+
+
+def test_a_recompute_setting_the_memory_model_cannot_read_is_skipped_with_a_warning():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.1)) for _ in range(2)])
+    planner = sh.planner.Planner(model, (torch.randn(256, 64),), loss_fn=_loss, backend="aot_eager")
+    with pytest.warns(UserWarning, match="recomputing 1 blocks is not planned"):
+        planned = planner.plan(1 << 40)
+    assert planned.recompute == ()
+    assert any(line.startswith("recompute 2 blocks: not planned") for line in planned.log)

@@ -15,6 +15,9 @@ Design notes
   strategy reached and why the kept one won.
 * Floors are not monotone in ``k``: a recomputed block's backward materializes
   its whole forward again, so the floor is the least over the strategies.
+* A recompute setting whose graphs the memory model cannot read (under
+  aot_eager, checkpointed random ops leave ``run_and_save_rng_state`` nodes
+  without a fake value) is skipped with a warning and a log line.
 * Not chosen yet: offload, selective (per-op) recompute inside a block, and a
   fidelity cost for lossy codecs (the policy's keeps are respected instead).
 """
@@ -22,6 +25,7 @@ Design notes
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -85,6 +89,7 @@ class Planner:
         steps = min(count + 1, MAX_STRATEGIES)
         self.strategies = tuple(sorted({round(i * count / max(steps - 1, 1)) for i in range(steps)}))
         self._surveys: dict[int, Survey] = {}
+        self._skipped: dict[int, str] = {}  # strategies whose graphs the memory model cannot read, and why
         self._block_seconds: tuple[float, ...] | None = None
 
     def survey(self, k: int) -> Survey:
@@ -110,6 +115,21 @@ class Planner:
             self._surveys[k] = survey(model, inputs, loss_fn, backend, seed, self.blocks[:k], seconds)
         return self._surveys[k]
 
+    def _usable(self) -> list[tuple[int, Survey]]:
+        """The strategies' surveys; a recompute setting whose graphs the memory model cannot read is skipped."""
+        usable = []
+        for k in self.strategies:
+            if k in self._skipped:
+                continue
+            try:
+                usable.append((k, self.survey(k)))
+            except ValueError as error:
+                if not k:
+                    raise
+                self._skipped[k] = str(error)
+                warnings.warn(f"sh.plan: recomputing {k} blocks is not planned: {error}", stacklevel=3)
+        return usable
+
     @property
     def baseline_bytes(self) -> int:
         """The modelled peak with nothing packed and nothing recomputed."""
@@ -118,7 +138,7 @@ class Planner:
     @property
     def floor_bytes(self) -> int:
         """The lowest modelled peak over the strategies (surveys them all)."""
-        return min(self.survey(k).floor_bytes for k in self.strategies)
+        return min(found.floor_bytes for _, found in self._usable())
 
     def plan(self, budget_bytes: int, verbose: bool = False) -> Plan:
         """The least-time plan meeting ``budget_bytes`` over the strategies (surveys them all).
@@ -139,9 +159,8 @@ class Planner:
         baseline, floor = self.baseline_bytes, self.floor_bytes
         if budget_bytes < floor:
             raise InfeasibleBudgetError(budget_bytes, floor, baseline)
-        log, best = [], None
-        for k in self.strategies:
-            found = self.survey(k)
+        log, best = [f"recompute {k} blocks: not planned: {why}" for k, why in self._skipped.items()], None
+        for k, found in self._usable():
             if budget_bytes < found.floor_bytes:
                 log.append(f"recompute {k} blocks: floor {found.floor_bytes / _MiB:.2f} MiB is above the budget")
                 continue
