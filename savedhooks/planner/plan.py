@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from savedhooks.planner.recompute import block_seconds, find_blocks
-from savedhooks.planner.result import InfeasibleBudgetError, Plan, check_budget
+from savedhooks.planner.result import Plan, check_budget
 from savedhooks.planner.survey import Survey, survey
 
 __all__ = ["MAX_STRATEGIES", "Planner", "plan"]
@@ -157,8 +157,7 @@ class Planner:
         """
         check_budget(budget_bytes)
         baseline, floor = self.baseline_bytes, self.floor_bytes
-        if budget_bytes < floor:
-            raise InfeasibleBudgetError(budget_bytes, floor, baseline)
+        check_budget(budget_bytes, floor, baseline)
         log, best = [f"recompute {k} blocks: not planned: {why}" for k, why in self._skipped.items()], None
         for k, found in self._usable():
             if budget_bytes < found.floor_bytes:

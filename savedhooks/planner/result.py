@@ -224,11 +224,13 @@ class Plan:
         return cls(tensors=tensors, **{**data, "log": tuple(data.get("log", ()))})
 
 
-def check_budget(budget_bytes: Any) -> None:
-    """Raise unless ``budget_bytes`` is a positive int.
+def check_budget(budget_bytes: Any, floor_bytes: int | None = None, baseline_bytes: int = 0) -> None:
+    """Raise unless ``budget_bytes`` is a positive int (and, given a floor, at least the floor).
 
     Args:
         budget_bytes: the value to check.
+        floor_bytes: the lowest modelled peak, if known.
+        baseline_bytes: the modelled peak without hooks (for the error message).
 
     Returns:
         None.
@@ -236,8 +238,11 @@ def check_budget(budget_bytes: Any) -> None:
     Raises:
         TypeError: not an int (or a bool).
         ValueError: not positive.
+        InfeasibleBudgetError: below ``floor_bytes``.
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
         raise TypeError(f"plan: budget_bytes must be an int, got {budget_bytes!r}")
     if budget_bytes <= 0:
         raise ValueError(f"plan: budget_bytes must be positive, got {budget_bytes}")
+    if floor_bytes is not None and budget_bytes < floor_bytes:
+        raise InfeasibleBudgetError(budget_bytes, floor_bytes, baseline_bytes)

@@ -52,7 +52,7 @@ from savedhooks.planner.census import (
 )
 from savedhooks.planner.costs import seconds_per_byte
 from savedhooks.planner.recompute import block_seconds, checkpointed
-from savedhooks.planner.result import CODECS, InfeasibleBudgetError, Plan, PlannedTensor, check_budget
+from savedhooks.planner.result import CODECS, Plan, PlannedTensor, check_budget
 from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search
 
 __all__ = ["Survey", "survey"]
@@ -140,10 +140,8 @@ class Survey:
             ValueError: ``budget_bytes`` is not positive.
             InfeasibleBudgetError: the budget is below :attr:`floor_bytes`.
         """
-        check_budget(budget_bytes)
         floor = self.floor_bytes
-        if budget_bytes < floor:
-            raise InfeasibleBudgetError(budget_bytes, floor, self.baseline_bytes)
+        check_budget(budget_bytes, floor, self.baseline_bytes)
         result = search(self.live, self.units, budget_bytes)
         tensors = []
         for unit, o in sorted(zip(self.units, result.choice), key=lambda uo: (-uo[0].bytes, uo[0].key)):
@@ -176,16 +174,11 @@ def survey(
     parameters unchanged. Calibrates each codec's time once per process.
 
     Args:
-        model: the module to train (not compiled: the survey compiles it).
-        example_inputs: a tuple of positional arguments, a dict of keyword
-            arguments, or one tensor, of the shapes training uses.
-        loss_fn: turns the model's output into a scalar (run eagerly, as in a
-            training loop); default: the output if it is a scalar, else the mean
-            square of its floating tensors.
-        backend: ``"inductor"`` (plain ``torch.compile``) or ``"aot_eager"``
-            (run the plan with ``sh.backend("aot_eager")``); the plan's keys are
-            those of this backend's graphs.
-        seed: ``torch.manual_seed`` before each step.
+        model: as for :func:`savedhooks.plan` (the survey compiles it).
+        example_inputs: as for :func:`savedhooks.plan`.
+        loss_fn: as for :func:`savedhooks.plan`.
+        backend: as for :func:`savedhooks.plan`.
+        seed: as for :func:`savedhooks.plan`.
         recompute: module paths of blocks to checkpoint during the survey (as
             the plan will run them: :meth:`Plan.apply`).
         recompute_seconds: their recompute time per step; ``None``: measured
