@@ -66,6 +66,17 @@ def test_every_code_round_trips():
 COMPILED = ik.inductor_cases()
 
 
+def _hash_vectorizes(in_dtype: torch.dtype) -> bool:
+    """Whether inductor's C++ backend vectorizes the stochastic quantize kernel on this CPU.
+
+    On an AVX2-only CPU (``VecAVX2``) it falls back to a scalar loop for bf16
+    input (seen on 2026-11-24); float32 input vectorizes on AVX2 and AVX-512.
+    """
+    from torch._inductor import cpu_vec_isa
+
+    return in_dtype == torch.float32 or "avx512" in str(cpu_vec_isa.pick_vec_isa())
+
+
 @pytest.mark.parametrize("case", list(COMPILED))
 def test_fused_is_bit_exact_with_the_reference_under_inductor(case):
     from torch._inductor.utils import run_and_get_code
@@ -82,7 +93,8 @@ def test_fused_is_bit_exact_with_the_reference_under_inductor(case):
 
     compiled = torch.compile(roundtrip, backend="inductor", fullgraph=True)
     ((got_q, got_scale), got), codes = run_and_get_code(compiled, x, q.view(torch.uint8), scale, seed)
-    if seed is not None:  # the hash vectorizes too (a transformer step, as below, takes ~85 s to compile with it)
+    if seed is not None and _hash_vectorizes(in_dtype):
+        # the hash vectorizes too (a transformer step, as below, takes ~85 s to compile with it)
         quantizing = _quantize_kernels(codes[0])
         assert quantizing and not _scalar(quantizing), _scalar(quantizing)
         assert all("VectorizedN<int64_t,2>" in body and str(0x21F0AAAD) in body for body in quantizing.values())
