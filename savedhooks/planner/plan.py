@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from savedhooks.planner.recompute import block_seconds, find_blocks
+from savedhooks.planner.recompute import block_seconds, find_blocks, resolve_blocks
 from savedhooks.planner.result import Plan, check_budget
 from savedhooks.planner.survey import Survey, survey
 
@@ -79,11 +79,7 @@ class Planner:
         if isinstance(blocks, str):
             raise TypeError(f"plan: blocks must be a sequence of module paths, got the string {blocks!r}")
         self.blocks = find_blocks(model) if blocks is None else tuple(blocks)
-        for path in self.blocks:
-            try:
-                model.get_submodule(path)
-            except AttributeError as error:
-                raise ValueError(f"plan: the model has no submodule {path!r} (blocks)") from error
+        resolve_blocks(model, self.blocks)  # a bad path fails here, before any compile
         self._args = (model, example_inputs, loss_fn, backend, seed)
         count = len(self.blocks)
         steps = min(count + 1, MAX_STRATEGIES)

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from savedhooks.fidelity.sensitivity import call_model
 
-__all__ = ["block_seconds", "checkpoint_blocks", "checkpointed", "find_blocks", "restore_blocks"]
+__all__ = ["block_seconds", "checkpoint_blocks", "checkpointed", "find_blocks", "resolve_blocks", "restore_blocks"]
 
 _ORIGINAL = "_savedhooks_forward"  # attribute of a checkpointed block: its forward before
 
@@ -69,11 +69,26 @@ def find_blocks(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(f"{name}.{i}" if name else str(i) for i in range(len(module)))
 
 
-def _block(model: torch.nn.Module, path: str) -> torch.nn.Module:
-    try:
-        return model.get_submodule(path)
-    except AttributeError as error:
-        raise ValueError(f"recompute: the model has no submodule {path!r}") from error
+def resolve_blocks(model: torch.nn.Module, paths: Sequence[str]) -> list[torch.nn.Module]:
+    """The submodules at ``paths``, every path checked before any is used.
+
+    Args:
+        model: the module holding the blocks.
+        paths: module paths relative to ``model``.
+
+    Returns:
+        The blocks, in the order of ``paths``.
+
+    Raises:
+        ValueError: a path names no submodule.
+    """
+    blocks = []
+    for path in paths:
+        try:
+            blocks.append(model.get_submodule(path))
+        except AttributeError as error:
+            raise ValueError(f"recompute: the model has no submodule {path!r}") from error
+    return blocks
 
 
 def checkpoint_blocks(model: torch.nn.Module, paths: Sequence[str]) -> None:
@@ -91,7 +106,7 @@ def checkpoint_blocks(model: torch.nn.Module, paths: Sequence[str]) -> None:
     Raises:
         ValueError: a path names no submodule.
     """
-    blocks = [_block(model, path) for path in paths]  # check every path before changing any
+    blocks = resolve_blocks(model, paths)  # every path checked before any block changes
     for block in blocks:
         if _ORIGINAL in vars(block):
             continue
@@ -113,7 +128,7 @@ def restore_blocks(model: torch.nn.Module, paths: Sequence[str] | None = None) -
     Raises:
         ValueError: a path names no submodule.
     """
-    blocks = model.modules() if paths is None else [_block(model, path) for path in paths]
+    blocks = model.modules() if paths is None else resolve_blocks(model, paths)
     for block in blocks:
         if _ORIGINAL in vars(block):
             del block.forward
@@ -134,7 +149,7 @@ def checkpointed(model: torch.nn.Module, paths: Sequence[str]) -> Iterator[None]
     Raises:
         ValueError: a path names no submodule.
     """
-    fresh = [path for path in paths if _ORIGINAL not in vars(_block(model, path))]
+    fresh = [path for path, block in zip(paths, resolve_blocks(model, paths)) if _ORIGINAL not in vars(block)]
     checkpoint_blocks(model, fresh)
     try:
         yield
@@ -160,7 +175,7 @@ def block_seconds(model: torch.nn.Module, example_inputs: Any, paths: Sequence[s
     """
     if repeats < 1:
         raise ValueError(f"block_seconds: repeats must be >= 1, got {repeats}")
-    blocks = [_block(model, path) for path in paths]
+    blocks = resolve_blocks(model, paths)
     best = [float("inf")] * len(blocks)
     starts: dict[int, float] = {}
 
