@@ -120,8 +120,8 @@ def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
     base = x._base if x._is_view() else None
     if base is not None and _covers(x, base) and not _frees_nothing(base):
         # relu's (B, T, C) output and the (B*T, C) view the next matmul saves: one payload
-        packed = _pack_cached(fns, base, cache)
-        return packed if isinstance(packed, _Aliasing) else _ViewOf(packed, x)
+        # the view keeps its own shape, also when the base's payload is the base itself
+        return _ViewOf(_pack_cached(fns, base, cache), x)
     return _pack_cached(fns, x, cache)
 
 

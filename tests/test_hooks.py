@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import re
 import weakref
@@ -82,6 +83,31 @@ def test_eager_packs_intermediates_only():
     # (by relu and by the next addmm).
     assert len(calls) == 4
     loss.backward()
+
+
+@dataclasses.dataclass(frozen=True)
+class _StoreAsIs(sh.Codec):
+    """Stores every saved tensor as it is (a policy's "keep" for everything)."""
+
+    def choose(self, x: torch.Tensor) -> int:
+        return -1
+
+
+def test_eager_view_of_a_base_stored_as_is_unpacks_with_its_own_shape():
+    # (x @ w).view(4, 16, 16) reads all of the (64, 16) matmul output: its pack shares
+    # the base's payload. With the base stored as is, unpack once returned the
+    # (64, 16) base for the (4, 16, 16) view (seen as DDP's output under the planner).
+    x, w = torch.randn(64, 8), torch.randn(8, 16, requires_grad=True)
+
+    def step() -> torch.Tensor:
+        (x @ w).view(4, 16, 16).square().sum().backward()
+        grad, w.grad = w.grad, None
+        return grad
+
+    expected = step()
+    with sh.saved_tensors_hooks(_StoreAsIs().hooks()):
+        got = step()
+    assert torch.equal(got, expected)
 
 
 def test_eager_gradients_change_under_bf16_and_match_manual_rounding():
