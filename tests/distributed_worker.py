@@ -19,10 +19,31 @@ BATCH, SEQ, DIM = 4, 16, 32
 CONFIGS = ("no hooks", "lossless", "policy")
 
 
+class Net(torch.nn.Module):
+    """The test transformer behind a forward of its own.
+
+    Under DDP, dynamo compiles the frames below DDP's forward that are user code;
+    ``nn.Sequential.forward`` is torch code and would run eagerly, and with every
+    block checkpointed nothing would be compiled at all.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = transformer(2, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
 def model_and_batch() -> tuple[torch.nn.Module, torch.Tensor]:
     """The model every rank and the one-process reference start from, and the whole batch."""
     torch.manual_seed(0)
-    return transformer(2, DIM), torch.randn(BATCH, SEQ, DIM)
+    return Net(), torch.randn(BATCH, SEQ, DIM)
+
+
+def loss_of(y: torch.Tensor) -> torch.Tensor:
+    """The loss every configuration trains."""
+    return y.square().mean()
 
 
 def hooks_for(config: str) -> sh.HookPair | None:
@@ -42,7 +63,7 @@ def step(model: torch.nn.Module, x: torch.Tensor, hooks: sh.HookPair | None) -> 
 
     def forward() -> None:
         with sh.saved_tensors_hooks(hooks) if hooks is not None else contextlib.nullcontext():
-            losses.append(compiled(x).square().mean())
+            losses.append(loss_of(compiled(x)))
 
     forward()  # compiles
     losses.pop().backward()
@@ -57,13 +78,29 @@ def _wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
         return torch.nn.parallel.DistributedDataParallel(model)
     from torch.distributed.fsdp import fully_shard
 
-    for module in model:
+    for module in list(model.modules()):
         if isinstance(module, TransformerBlock):
             fully_shard(module)
     return fully_shard(model)
 
 
-def run(rank: int, world: int, port: int, how: str, out: str) -> None:
+def planned_step(model: torch.nn.Module, x: torch.Tensor, how: str) -> tuple[int, sh.Plan]:
+    """Plan this rank's step (``sh.planner.Planner`` on the wrapped model), apply the plan, run :func:`step`.
+
+    The budget is halfway between the modelled peak without hooks and the
+    planner's floor; the blocks may be recomputed.
+
+    Returns:
+        The bytes the measured forward leaves alive for backward, and the plan.
+    """
+    prefix = "module." if how == "ddp" else ""
+    blocks = tuple(f"{prefix}layers.{i}" for i in range(2))
+    planner = sh.planner.Planner(model, (x,), loss_fn=loss_of, backend="aot_eager", blocks=blocks)
+    plan = planner.plan((planner.baseline_bytes + planner.floor_bytes) // 2)
+    return step(plan.apply(model), x, plan.hooks), plan
+
+
+def run(rank: int, world: int, port: int, how: str, out: str, configs: tuple[str, ...] = CONFIGS) -> None:
     """Run every configuration on this rank's half of the batch; rank 0 saves the full gradients to ``out``.
 
     Args:
@@ -71,8 +108,10 @@ def run(rank: int, world: int, port: int, how: str, out: str) -> None:
         world: the number of processes.
         port: a free TCP port on 127.0.0.1 for the rendezvous.
         how: ``"fsdp2"`` (``fully_shard`` per block and at the root) or ``"ddp"``.
-        out: where rank 0 writes ``{"grads": {config: [grad per parameter]}, "saved": {config: bytes}}``
-            (``torch.save``; bytes: what rank 0's forward left alive for backward).
+        out: where rank 0 writes ``{"grads": {config: [grad per parameter]}, "saved": {config: bytes},
+            "plans": [each rank's plan as JSON]}`` (``torch.save``; bytes: what rank 0's forward left
+            alive for backward; plans: with the ``"planned"`` configuration).
+        configs: from :data:`CONFIGS`, and ``"planned"`` (:func:`planned_step`).
 
     Returns:
         None.
@@ -85,15 +124,19 @@ def run(rank: int, world: int, port: int, how: str, out: str) -> None:
     try:
         base, x = model_and_batch()
         local = x.chunk(world)[rank]
-        grads, saved = {}, {}
-        for config in CONFIGS:
+        grads, saved, plans = {}, {}, [None] * world
+        for config in configs:
             torch._dynamo.reset()
             model = _wrap(copy.deepcopy(base), how)
-            saved[config] = step(model, local, hooks_for(config))
+            if config == "planned":
+                saved[config], plan = planned_step(model, local, how)
+                dist.all_gather_object(plans, plan.to_json())
+            else:
+                saved[config] = step(model, local, hooks_for(config))
             full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
             grads[config] = [g.detach().clone() for g in full]
         if rank == 0:
-            torch.save({"grads": grads, "saved": saved}, out)
+            torch.save({"grads": grads, "saved": saved, "plans": plans}, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()

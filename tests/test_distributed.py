@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import savedhooks as sh
 from tests import distributed_worker as worker
 from tests.models import POLICY_DB, worst_sqnr
 
@@ -28,9 +29,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(how: str, out: str) -> None:
+def _spawn(how: str, out: str, configs: tuple[str, ...] = worker.CONFIGS) -> None:
     context = mp.start_processes(
-        worker.run, args=(2, _free_port(), how, out), nprocs=2, join=False, start_method="spawn"
+        worker.run, args=(2, _free_port(), how, out, configs), nprocs=2, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + TIMEOUT_S
     while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
@@ -65,3 +66,19 @@ def test_two_processes_match_without_hooks_and_one_process(how, tmp_path):
     # (fp8 with its scales keeps 0.28x of a float32 tensor; LN statistics and small tensors stay as they are)
     through_hooks = saved["lossless"] - saved["no hooks"]
     assert through_hooks > 0 and saved["no hooks"] - saved["policy"] >= 0.55 * through_hooks
+
+
+@pytest.mark.parametrize("how", ["fsdp2", "ddp"])
+def test_each_rank_plans_its_own_step(how, tmp_path):
+    # sh.plan on the wrapped model in every rank (its half of the batch), applied
+    # (blocks may be recomputed) and run under torch's own engine
+    out = tmp_path / "grads.pt"
+    _spawn(how, str(out), ("no hooks", "planned"))
+    result = torch.load(out)
+    grads, saved = result["grads"], result["saved"]
+    plans = [sh.Plan.from_json(text) for text in result["plans"]]
+    for plan in plans:
+        assert plan.floor_bytes <= plan.predicted_peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
+        assert any(t.choice != "keep" for t in plan.tensors) or plan.recompute
+    assert worst_sqnr(grads["planned"], grads["no hooks"]) >= POLICY_DB
+    assert saved["planned"] < saved["no hooks"]

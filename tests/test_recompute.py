@@ -176,3 +176,39 @@ def test_a_recompute_setting_the_memory_model_cannot_read_is_skipped_with_a_warn
         planned = planner.plan(1 << 40)
     assert planned.recompute == ()
     assert any(line.startswith("recompute 2 blocks: not planned") for line in planned.log)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class _EagerOuter(torch.nn.Module):
+    """Its own forward runs eagerly and only the blocks' frames compile, as below DDP's forward."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block(width) for _ in range(2))
+
+    @torch._dynamo.disable(recursive=False)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_recompute_setting_that_leaves_nothing_compiled_is_skipped_with_a_warning():
+    # torch.utils.checkpoint runs its region eagerly unless dynamo traces the call
+    # from a compiled frame: with both blocks checkpointed nothing compiles
+    torch.manual_seed(0)
+    planner = sh.planner.Planner(_EagerOuter(), (torch.randn(256, 64),), loss_fn=_loss, backend="aot_eager")
+    with pytest.warns(UserWarning, match="recomputing 2 blocks is not planned: plan: the model did not compile"):
+        planned = planner.plan(1 << 40)
+    assert any(line.startswith("recompute 2 blocks: not planned") for line in planned.log)
+    assert any(line.startswith("recompute 1 blocks: peak") for line in planned.log)
+    with pytest.raises(sh.planner.NotCompiledError, match="did dynamo fall back to eager"):
+        sh.planner.survey(_EagerOuter(), (torch.randn(256, 64),), _loss, "aot_eager", recompute=["layers.0", "layers.1"])

@@ -9,7 +9,7 @@ Offload is not chosen yet.
 from savedhooks.planner.plan import Planner, plan
 from savedhooks.planner.recompute import find_blocks
 from savedhooks.planner.result import InfeasibleBudgetError, Plan, Planned, PlannedTensor
-from savedhooks.planner.survey import Survey, survey
+from savedhooks.planner.survey import NotCompiledError, Survey, survey
 
-__all__ = ["InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "Planner", "Survey", "find_blocks", "plan",
+__all__ = ["InfeasibleBudgetError", "NotCompiledError", "Plan", "Planned", "PlannedTensor", "Planner", "Survey", "find_blocks", "plan",
            "survey"]

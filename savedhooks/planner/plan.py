@@ -17,7 +17,9 @@ Design notes
   its whole forward again, so the floor is the least over the strategies.
 * A recompute setting whose graphs the memory model cannot read (under
   aot_eager, checkpointed random ops leave ``run_and_save_rng_state`` nodes
-  without a fake value) is skipped with a warning and a log line.
+  without a fake value), or that leaves nothing compiled (below DDP or FSDP2,
+  dynamo compiles only user-code frames, and a checkpointed block's frames run
+  eagerly), is skipped with a warning and a log line.
 * Not chosen yet: offload, selective (per-op) recompute inside a block, and a
   fidelity cost for lossy codecs (the policy's keeps are respected instead).
 """
@@ -33,7 +35,7 @@ import torch
 
 from savedhooks.planner.recompute import block_seconds, find_blocks, resolve_blocks
 from savedhooks.planner.result import Plan, check_budget
-from savedhooks.planner.survey import Survey, survey
+from savedhooks.planner.survey import NotCompiledError, Survey, survey
 
 __all__ = ["MAX_STRATEGIES", "Planner", "plan"]
 
@@ -85,7 +87,7 @@ class Planner:
         steps = min(count + 1, MAX_STRATEGIES)
         self.strategies = tuple(sorted({round(i * count / max(steps - 1, 1)) for i in range(steps)}))
         self._surveys: dict[int, Survey] = {}
-        self._skipped: dict[int, str] = {}  # strategies whose graphs the memory model cannot read, and why
+        self._skipped: dict[int, str] = {}  # strategies not planned (nothing compiled, or graphs the model cannot read), and why
         self._block_seconds: tuple[float, ...] | None = None
 
     def survey(self, k: int) -> Survey:
@@ -99,7 +101,7 @@ class Planner:
 
         Raises:
             ValueError: ``k`` out of range.
-            RuntimeError: the model did not compile.
+            NotCompiledError: the model did not compile.
         """
         if not 0 <= k <= len(self.blocks):
             raise ValueError(f"Planner.survey: k must be in 0..{len(self.blocks)}, got {k}")
@@ -112,14 +114,14 @@ class Planner:
         return self._surveys[k]
 
     def _usable(self) -> list[tuple[int, Survey]]:
-        """The strategies' surveys; a recompute setting whose graphs the memory model cannot read is skipped."""
+        """The strategies' surveys; a recompute setting that leaves no graphs or graphs the memory model cannot read is skipped."""
         usable = []
         for k in self.strategies:
             if k in self._skipped:
                 continue
             try:
                 usable.append((k, self.survey(k)))
-            except ValueError as error:
+            except (ValueError, NotCompiledError) as error:
                 if not k:
                     raise
                 self._skipped[k] = str(error)
@@ -222,7 +224,7 @@ def plan(
         ValueError: ``budget_bytes`` is not positive, ``backend`` is unknown, a
             block path names no submodule, or the output has no floating tensor
             and no ``loss_fn``.
-        RuntimeError: the model did not compile (dynamo ran it eagerly).
+        NotCompiledError: the model did not compile (dynamo ran it eagerly).
         InfeasibleBudgetError: the budget is below the lowest peak reachable
             (the error names it).
     """

@@ -55,7 +55,11 @@ from savedhooks.planner.recompute import block_seconds, checkpointed
 from savedhooks.planner.result import CODECS, Plan, PlannedTensor, check_budget
 from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search
 
-__all__ = ["Survey", "survey"]
+__all__ = ["NotCompiledError", "Survey", "survey"]
+
+
+class NotCompiledError(RuntimeError):
+    """The model ran without compiled forward and backward graphs (dynamo ran it eagerly)."""
 
 
 def _options(tensors: list[SavedTensor], device: torch.device, backend: str) -> tuple[Option, ...]:
@@ -191,7 +195,7 @@ def survey(
         TypeError: ``model`` is not a module.
         ValueError: ``backend`` is unknown, the output has no floating tensor
             and no ``loss_fn``, or a ``recompute`` path names no submodule.
-        RuntimeError: the model did not compile (dynamo ran it eagerly).
+        NotCompiledError: the model did not compile (dynamo ran it eagerly).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -210,9 +214,11 @@ def survey(
         with recorder.kernel_order():
             _step(torch.compile(model, backend=recording), model, example_inputs, loss_fn, seed)
     if not recorder.forwards or len(recorder.forwards) != len(recorder.backwards):
-        raise RuntimeError(
+        raise NotCompiledError(
             f"plan: the model did not compile into forward and backward graphs under {backend!r} "
-            f"({len(recorder.forwards)} forward, {len(recorder.backwards)} backward): did dynamo fall back to eager?"
+            f"({len(recorder.forwards)} forward, {len(recorder.backwards)} backward): did dynamo fall back to eager? "
+            "(Below a DDP or FSDP2 wrapper dynamo compiles only frames of user code: a model whose forward is "
+            "torch's, such as nn.Sequential, runs eagerly, and so does a checkpointed block there.)"
         )
     forwards = []
     for fw, bw in zip(recorder.forwards, reversed(recorder.backwards)):
