@@ -356,7 +356,8 @@ def planned(label: str, plan: sh.Plan) -> Config:
         step.close = lambda: plan.revert(module)
         return step
 
-    recompute = f", recompute {len(plan.recompute)} blocks" if plan.recompute else ""
+    how = " selectively" if plan.recompute_mode == "selective" else ""
+    recompute = f", recompute {len(plan.recompute)} blocks{how}" if plan.recompute else ""
     return Config(f"plan {label}", build, True, False, f"sh.plan at {plan.budget_bytes / (1 << 20):.1f} MiB{recompute}")
 
 

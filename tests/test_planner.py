@@ -126,7 +126,7 @@ def test_plan_below_the_floor_raises_and_names_the_floor():
         sh.plan(model, (x,), budget_bytes=1024, loss_fn=_loss, backend="aot_eager")
     floor = info.value.floor_bytes
     planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
-    assert planner.floor_bytes == floor == min(planner.survey(k).floor_bytes for k in planner.strategies)
+    assert planner.floor_bytes == floor == min(planner.survey(*s).floor_bytes for s in planner.strategies)
     at_floor = planner.plan(floor)
     assert at_floor.predicted_peak_bytes == floor
     measured, _ = _measured_peak(at_floor.apply(model), x, at_floor.hooks)

@@ -1,11 +1,21 @@
 """sh.plan's recompute: blocks found and checkpointed with torch's checkpoint, strategies surveyed, plans applied."""
 
+import collections
+import dataclasses
+
 import pytest
 import torch
 
 import savedhooks as sh
 from savedhooks.memory.fusion import inlined_nodes
-from savedhooks.planner.recompute import block_seconds, checkpoint_blocks, checkpointed, find_blocks, restore_blocks
+from savedhooks.planner.recompute import (
+    block_seconds,
+    checkpoint_blocks,
+    checkpointed,
+    find_blocks,
+    restore_blocks,
+    save_products,
+)
 
 
 class _Net(torch.nn.Module):
@@ -123,7 +133,7 @@ def test_inlined_nodes_leaves_out_what_inductor_realized():
 def test_the_planner_recomputes_blocks_when_codecs_alone_cannot_meet_the_budget():
     model, x = _net()
     planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
-    assert planner.blocks == ("layers.0", "layers.1", "layers.2") and planner.strategies == (0, 1, 2, 3)
+    assert planner.blocks == ("layers.0", "layers.1", "layers.2") and planner.strategies == ((0, "full"), *((k, m) for k in (1, 2, 3) for m in ("selective", "full")))
     codecs_only = planner.survey(0)
     assert planner.floor_bytes < codecs_only.floor_bytes, "recompute reaches lower than codecs alone"
     budget = (planner.floor_bytes + codecs_only.floor_bytes) // 2
@@ -159,13 +169,15 @@ def test_a_budget_the_codecs_meet_cheaper_recomputes_nothing_and_bad_blocks_are_
     planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
     unbounded = planner.plan(1 << 40)
     assert unbounded.recompute == () and all(t.choice == "keep" for t in unbounded.tensors)
-    assert sh.planner.Planner(model, (x,), blocks=()).strategies == (0,)
+    assert sh.planner.Planner(model, (x,), blocks=()).strategies == ((0, "full"),)
     with pytest.raises(ValueError, match="no submodule 'nope'"):
         sh.planner.Planner(model, (x,), blocks=["nope"])
     with pytest.raises(TypeError, match="sequence of module paths"):
         sh.planner.Planner(model, (x,), blocks="layers.0")
     with pytest.raises(ValueError, match="k must be in 0..3"):
         planner.survey(4)
+    with pytest.raises(ValueError, match="mode must be"):
+        planner.survey(1, "some")
 
 
 def test_a_recompute_setting_the_memory_model_cannot_read_is_skipped_with_a_warning():
@@ -212,3 +224,43 @@ def test_a_recompute_setting_that_leaves_nothing_compiled_is_skipped_with_a_warn
     assert any(line.startswith("recompute 1 blocks: peak") for line in planned.log)
     with pytest.raises(sh.planner.NotCompiledError, match="did dynamo fall back to eager"):
         sh.planner.survey(_EagerOuter(), (torch.randn(256, 64),), _loss, "aot_eager", recompute=["layers.0", "layers.1"])
+
+
+def test_selective_recompute_saves_the_products_and_recomputes_the_rest():
+    # torch's selective checkpointing with save_products: each block's first Linear
+    # output (addmm) stays saved, its GELU is recomputed from it; whole-block
+    # recompute saves neither
+    model, x = _net()
+    blocks = find_blocks(model)
+    ops = {}
+    for mode in ("full", "selective"):
+        found = sh.planner.survey(model, (x,), _loss, "aot_eager", recompute=blocks, recompute_seconds=0.0,
+                                  recompute_mode=mode)
+        assert found.recompute_mode == mode
+        ops[mode] = collections.Counter(t.op for ts in found.saved.values() for t in ts)
+    assert ops["selective"]["addmm"] == ops["full"]["addmm"] + len(blocks)
+    assert ops["selective"]["gelu"] == ops["full"]["gelu"] == 0
+    full, selective = (block_seconds(model, (x,), blocks, mode=m) for m in ("full", "selective"))
+    assert all(0 < s < f for s, f in zip(selective, full))
+    with pytest.raises(ValueError, match="recompute mode"):
+        checkpoint_blocks(model, blocks, "some")
+    assert save_products(None, torch.ops.aten.addmm.default).name == "MUST_SAVE"
+    assert save_products(None, torch.ops.aten.gelu.default).name == "PREFER_RECOMPUTE"
+
+
+def test_a_selective_plan_applies_round_trips_and_trains_the_same():
+    model, x = _net()
+    planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
+    planned = planner.survey(3, "selective").plan(1 << 40)
+    assert planned.recompute == planner.blocks and planned.recompute_mode == "selective"
+    assert "(selective: matrix products and attention saved)" in planned.report()
+    loaded = sh.Plan.from_json(planned.to_json())
+    assert loaded == planned
+    with pytest.raises(ValueError, match="recompute_mode"):
+        dataclasses.replace(planned, recompute_mode="some")
+    reference = _grads(model, model, x)
+    planned.apply(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    assert [torch.equal(r, g) for r, g in zip(reference, _grads(model, compiled, x))] == [True] * len(reference)
+    planned.revert(model)
+    assert all("forward" not in vars(layer) for layer in model.layers)

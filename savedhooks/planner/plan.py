@@ -3,15 +3,17 @@
 Design notes
 ------------
 * Strategies, one signature (a recompute setting -> a survey -> a plan for the
-  budget): recompute the first ``k`` of the model's blocks
-  (:mod:`savedhooks.planner.recompute`) and choose a codec per saved tensor of
-  what is still saved (:mod:`savedhooks.planner.survey`,
-  :mod:`savedhooks.planner.search`). Each ``k`` is surveyed once (two compiles
-  and two steps), lazily, and kept for other budgets.
+  budget): recompute the first ``k`` of the model's blocks, whole or
+  selectively (:mod:`savedhooks.planner.recompute`: matrix products and
+  attention saved, the rest recomputed), and choose a codec per saved tensor
+  of what is still saved (:mod:`savedhooks.planner.survey`,
+  :mod:`savedhooks.planner.search`). Each setting is surveyed once (two
+  compiles and two steps), lazily, and kept for other budgets.
 * The driver tries ``k = 0 .. L`` (``L`` blocks; at most :data:`MAX_STRATEGIES`
-  values spread evenly over them), plans the budget with each whose floor meets
-  it, and keeps the least modelled time (codec time + the recomputed blocks'
-  forward time); ties go to fewer recomputed blocks. Its log says what each
+  values spread evenly over them), each ``k > 0`` selective and full, plans the
+  budget with each whose floor meets it, and keeps the least modelled time
+  (codec time + the recomputed ops' forward time); ties go to the setting
+  tried first (fewer blocks; selective before full). Its log says what each
   strategy reached and why the kept one won.
 * Floors are not monotone in ``k``: a recomputed block's backward materializes
   its whole forward again, so the floor is the least over the strategies.
@@ -20,8 +22,9 @@ Design notes
   without a fake value), or that leaves nothing compiled (below DDP or FSDP2,
   dynamo compiles only user-code frames, and a checkpointed block's frames run
   eagerly), is skipped with a warning and a log line.
-* Not chosen yet: offload, selective (per-op) recompute inside a block, and a
-  fidelity cost for lossy codecs (the policy's keeps are respected instead).
+* Not chosen yet: offload, recompute policies other than "save matrix
+  products and attention", and a fidelity cost for lossy codecs (the policy's
+  keeps are respected instead).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any
 
 import torch
 
-from savedhooks.planner.recompute import block_seconds, find_blocks, resolve_blocks
+from savedhooks.planner.recompute import FULL, SELECTIVE, block_seconds, find_blocks, resolve_blocks
 from savedhooks.planner.result import Plan, check_budget
 from savedhooks.planner.survey import NotCompiledError, Survey, survey
 
@@ -48,7 +51,8 @@ class Planner:
 
     Attributes:
         blocks: the module paths of the blocks a plan may recompute.
-        strategies: the numbers of leading blocks tried (``0`` first).
+        strategies: the recompute settings tried, ``(k, mode)``: the first ``k``
+            blocks, recomputed ``"selective"`` or ``"full"`` (``(0, "full")`` first).
     """
 
     def __init__(
@@ -85,47 +89,54 @@ class Planner:
         self._args = (model, example_inputs, loss_fn, backend, seed)
         count = len(self.blocks)
         steps = min(count + 1, MAX_STRATEGIES)
-        self.strategies = tuple(sorted({round(i * count / max(steps - 1, 1)) for i in range(steps)}))
-        self._surveys: dict[int, Survey] = {}
-        self._skipped: dict[int, str] = {}  # strategies not planned (nothing compiled, or graphs the model cannot read), and why
-        self._block_seconds: tuple[float, ...] | None = None
+        ks = sorted({round(i * count / max(steps - 1, 1)) for i in range(steps)})
+        self.strategies = tuple((k, mode) for k in ks for mode in ((SELECTIVE, FULL) if k else (FULL,)))
+        self._surveys: dict[tuple[int, str], Survey] = {}
+        # settings not planned (nothing compiled, or graphs the memory model cannot read), and why
+        self._skipped: dict[tuple[int, str], str] = {}
+        self._block_seconds: dict[str, tuple[float, ...]] = {}
 
-    def survey(self, k: int) -> Survey:
+    def survey(self, k: int, mode: str = FULL) -> Survey:
         """The survey with the first ``k`` blocks recomputed (made once, then kept).
 
         Args:
             k: leading blocks to recompute, ``0 <= k <= len(blocks)``.
+            mode: ``"full"`` or ``"selective"``
+                (:func:`~savedhooks.planner.recompute.checkpoint_blocks`).
 
         Returns:
             A :class:`~savedhooks.planner.survey.Survey`.
 
         Raises:
-            ValueError: ``k`` out of range.
+            ValueError: ``k`` out of range, or an unknown ``mode``.
             NotCompiledError: the model did not compile.
         """
         if not 0 <= k <= len(self.blocks):
             raise ValueError(f"Planner.survey: k must be in 0..{len(self.blocks)}, got {k}")
-        if k not in self._surveys:
+        if mode not in (FULL, SELECTIVE):
+            raise ValueError(f"Planner.survey: mode must be {FULL!r} or {SELECTIVE!r}, got {mode!r}")
+        mode = mode if k else FULL
+        if (k, mode) not in self._surveys:
             model, inputs, loss_fn, backend, seed = self._args
-            if k and self._block_seconds is None:
-                self._block_seconds = block_seconds(model, inputs, self.blocks)
-            seconds = sum(self._block_seconds[:k]) if k else 0.0
-            self._surveys[k] = survey(model, inputs, loss_fn, backend, seed, self.blocks[:k], seconds)
-        return self._surveys[k]
+            if k and mode not in self._block_seconds:
+                self._block_seconds[mode] = block_seconds(model, inputs, self.blocks, mode=mode)
+            seconds = sum(self._block_seconds[mode][:k]) if k else 0.0
+            self._surveys[k, mode] = survey(model, inputs, loss_fn, backend, seed, self.blocks[:k], seconds, mode)
+        return self._surveys[k, mode]
 
-    def _usable(self) -> list[tuple[int, Survey]]:
-        """The strategies' surveys; a recompute setting that leaves no graphs or graphs the memory model cannot read is skipped."""
+    def _usable(self) -> list[tuple[str, Survey]]:
+        """The strategies' surveys by name; a setting that leaves no graphs, or graphs the model cannot read, is skipped."""
         usable = []
-        for k in self.strategies:
-            if k in self._skipped:
+        for k, mode in self.strategies:
+            if (k, mode) in self._skipped:
                 continue
             try:
-                usable.append((k, self.survey(k)))
+                usable.append((_name(k, mode), self.survey(k, mode)))
             except (ValueError, NotCompiledError) as error:
                 if not k:
                     raise
-                self._skipped[k] = str(error)
-                warnings.warn(f"sh.plan: recomputing {k} blocks is not planned: {error}", stacklevel=3)
+                self._skipped[k, mode] = str(error)
+                warnings.warn(f"sh.plan: {_name(k, mode, 'recomputing')} is not planned: {error}", stacklevel=3)
         return usable
 
     @property
@@ -156,23 +167,28 @@ class Planner:
         check_budget(budget_bytes)
         baseline, floor = self.baseline_bytes, self.floor_bytes
         check_budget(budget_bytes, floor, baseline)
-        log, best = [f"recompute {k} blocks: not planned: {why}" for k, why in self._skipped.items()], None
-        for k, found in self._usable():
+        log, best = [f"{_name(*setting)}: not planned: {why}" for setting, why in self._skipped.items()], None
+        for name, found in self._usable():
             if budget_bytes < found.floor_bytes:
-                log.append(f"recompute {k} blocks: floor {found.floor_bytes / _MiB:.2f} MiB is above the budget")
+                log.append(f"{name}: floor {found.floor_bytes / _MiB:.2f} MiB is above the budget")
                 continue
             candidate = found.plan(budget_bytes)
-            log.append(f"recompute {k} blocks: peak {candidate.predicted_peak_bytes / _MiB:.2f} MiB, "
+            log.append(f"{name}: peak {candidate.predicted_peak_bytes / _MiB:.2f} MiB, "
                        f"{candidate.seconds * 1e3:.2f} ms (recompute {candidate.recompute_seconds * 1e3:.2f})")
             if best is None or candidate.seconds < best.seconds:
                 best = candidate
         assert best is not None  # the budget meets the least floor
-        log.append(f"kept: recompute {len(best.recompute)} blocks, the least modelled time")
+        log.append(f"kept: {_name(len(best.recompute), best.recompute_mode)}, the least modelled time")
         chosen = dataclasses.replace(best, baseline_peak_bytes=baseline, floor_bytes=floor,
                                      log=(*best.log, *log))
         if verbose:
             print(chosen.report())
         return chosen
+
+
+def _name(k: int, mode: str, verb: str = "recompute") -> str:
+    """A recompute setting in the log: ``"recompute 2 blocks"``, ``"recompute 2 blocks selectively"``."""
+    return f"{verb} {k} blocks" + (" selectively" if k and mode == SELECTIVE else "")
 
 
 def plan(

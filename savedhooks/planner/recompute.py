@@ -13,10 +13,21 @@ Design notes
   higher-order op and the partitioner recomputes the block in the backward
   (torch's mechanism; nothing of ours recomputes). :func:`restore_blocks`
   undoes it.
+* Two modes. ``"full"``: the block's whole forward is recomputed; only its
+  inputs stay saved. ``"selective"``: torch's selective activation
+  checkpointing (``create_selective_checkpoint_contexts``) with a policy that
+  saves the outputs of matrix products and attention (:data:`SAVED_OPS`:
+  costly to recompute, and what the plan's codecs then pack) and recomputes
+  the rest (norms, activations, residual adds, attention's elementwise parts):
+  cheap to recompute, and often as large. The partitioner honours the policy
+  under ``torch.compile``.
 * The time a recompute costs is the block's forward, timed in eager mode in
   one no-grad forward of the whole model (forward pre- and post-hooks; the
-  least of three forwards). Eager time is an upper bound of the compiled
-  recompute, which inductor fuses.
+  least of three forwards); for ``"selective"``, times the share of the block's
+  op time that is not in the saved ops (every op timed on its own under a
+  dispatch mode, in the same forwards: the share holds when the machine is
+  busy, a difference of two timings would not). Eager time is an upper bound
+  of the compiled recompute, which inductor fuses.
 """
 
 from __future__ import annotations
@@ -28,13 +39,48 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from savedhooks.fidelity.sensitivity import call_model
 
-__all__ = ["block_seconds", "checkpoint_blocks", "checkpointed", "find_blocks", "resolve_blocks", "restore_blocks"]
+__all__ = ["FULL", "MODES", "SAVED_OPS", "SELECTIVE", "block_seconds", "checkpoint_blocks", "checkpointed",
+           "find_blocks", "resolve_blocks", "restore_blocks", "save_products"]
 
 _ORIGINAL = "_savedhooks_forward"  # attribute of a checkpointed block: its forward before
+FULL, SELECTIVE = "full", "selective"
+MODES = (FULL, SELECTIVE)
+_aten = torch.ops.aten
+# Ops whose outputs selective recompute saves: matrix products and attention (one packet per op family).
+SAVED_OPS = frozenset({
+    _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.convolution,
+    _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_flash_attention_for_cpu,
+    _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_cudnn_attention,
+})
+
+
+def save_products(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The selective-checkpointing policy of mode ``"selective"``: save :data:`SAVED_OPS`, recompute the rest.
+
+    Args:
+        ctx: torch's ``SelectiveCheckpointContext`` (unused).
+        op: the ``OpOverload`` being run.
+        *args: its arguments (unused).
+        **kwargs: its keyword arguments (unused).
+
+    Returns:
+        ``CheckpointPolicy.MUST_SAVE`` for a saved op, else ``PREFER_RECOMPUTE``.
+
+    Raises:
+        Nothing.
+    """
+    packet = getattr(op, "overloadpacket", None)
+    return CheckpointPolicy.MUST_SAVE if packet in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"recompute mode must be one of {MODES}, got {mode!r}")
 
 
 def find_blocks(model: torch.nn.Module) -> tuple[str, ...]:
@@ -91,28 +137,35 @@ def resolve_blocks(model: torch.nn.Module, paths: Sequence[str]) -> list[torch.n
     return blocks
 
 
-def checkpoint_blocks(model: torch.nn.Module, paths: Sequence[str]) -> None:
+def checkpoint_blocks(model: torch.nn.Module, paths: Sequence[str], mode: str = FULL) -> None:
     """Recompute the named blocks in the backward (``torch.utils.checkpoint``, non-reentrant).
 
-    Idempotent: a block already checkpointed stays checkpointed once.
+    Idempotent: a block already checkpointed stays checkpointed once, in the
+    mode it was checkpointed with.
 
     Args:
         model: the module holding the blocks.
         paths: module paths relative to ``model``.
+        mode: ``"full"`` (the whole block) or ``"selective"`` (all but
+            :data:`SAVED_OPS`, through torch's selective activation checkpointing).
 
     Returns:
         None.
 
     Raises:
-        ValueError: a path names no submodule.
+        ValueError: a path names no submodule, or an unknown ``mode``.
     """
+    _check_mode(mode)
     blocks = resolve_blocks(model, paths)  # every path checked before any block changes
+    keywords: dict[str, Any] = {"use_reentrant": False}
+    if mode == SELECTIVE:
+        keywords["context_fn"] = functools.partial(create_selective_checkpoint_contexts, save_products)
     for block in blocks:
         if _ORIGINAL in vars(block):
             continue
         original = block.forward
         setattr(block, _ORIGINAL, original)
-        block.forward = functools.partial(checkpoint, original, use_reentrant=False)
+        block.forward = functools.partial(checkpoint, original, **keywords)
 
 
 def restore_blocks(model: torch.nn.Module, paths: Sequence[str] | None = None) -> None:
@@ -136,49 +189,53 @@ def restore_blocks(model: torch.nn.Module, paths: Sequence[str] | None = None) -
 
 
 @contextlib.contextmanager
-def checkpointed(model: torch.nn.Module, paths: Sequence[str]) -> Iterator[None]:
+def checkpointed(model: torch.nn.Module, paths: Sequence[str], mode: str = FULL) -> Iterator[None]:
     """:func:`checkpoint_blocks` for the duration of a ``with`` block (those it checkpointed are restored after).
 
     Args:
         model: the module holding the blocks.
         paths: module paths relative to ``model``.
+        mode: as for :func:`checkpoint_blocks`.
 
     Returns:
         A context manager.
 
     Raises:
-        ValueError: a path names no submodule.
+        ValueError: a path names no submodule, or an unknown ``mode``.
     """
+    _check_mode(mode)
     fresh = [path for path, block in zip(paths, resolve_blocks(model, paths)) if _ORIGINAL not in vars(block)]
-    checkpoint_blocks(model, fresh)
+    checkpoint_blocks(model, fresh, mode)
     try:
         yield
     finally:
         restore_blocks(model, fresh)
 
 
-def block_seconds(model: torch.nn.Module, example_inputs: Any, paths: Sequence[str], repeats: int = 3) -> tuple[float, ...]:
-    """Each block's forward time (eager, no grad), the least over ``repeats`` forwards of the whole model.
+def block_seconds(
+    model: torch.nn.Module, example_inputs: Any, paths: Sequence[str], repeats: int = 3, mode: str = FULL
+) -> tuple[float, ...]:
+    """Each block's recompute time: its forward (eager, no grad), the least over ``repeats`` forwards of the model.
 
     Args:
         model: the module.
         example_inputs: as for :func:`savedhooks.plan`.
         paths: the blocks' module paths.
         repeats: forwards to take the least of.
+        mode: ``"full"``: the whole forward; ``"selective"``: its share not
+            spent in :data:`SAVED_OPS` (which selective recompute saves).
 
     Returns:
         Seconds per block, in the order of ``paths``.
 
     Raises:
-        ValueError: a path names no submodule, or ``repeats`` < 1.
+        ValueError: a path names no submodule, ``repeats`` < 1, or an unknown ``mode``.
         RuntimeError: a block did not run in the forward.
     """
     if repeats < 1:
         raise ValueError(f"block_seconds: repeats must be >= 1, got {repeats}")
+    _check_mode(mode)
     blocks = resolve_blocks(model, paths)
-    best = [float("inf")] * len(blocks)
-    starts: dict[int, float] = {}
-
     cuda = any(p.is_cuda for p in model.parameters())
 
     def now() -> float:
@@ -186,22 +243,58 @@ def block_seconds(model: torch.nn.Module, example_inputs: Any, paths: Sequence[s
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    deltas = _block_deltas(model, example_inputs, blocks, repeats, lambda: (now(),), contextlib.nullcontext())
+    missing = [path for path, d in zip(paths, deltas) if not d]
+    if missing:
+        raise RuntimeError(f"block_seconds: blocks {missing} did not run in the model's forward")
+    seconds = tuple(min(t for (t,) in d) for d in deltas)
+    if mode == FULL:
+        return seconds
+    # the saved ops' share of each block's op time, both timed op by op in the same forwards
+    timer = _OpTimer(now)
+    shares = _block_deltas(model, example_inputs, blocks, repeats, lambda: (timer.saved, timer.all), timer)
+    return tuple(total * (1 - sum(s for s, _ in d) / max(sum(a for _, a in d), 1e-12))
+                 for total, d in zip(seconds, shares))
+
+
+class _OpTimer(TorchDispatchMode):
+    """Adds up the time of each op call, timed on its own: all ops, and those in :data:`SAVED_OPS`."""
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        super().__init__()
+        self.now, self.saved, self.all = now, 0.0, 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        start = self.now()
+        out = func(*args, **(kwargs or {}))
+        seconds = self.now() - start
+        self.all += seconds
+        if func.overloadpacket in SAVED_OPS:
+            self.saved += seconds
+        return out
+
+
+def _block_deltas(
+    model: torch.nn.Module, example_inputs: Any, blocks: list[torch.nn.Module], repeats: int,
+    clock: Callable[[], tuple[float, ...]], mode: contextlib.AbstractContextManager[Any],
+) -> list[list[tuple[float, ...]]]:
+    """Per block, ``clock``'s advance across its forward in each of ``repeats`` no-grad forwards of the model."""
+    deltas: list[list[tuple[float, ...]]] = [[] for _ in blocks]
+    starts: dict[int, tuple[float, ...]] = {}
+
     def pre(i: int) -> Callable[..., None]:
-        return lambda *_: starts.__setitem__(i, now())
+        return lambda *_: starts.__setitem__(i, clock())
 
     def post(i: int) -> Callable[..., None]:
-        return lambda *_: best.__setitem__(i, min(best[i], now() - starts.pop(i)))
+        return lambda *_: deltas[i].append(tuple(b - a for a, b in zip(starts.pop(i), clock())))
 
     handles = [h for i, b in enumerate(blocks) for h in (b.register_forward_pre_hook(pre(i)),
                                                           b.register_forward_hook(post(i)))]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), mode:
             for _ in range(repeats):
                 call_model(model, example_inputs)
     finally:
         for handle in handles:
             handle.remove()
-    missing = [path for path, seconds in zip(paths, best) if seconds == float("inf")]
-    if missing:
-        raise RuntimeError(f"block_seconds: blocks {missing} did not run in the model's forward")
-    return tuple(best)
+    return deltas

@@ -12,12 +12,12 @@ from savedhooks.codecs import Bitmask, Downcast, Float8, Policy
 from savedhooks.codecs.base import Codec
 from savedhooks.hooks import HookPair
 from savedhooks.planner.census import plan_key
-from savedhooks.planner.recompute import checkpoint_blocks, restore_blocks
+from savedhooks.planner.recompute import FULL, MODES, SELECTIVE, checkpoint_blocks, restore_blocks
 
 __all__ = ["CODECS", "InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "check_budget"]
 
 _MiB = 1 << 20
-_JSON_VERSION = 2  # 2: recompute, recompute_seconds
+_JSON_VERSION = 3  # 2: recompute, recompute_seconds; 3: recompute_mode
 # the codecs a plan chooses among, by the names its JSON uses
 CODECS: dict[str, Codec] = {"bf16": Downcast(torch.bfloat16), "fp8": Float8(), "bitmask": Bitmask()}
 
@@ -116,6 +116,8 @@ class Plan:
         recompute: module paths (relative to the planned model) of the blocks
             the plan recomputes in the backward (:meth:`apply`).
         recompute_seconds: modelled time of those recomputes per step.
+        recompute_mode: ``"full"`` (whole blocks) or ``"selective"`` (all but
+            their matrix products and attention, which stay saved).
     """
 
     tensors: tuple[PlannedTensor, ...]
@@ -127,9 +129,17 @@ class Plan:
     log: tuple[str, ...] = ()
     recompute: tuple[str, ...] = ()
     recompute_seconds: float = 0.0
+    recompute_mode: str = FULL
+
+    def __post_init__(self) -> None:
+        if self.recompute_mode not in MODES:
+            raise ValueError(f"Plan: recompute_mode must be one of {MODES}, got {self.recompute_mode!r}")
 
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """Checkpoint the blocks the plan recomputes (``torch.utils.checkpoint``, non-reentrant), in place.
+
+        In mode ``"selective"`` the checkpoint carries torch's selective
+        activation checkpointing with :func:`~savedhooks.planner.recompute.save_products`.
 
         Call it on the module that was planned, before ``torch.compile``;
         :meth:`revert` undoes it. The module tree and ``state_dict`` are unchanged.
@@ -143,7 +153,7 @@ class Plan:
         Raises:
             ValueError: ``model`` lacks a block the plan names.
         """
-        checkpoint_blocks(model, self.recompute)
+        checkpoint_blocks(model, self.recompute, self.recompute_mode)
         return model
 
     def revert(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -179,7 +189,8 @@ class Plan:
             f"floor {self.floor_bytes / _MiB:.2f}), modelled time {self.seconds * 1e3:.2f} ms per step"
         )
         recompute = ", ".join(self.recompute) or "none"
-        heading += f"\nrecomputed blocks: {recompute} ({self.recompute_seconds * 1e3:.2f} ms per step)"
+        how = " (selective: matrix products and attention saved)" if self.recompute and self.recompute_mode == SELECTIVE else ""
+        heading += f"\nrecomputed blocks: {recompute}{how} ({self.recompute_seconds * 1e3:.2f} ms per step)"
         lines = [
             heading,
             "",
@@ -210,10 +221,10 @@ class Plan:
             The :class:`Plan`.
 
         Raises:
-            ValueError: not a plan, another version, or an unknown codec name.
+            ValueError: not a plan, another version, an unknown codec name or recompute mode.
         """
         data = json.loads(text)
-        if not isinstance(data, dict) or data.get("version") not in (1, _JSON_VERSION):
+        if not isinstance(data, dict) or data.get("version") not in range(1, _JSON_VERSION + 1):
             raise ValueError(f"Plan.from_json: expected a savedhooks plan of version 1 to {_JSON_VERSION}")
         data.pop("version")
         data["recompute"] = tuple(data.get("recompute", ()))

@@ -51,7 +51,7 @@ from savedhooks.planner.census import (
     timeline_of,
 )
 from savedhooks.planner.costs import seconds_per_byte
-from savedhooks.planner.recompute import block_seconds, checkpointed
+from savedhooks.planner.recompute import FULL, block_seconds, checkpointed
 from savedhooks.planner.result import CODECS, Plan, PlannedTensor, check_budget
 from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search
 
@@ -110,6 +110,7 @@ class Survey:
         backend: the ``torch.compile`` backend surveyed.
         recompute: the blocks checkpointed during the survey (module paths).
         recompute_seconds: modelled time of their recompute per step.
+        recompute_mode: how they are recomputed (``"full"`` or ``"selective"``).
     """
 
     units: tuple[Unit, ...]
@@ -118,6 +119,7 @@ class Survey:
     backend: str
     recompute: tuple[str, ...] = ()
     recompute_seconds: float = 0.0
+    recompute_mode: str = FULL
 
     @property
     def baseline_bytes(self) -> int:
@@ -155,7 +157,7 @@ class Survey:
             tensors.append(PlannedTensor(unit.key, first.op, first.shape, dtype, unit.bytes, len(self.saved[unit.key]),
                                          option.name, option.payload, option.seconds, at_peak))
         planned = Plan(tuple(tensors), budget_bytes, result.peak, self.baseline_bytes, floor, self.backend, result.log,
-                       self.recompute, self.recompute_seconds)
+                       self.recompute, self.recompute_seconds, self.recompute_mode)
         if verbose:
             print(planned.report())
         return planned
@@ -169,6 +171,7 @@ def survey(
     seed: int = 0,
     recompute: Sequence[str] = (),
     recompute_seconds: float | None = None,
+    recompute_mode: str = FULL,
 ) -> Survey:
     """Census the saved tensors and model the step's memory, once, to plan for any budget.
 
@@ -187,6 +190,8 @@ def survey(
             the plan will run them: :meth:`Plan.apply`).
         recompute_seconds: their recompute time per step; ``None``: measured
             (:func:`savedhooks.planner.recompute.block_seconds`).
+        recompute_mode: ``"full"`` or ``"selective"``
+            (:func:`savedhooks.planner.recompute.checkpoint_blocks`).
 
     Returns:
         A :class:`Survey`.
@@ -204,8 +209,8 @@ def survey(
     # every compile must trace (the census runs inside tracing): no dynamo, AOTAutograd or FX graph cache hits
     recompute = tuple(recompute)
     if recompute_seconds is None:
-        recompute_seconds = sum(block_seconds(model, example_inputs, recompute)) if recompute else 0.0
-    with checkpointed(model, recompute), \
+        recompute_seconds = sum(block_seconds(model, example_inputs, recompute, mode=recompute_mode)) if recompute else 0.0
+    with checkpointed(model, recompute, recompute_mode), \
             torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16), \
             torch._functorch.config.patch(enable_autograd_cache=False), \
             torch._inductor.config.patch(fx_graph_cache=False):
@@ -235,7 +240,7 @@ def survey(
              _merged_options([_options(same, device, backend) for same in _by_plan_key(ts)]))
         for key, ts in sorted(groups.items())
     )
-    return Survey(units, groups, timeline.live, backend, recompute, recompute_seconds)
+    return Survey(units, groups, timeline.live, backend, recompute, recompute_seconds, recompute_mode)
 
 
 def _by_plan_key(tensors: tuple[SavedTensor, ...]) -> list[list[SavedTensor]]:
