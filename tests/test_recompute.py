@@ -130,10 +130,25 @@ def test_inlined_nodes_leaves_out_what_inductor_realized():
     assert "tanh" not in {n.name for n in inlined_nodes(gm.graph, realized={"tanh"})}
 
 
+class _WithLoss(torch.nn.Module):
+    """The model and its loss in one module: compiled together, the loss's temporaries are modelled too."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _loss(self.model(x))
+
+
 def test_the_planner_recomputes_blocks_when_codecs_alone_cannot_meet_the_budget():
+    # which setting wins depends on measured times; each one's plan must meet the budget
     model, x = _net()
-    planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
-    assert planner.blocks == ("layers.0", "layers.1", "layers.2") and planner.strategies == ((0, "full"), *((k, m) for k in (1, 2, 3) for m in ("selective", "full")))
+    trained = _WithLoss(model)
+    planner = sh.planner.Planner(trained, (x,), backend="aot_eager")
+    blocks = ("model.layers.0", "model.layers.1", "model.layers.2")
+    assert planner.blocks == blocks
+    assert planner.strategies == ((0, "full"), *((k, m) for k in (1, 2, 3) for m in ("selective", "full")))
     codecs_only = planner.survey(0)
     assert planner.floor_bytes < codecs_only.floor_bytes, "recompute reaches lower than codecs alone"
     budget = (planner.floor_bytes + codecs_only.floor_bytes) // 2
@@ -142,14 +157,14 @@ def test_the_planner_recomputes_blocks_when_codecs_alone_cannot_meet_the_budget(
     assert planned.predicted_peak_bytes <= budget and planned.recompute_seconds > 0
     assert planned.seconds >= planned.recompute_seconds
     assert any(line.startswith("recompute 0 blocks: floor") for line in planned.log)
-    assert "recomputed blocks: layers.0" in planned.report()
+    assert "recomputed blocks: model.layers.0" in planned.report()
     reference = _grads(model, model, x)
-    planned.apply(model)
-    compiled = torch.compile(model, backend=sh.backend("aot_eager"))
+    planned.apply(trained)
+    compiled = torch.compile(trained, backend=sh.backend("aot_eager"))
 
     def step():
         with sh.saved_tensors_hooks(planned.hooks):
-            _loss(compiled(x)).backward()
+            compiled(x).backward()
 
     step()
     model.zero_grad(set_to_none=True)
@@ -158,7 +173,7 @@ def test_the_planner_recomputes_blocks_when_codecs_alone_cannot_meet_the_budget(
     assert measured <= budget
     assert abs(measured - planned.predicted_peak_bytes) <= 0.05 * planned.predicted_peak_bytes
     assert min(sh.sqnr(r, g) for r, g in zip(reference, grads)) > 25
-    planned.revert(model)
+    planned.revert(trained)
     assert all("forward" not in vars(layer) for layer in model.layers)
     loaded = sh.Plan.from_json(planned.to_json())
     assert loaded == planned and loaded.recompute == planned.recompute
@@ -264,3 +279,19 @@ def test_a_selective_plan_applies_round_trips_and_trains_the_same():
     assert [torch.equal(r, g) for r, g in zip(reference, _grads(model, compiled, x))] == [True] * len(reference)
     planned.revert(model)
     assert all("forward" not in vars(layer) for layer in model.layers)
+
+
+def test_the_model_still_compiles_after_the_planner_compiled_it_many_times():
+    # 7 recompute settings, 2 compiles each: more entries for the model's forward than
+    # dynamo's recompile limit (8); left in its cache, the user's compile ran eagerly
+    model, x = _net()
+    planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
+    assert len(planner.strategies) == 7 and planner.floor_bytes > 0
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(model, backend=keep)(x)
+    assert len(graphs) == 1
