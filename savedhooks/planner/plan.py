@@ -201,14 +201,16 @@ def plan(
     verbose: bool = False,
     blocks: Sequence[str] | None = None,
 ) -> Plan:
-    """Choose which blocks to recompute and, per saved tensor, keep / bf16 / fp8 / bitmask, to meet ``budget_bytes``.
+    """Choose which blocks to recompute (whole or selectively) and, per saved tensor, keep / bf16 / fp8 / bitmask.
 
-    A :class:`Planner`'s :meth:`~Planner.plan`: per recompute setting two
+    The choice meets ``budget_bytes``. A :class:`Planner`'s
+    :meth:`~Planner.plan`: per recompute setting two
     compiles and two training steps (gradients cleared, parameters unchanged),
     then the search. The choice minimizes the modelled time (codecs and
     recompute); what the policy keeps for fidelity (``sh.policy()``'s rules)
     stays kept. Not chosen yet: offload. To plan several budgets, keep a
-    :class:`Planner`.
+    :class:`Planner`. Each survey ends with ``torch._dynamo.reset()`` (see
+    :mod:`savedhooks.planner.survey`): plan before compiling anything else.
 
     Args:
         model: the module to train (not compiled: the plan compiles it).
