@@ -1,4 +1,4 @@
-"""Shared fixtures: seeds, a fresh dynamo state per test, and the one GPU marker."""
+"""Shared fixtures: seeds, a fresh dynamo state per test, the one GPU marker, codec costs kept per session."""
 
 import pytest
 import torch
@@ -19,3 +19,12 @@ def _seed_and_reset_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _codec_costs_per_session(tmp_path_factory):
+    # sh.plan keeps measured codec costs on disk (savedhooks.planner.costs): not in the user's home
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SAVEDHOOKS_CACHE_DIR", str(tmp_path_factory.mktemp("savedhooks_cache")))
+    yield
+    patch.undo()

@@ -1,0 +1,50 @@
+"""sh.plan's codec costs: measured once, kept for the process and on disk (the calibration)."""
+
+import json
+
+import pytest
+import torch
+
+from savedhooks.planner import costs
+from savedhooks.planner.result import CODECS
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    monkeypatch.setenv("SAVEDHOOKS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(costs, "_CACHE", {})
+    return tmp_path / "costs.json"
+
+
+def _refuse_to_measure(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured although the cost was kept")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+
+
+def test_a_cost_is_measured_once_and_read_back_in_a_new_process(fresh, monkeypatch):
+    bf16 = CODECS["bf16"]
+    first = costs.seconds_per_byte(bf16, torch.float32, torch.device("cpu"), "aot_eager")
+    assert first > 0 and costs.cache_file() == fresh
+    kept = json.loads(fresh.read_text())
+    assert list(kept.values()) == [first] and f"{bf16!r}|torch.float32|aot_eager" in next(iter(kept))
+    monkeypatch.setattr(costs, "_CACHE", {})  # as a new process starts
+    _refuse_to_measure(monkeypatch)
+    assert costs.seconds_per_byte(bf16, torch.float32, "cpu", "aot_eager") == first
+    with pytest.raises(AssertionError, match="measured"):  # another dtype is not in the file
+        costs.seconds_per_byte(bf16, torch.float64, "cpu", "aot_eager")
+
+
+def test_an_unreadable_file_is_measured_over_and_an_empty_variable_keeps_no_file(fresh, monkeypatch):
+    fresh.write_text("{not json")
+    with pytest.warns(UserWarning, match="unreadable"):
+        value = costs.seconds_per_byte(CODECS["fp8"], torch.float32, "cpu", "aot_eager")
+    assert list(json.loads(fresh.read_text()).values()) == [value]
+    monkeypatch.setenv("SAVEDHOOKS_CACHE_DIR", "")
+    monkeypatch.setattr(costs, "_CACHE", {})
+    assert costs.cache_file() is None
+    costs.seconds_per_byte(CODECS["bf16"], torch.float32, "cpu", "aot_eager")
+    assert len(json.loads(fresh.read_text())) == 1
+    with pytest.raises(ValueError, match="repeats"):
+        costs.seconds_per_byte(CODECS["bf16"], torch.float32, "cpu", "aot_eager", repeats=0)
