@@ -15,6 +15,7 @@ import torch
 import savedhooks
 import savedhooks.codecs
 import savedhooks.fidelity
+import savedhooks.hostmem
 import savedhooks.kernels
 import savedhooks.memory
 import savedhooks.metrics
@@ -49,8 +50,8 @@ def test_every_subpackage_is_in_the_wheel():
 
 def test_public_functions_document_args_returns_raises():
     missing = []
-    namespaces = [savedhooks, savedhooks.codecs, savedhooks.fidelity, savedhooks.memory, savedhooks.metrics,
-                  savedhooks.passes, savedhooks.planner, savedhooks.schedule]
+    namespaces = [savedhooks, savedhooks.codecs, savedhooks.fidelity, savedhooks.hostmem, savedhooks.memory,
+                  savedhooks.metrics, savedhooks.passes, savedhooks.planner, savedhooks.schedule]
     namespaces += [savedhooks.kernels] + [importlib.import_module(f"savedhooks.kernels.{m}") for m in ("fp8", "bitmask")]
     if importlib.util.find_spec("triton") is not None:
         names = ("triton_support", "fp8_triton", "bitmask_triton")

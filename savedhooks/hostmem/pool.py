@@ -1,0 +1,218 @@
+"""A pool of host buffers for offload: exact-size slabs, reused across steps.
+
+Design notes
+------------
+* Why: allocating pinned host memory per saved tensor costs milliseconds and
+  synchronizes (``cudaHostAlloc``), which kills the overlap of copies with
+  compute; torch's own host allocator rounds every request up to a power of two
+  (up to ~1.9x the bytes). See ``../shared/PRIOR_ART.md``, "Offload".
+* Exact sizes: a slab serves only requests of its byte size. A training step
+  saves the same shapes every step, so the first step allocates what the step
+  needs and every later step finds its slabs free again: no rounding, no
+  allocation after the first step.
+* A slab given back with an event (the CUDA event recorded after the copy that
+  reads it) is reused only once the event has completed; without one, at once.
+* ``capacity_bytes`` bounds the pool. A request that does not fit first drops
+  free slabs of other sizes; if it still does not fit, :class:`HostPoolExhaustedError`
+  names the request, what the pool holds and the capacity, or, with
+  ``fallback=True``, an unpooled buffer is returned and counted.
+* The allocator is a parameter (bytes -> uint8 tensor): pinned host memory when
+  CUDA is present, pageable memory otherwise, or a test's own. Nothing here
+  needs a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["HostPool", "HostPoolExhaustedError", "PoolStats", "pinned_bytes"]
+
+
+class HostPoolExhaustedError(RuntimeError):
+    """A request does not fit in the pool's capacity."""
+
+
+def pinned_bytes(nbytes: int) -> torch.Tensor:
+    """A host buffer of exactly ``nbytes`` bytes: pinned when CUDA is available, pageable otherwise.
+
+    Args:
+        nbytes: its size.
+
+    Returns:
+        A one-dimensional ``uint8`` CPU tensor of ``nbytes`` elements.
+
+    Raises:
+        RuntimeError: the allocation failed.
+    """
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStats:
+    """What a :class:`HostPool` holds and has done.
+
+    Attributes:
+        slabs: slabs allocated and held (free, lent or waiting on an event).
+        bytes: their total size.
+        lent: slabs taken and not given back.
+        hits: requests served by a free slab.
+        allocations: slabs allocated.
+        evictions: free slabs dropped to make room.
+        fallbacks: unpooled buffers handed out (``fallback=True``).
+    """
+
+    slabs: int
+    bytes: int
+    lent: int
+    hits: int
+    allocations: int
+    evictions: int
+    fallbacks: int
+
+
+class HostPool:
+    """Exact-size host buffers, reused (see the module notes)."""
+
+    def __init__(
+        self,
+        capacity_bytes: int | None = None,
+        fallback: bool = False,
+        allocate: Callable[[int], torch.Tensor] = pinned_bytes,
+    ) -> None:
+        """Set up an empty pool.
+
+        Args:
+            capacity_bytes: the most bytes the pool holds (``None``: no bound).
+            fallback: past the capacity, hand out an unpooled buffer instead of raising.
+            allocate: bytes -> a one-dimensional ``uint8`` tensor of that many elements.
+
+        Raises:
+            ValueError: ``capacity_bytes`` is negative or not an int.
+            TypeError: ``allocate`` is not callable.
+        """
+        if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
+                                           or capacity_bytes < 0):
+            raise ValueError(f"HostPool: capacity_bytes must be a non-negative int or None, got {capacity_bytes!r}")
+        if not callable(allocate):
+            raise TypeError(f"HostPool: allocate must be callable, got {type(allocate).__name__}")
+        self.capacity_bytes, self.fallback, self._allocate = capacity_bytes, fallback, allocate
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._waiting: list[tuple[torch.Tensor, Any]] = []
+        self._lent: dict[int, torch.Tensor] = {}  # id -> slab
+        self._unpooled: dict[int, weakref.ref[torch.Tensor]] = {}  # fallback buffers handed out
+        self._bytes = 0
+        self._counts = {"hits": 0, "allocations": 0, "evictions": 0, "fallbacks": 0}
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of exactly ``nbytes`` bytes: a free slab of that size, else a new one.
+
+        Args:
+            nbytes: the size, in bytes.
+
+        Returns:
+            A one-dimensional ``uint8`` tensor of ``nbytes`` elements; give it back with :meth:`give`.
+
+        Raises:
+            ValueError: ``nbytes`` is not a positive int.
+            HostPoolExhaustedError: it does not fit in the capacity (and ``fallback`` is off).
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"HostPool.take: nbytes must be a positive int, got {nbytes!r}")
+        self._reclaim()
+        free = self._free.get(nbytes)
+        if free:
+            self._counts["hits"] += 1
+            return self._lend(free.pop())
+        if not self._make_room(nbytes):
+            if not self.fallback:
+                raise HostPoolExhaustedError(
+                    f"HostPool: {nbytes} bytes do not fit: the pool holds {self._bytes} bytes "
+                    f"({len(self._lent)} slabs lent, {len(self._waiting)} waiting on copies) of its capacity "
+                    f"{self.capacity_bytes}; raise capacity_bytes, keep fewer tensors on the host, or pass "
+                    "fallback=True"
+                )
+            self._counts["fallbacks"] += 1
+            buffer = self._allocate(nbytes)
+            self._unpooled[id(buffer)] = weakref.ref(buffer)
+            return buffer
+        slab = self._allocate(nbytes)
+        if slab.dtype != torch.uint8 or slab.dim() != 1 or slab.numel() != nbytes:
+            raise ValueError(f"HostPool: allocate({nbytes}) must return a 1-d uint8 tensor of {nbytes} elements")
+        self._bytes += nbytes
+        self._counts["allocations"] += 1
+        return self._lend(slab)
+
+    def give(self, slab: torch.Tensor, event: Any = None) -> None:
+        """Return a slab that :meth:`take` lent; it is reused once ``event`` (if any) has completed.
+
+        Args:
+            slab: the tensor :meth:`take` returned (a fallback buffer is accepted and dropped).
+            event: an object with ``query() -> bool`` (a ``torch.cuda.Event`` recorded
+                after the copy that reads the slab), or None.
+
+        Returns:
+            None.
+
+        Raises:
+            ValueError: ``slab`` is not lent by this pool (given back twice, or another tensor).
+        """
+        if id(slab) not in self._lent:
+            unpooled = self._unpooled.pop(id(slab), None)
+            if unpooled is not None and unpooled() is slab:
+                return  # a fallback buffer: freed with its last reference
+            raise ValueError("HostPool.give: this tensor is not lent by the pool (given back twice, or another one)")
+        del self._lent[id(slab)]
+        if event is None:
+            self._free.setdefault(slab.numel(), []).append(slab)
+        else:
+            self._waiting.append((slab, event))
+
+    @property
+    def stats(self) -> PoolStats:
+        """The pool's :class:`PoolStats`."""
+        slabs = sum(map(len, self._free.values())) + len(self._waiting) + len(self._lent)
+        return PoolStats(slabs, self._bytes, len(self._lent), **self._counts)
+
+    def clear(self) -> None:
+        """Drop the free slabs (lent and waiting ones stay).
+
+        Args:
+            None.
+
+        Returns:
+            None.
+
+        Raises:
+            Nothing.
+        """
+        for size, slabs in self._free.items():
+            self._bytes -= size * len(slabs)
+        self._free.clear()
+
+    def _lend(self, slab: torch.Tensor) -> torch.Tensor:
+        self._lent[id(slab)] = slab
+        return slab
+
+    def _reclaim(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for slab, event in waiting:
+            if event.query():
+                self._free.setdefault(slab.numel(), []).append(slab)
+            else:
+                self._waiting.append((slab, event))
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit, after dropping free slabs of other sizes (largest first) if needed."""
+        if self.capacity_bytes is None:
+            return True
+        for size in sorted(self._free, reverse=True):
+            while self._bytes + nbytes > self.capacity_bytes and self._free[size]:
+                self._free[size].pop()
+                self._bytes -= size
+                self._counts["evictions"] += 1
+        return self._bytes + nbytes <= self.capacity_bytes
