@@ -50,9 +50,8 @@ def test_an_unreadable_file_is_measured_over_and_an_empty_variable_keeps_no_file
         costs.seconds_per_byte(CODECS["bf16"], torch.float32, "cpu", "aot_eager", repeats=0)
 
 
-def test_each_codec_and_dtype_is_compiled_past_dynamos_recompile_limit(fresh, monkeypatch):
+def test_each_codec_and_dtype_is_compiled_past_dynamos_recompile_limit(fresh):
     # the round trip is one lambda (one code object) for every codec, dtype and backend
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     compiled = []
 
     def counting(gm, example_inputs):
@@ -60,8 +59,10 @@ def test_each_codec_and_dtype_is_compiled_past_dynamos_recompile_limit(fresh, mo
         return gm.forward
 
     added = []
-    for codec, dtype in ((CODECS["bf16"], torch.float32), (CODECS["fp8"], torch.float32), (CODECS["fp8"], torch.float16)):
-        before = len(compiled)
-        costs.seconds_per_byte(codec, dtype, "cpu", counting)
-        added.append(len(compiled) - before)
+    with torch._dynamo.config.patch(recompile_limit=1):  # (monkeypatch.setattr would delete the option on undo)
+        for codec, dtype in ((CODECS["bf16"], torch.float32), (CODECS["fp8"], torch.float32),
+                             (CODECS["fp8"], torch.float16)):
+            before = len(compiled)
+            costs.seconds_per_byte(codec, dtype, "cpu", counting)
+            added.append(len(compiled) - before)
     assert all(added), added  # each one compiled, none ran eagerly
