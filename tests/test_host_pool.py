@@ -56,7 +56,8 @@ def test_a_slab_given_with_an_event_is_reused_only_once_the_copy_is_done():
 def test_the_capacity_drops_free_slabs_of_other_sizes_then_raises_or_falls_back():
     pool = HostPool(capacity_bytes=1000, allocate=_Counting())
     big = pool.take(600)
-    with pytest.raises(HostPoolExhaustedError, match=r"500 bytes do not fit: the pool holds 600 bytes .* capacity 1000"):
+    exhausted = r"500 bytes do not fit: the pool holds 600 bytes .* capacity 1000"
+    with pytest.raises(HostPoolExhaustedError, match=exhausted):
         pool.take(500)
     pool.give(big)
     small = pool.take(500)  # the free 600-byte slab is dropped to make room

@@ -238,7 +238,8 @@ def test_a_recompute_setting_that_leaves_nothing_compiled_is_skipped_with_a_warn
     assert any(line.startswith("recompute 2 blocks: not planned") for line in planned.log)
     assert any(line.startswith("recompute 1 blocks: peak") for line in planned.log)
     with pytest.raises(sh.planner.NotCompiledError, match="did dynamo fall back to eager"):
-        sh.planner.survey(_EagerOuter(), (torch.randn(256, 64),), _loss, "aot_eager", recompute=["layers.0", "layers.1"])
+        sh.planner.survey(_EagerOuter(), (torch.randn(256, 64),), _loss, "aot_eager",
+                          recompute=["layers.0", "layers.1"])
 
 
 def test_selective_recompute_saves_the_products_and_recomputes_the_rest():

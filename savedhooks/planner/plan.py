@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from savedhooks.planner.recompute import FULL, MODES, SELECTIVE, block_seconds, find_blocks, resolve_blocks
+from savedhooks.planner.recompute import FULL, SELECTIVE, block_seconds, check_mode, find_blocks, resolve_blocks
 from savedhooks.planner.result import Plan, check_budget
 from savedhooks.planner.survey import NotCompiledError, Survey, survey
 
@@ -113,8 +113,7 @@ class Planner:
         """
         if not 0 <= k <= len(self.blocks):
             raise ValueError(f"Planner.survey: k must be in 0..{len(self.blocks)}, got {k}")
-        if mode not in MODES:
-            raise ValueError(f"Planner.survey: mode must be one of {MODES}, got {mode!r}")
+        check_mode(mode, "Planner.survey: mode")
         mode = mode if k else FULL
         if (k, mode) not in self._surveys:
             model, inputs, loss_fn, backend, seed = self._args
@@ -125,7 +124,7 @@ class Planner:
         return self._surveys[k, mode]
 
     def _usable(self) -> list[tuple[str, Survey]]:
-        """The strategies' surveys by name; a setting that leaves no graphs, or graphs the model cannot read, is skipped."""
+        """The strategies' surveys by name; a setting that leaves no graphs, or unreadable ones, is skipped."""
         usable = []
         for k, mode in self.strategies:
             if (k, mode) in self._skipped:

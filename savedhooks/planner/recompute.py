@@ -44,7 +44,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from savedhooks.fidelity.sensitivity import call_model
 
-__all__ = ["FULL", "MODES", "SAVED_OPS", "SELECTIVE", "block_seconds", "checkpoint_blocks", "checkpointed",
+__all__ = ["FULL", "MODES", "SAVED_OPS", "SELECTIVE", "block_seconds", "check_mode", "checkpoint_blocks", "checkpointed",
            "find_blocks", "resolve_blocks", "restore_blocks", "save_products"]
 
 _ORIGINAL = "_savedhooks_forward"  # attribute of a checkpointed block: its forward before
@@ -78,9 +78,21 @@ def save_products(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.MUST_SAVE if packet in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _check_mode(mode: str) -> None:
+def check_mode(mode: Any, what: str = "recompute mode") -> None:
+    """Raise unless ``mode`` is one of :data:`MODES`.
+
+    Args:
+        mode: the value to check.
+        what: how the error names it.
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: ``mode`` is not ``"full"`` or ``"selective"``.
+    """
     if mode not in MODES:
-        raise ValueError(f"recompute mode must be one of {MODES}, got {mode!r}")
+        raise ValueError(f"{what} must be one of {MODES}, got {mode!r}")
 
 
 def find_blocks(model: torch.nn.Module) -> tuple[str, ...]:
@@ -155,7 +167,7 @@ def checkpoint_blocks(model: torch.nn.Module, paths: Sequence[str], mode: str = 
     Raises:
         ValueError: a path names no submodule, or an unknown ``mode``.
     """
-    _check_mode(mode)
+    check_mode(mode)
     blocks = resolve_blocks(model, paths)  # every path checked before any block changes
     keywords: dict[str, Any] = {"use_reentrant": False}
     if mode == SELECTIVE:
@@ -203,7 +215,7 @@ def checkpointed(model: torch.nn.Module, paths: Sequence[str], mode: str = FULL)
     Raises:
         ValueError: a path names no submodule, or an unknown ``mode``.
     """
-    _check_mode(mode)
+    check_mode(mode)
     fresh = [path for path, block in zip(paths, resolve_blocks(model, paths)) if _ORIGINAL not in vars(block)]
     checkpoint_blocks(model, fresh, mode)
     try:
@@ -234,7 +246,7 @@ def block_seconds(
     """
     if repeats < 1:
         raise ValueError(f"block_seconds: repeats must be >= 1, got {repeats}")
-    _check_mode(mode)
+    check_mode(mode)
     blocks = resolve_blocks(model, paths)
     cuda = any(p.is_cuda for p in model.parameters())
 

@@ -12,7 +12,7 @@ from savedhooks.codecs import Bitmask, Downcast, Float8, Policy
 from savedhooks.codecs.base import Codec
 from savedhooks.hooks import HookPair
 from savedhooks.planner.census import plan_key
-from savedhooks.planner.recompute import FULL, MODES, SELECTIVE, checkpoint_blocks, restore_blocks
+from savedhooks.planner.recompute import FULL, SELECTIVE, check_mode, checkpoint_blocks, restore_blocks
 
 __all__ = ["CODECS", "InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "check_budget"]
 
@@ -132,8 +132,7 @@ class Plan:
     recompute_mode: str = FULL
 
     def __post_init__(self) -> None:
-        if self.recompute_mode not in MODES:
-            raise ValueError(f"Plan: recompute_mode must be one of {MODES}, got {self.recompute_mode!r}")
+        check_mode(self.recompute_mode, "Plan: recompute_mode")
 
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """Checkpoint the blocks the plan recomputes (``torch.utils.checkpoint``, non-reentrant), in place.
@@ -189,7 +188,8 @@ class Plan:
             f"floor {self.floor_bytes / _MiB:.2f}), modelled time {self.seconds * 1e3:.2f} ms per step"
         )
         recompute = ", ".join(self.recompute) or "none"
-        how = " (selective: matrix products and attention saved)" if self.recompute and self.recompute_mode == SELECTIVE else ""
+        selective = self.recompute and self.recompute_mode == SELECTIVE
+        how = " (selective: matrix products and attention saved)" if selective else ""
         heading += f"\nrecomputed blocks: {recompute}{how} ({self.recompute_seconds * 1e3:.2f} ms per step)"
         lines = [
             heading,

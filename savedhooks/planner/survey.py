@@ -215,7 +215,8 @@ def survey(
     # every compile must trace (the census runs inside tracing): no dynamo, AOTAutograd or FX graph cache hits
     recompute = tuple(recompute)
     if recompute_seconds is None:
-        recompute_seconds = sum(block_seconds(model, example_inputs, recompute, mode=recompute_mode)) if recompute else 0.0
+        seconds = block_seconds(model, example_inputs, recompute, mode=recompute_mode) if recompute else ()
+        recompute_seconds = sum(seconds, 0.0)
     with checkpointed(model, recompute, recompute_mode), \
             torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16), \
             torch._functorch.config.patch(enable_autograd_cache=False), \
