@@ -41,6 +41,8 @@ import torch.fx
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+import savedhooks.kernels.offload as offload_ops
+from savedhooks.hostmem.overlap import overlap_transfers
 from savedhooks.schedule import STRATEGIES, Problem, Schedule, build_problem, hoist_frees, peak_of, schedule, sink_free
 from savedhooks.unfuse import join_adjacent, split_late_addmm
 
@@ -318,6 +320,11 @@ class ReorderPass(CustomGraphPass):
     With ``hooked_only`` it leaves graphs without inlined hooks untouched (the
     pass that entering :func:`savedhooks.saved_tensors_hooks` installs).
 
+    In every graph it runs (forward graphs too, when they offload), copies
+    between an accelerator and the host made by ``sh.offload`` become torch's
+    asynchronous copy ops, placed to overlap compute
+    (:func:`savedhooks.hostmem.overlap_transfers`).
+
     ``uuid()`` digests this file, the scheduler and the memory model, plus the
     options, so inductor's FX graph cache misses when the pass changes and hits
     when it does not.
@@ -329,20 +336,26 @@ class ReorderPass(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         is_backward = is_backward_graph(graph)
-        if not (is_backward or self.forward):
-            return
         if self.hooked_only and not has_hook_chains(graph):
+            return
+        reorder = is_backward or self.forward
+        if not (reorder or any(n.target is torch.ops.savedhooks.offload.default for n in graph.nodes)):
             return
         gm = graph.owning_module
         if gm is None:  # inductor hands over the graph of a GraphModule; keep it that way
             gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-        split = split_late_addmm(gm.graph)
-        reorder_for_memory(gm, is_backward, fused=True)
-        if join_adjacent(gm.graph, split):
-            gm.recompile()
+        if reorder:
+            split = split_late_addmm(gm.graph)
+            reorder_for_memory(gm, is_backward, fused=True)
+            if join_adjacent(gm.graph, split):
+                gm.recompile()
+        overlap_transfers(gm, is_backward)  # offload copies (accelerator <-> host) only
 
     def uuid(self) -> str:
-        options = f"forward={self.forward}:hooked_only={self.hooked_only}"
+        from torch._functorch import config as functorch_config
+
+        bandwidth = functorch_config.activation_offload_cpu_gpu_bw  # times the overlap of offload copies
+        options = f"forward={self.forward}:hooked_only={self.hooked_only}:copy_gbps={bandwidth}"
         return hashlib.sha256(f"{_SOURCE_DIGEST}:{options}".encode()).hexdigest()
 
     def __repr__(self) -> str:
@@ -434,6 +447,7 @@ def backend(base: str = "aot_eager"):
 def _placing(is_backward: bool):
     def compiler(gm: torch.fx.GraphModule, example_inputs):
         reorder_for_memory(gm, is_backward)
+        overlap_transfers(gm, is_backward)
         # run as aot_eager does: an Interpreter that drops inputs and values after their last use
         return boxed_nop(gm, example_inputs)
 
@@ -446,11 +460,12 @@ def _inductor_backend(gm: torch.fx.GraphModule, example_inputs):
     return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": _REORDER_PASSES[False, False]})
 
 
-# The pass's behaviour lives in this file, the scheduler and the memory model: all in the digest.
+# The pass's behaviour lives in this file, the scheduler, the memory model and the offload overlap: all in the digest.
 _HERE = pathlib.Path(__file__).parent
 _SOURCE_DIGEST = hashlib.sha256(
     b"".join(p.read_bytes() for p in [_HERE / "passes.py", _HERE / "unfuse.py", *sorted((_HERE / "schedule").glob("*.py")),
-                                      *sorted((_HERE / "memory").glob("*.py"))])
+                                      *sorted((_HERE / "memory").glob("*.py")), _HERE / "hostmem" / "overlap.py",
+                                      pathlib.Path(offload_ops.__file__)])
 ).hexdigest()
 # One shared instance per option: equal passes, equal cache keys.
 _REORDER_PASSES = {(f, h): ReorderPass(forward=f, hooked_only=h) for f in (False, True) for h in (False, True)}

@@ -250,17 +250,15 @@ def forward(self, arg0_1):
     triton_fp8_quantize = torch.ops.savedhooks.triton_fp8_quantize.default(view_1, torch.float8_e4m3fn, 'block', 128, False);  view_1 = None
     getitem = triton_fp8_quantize[0]
     getitem_1 = triton_fp8_quantize[1];  triton_fp8_quantize = None
-    empty_strided = torch.ops.aten.empty_strided.default([8, 128], [128, 1], dtype = torch.float8_e4m3fn, device = device(type='cpu'), pin_memory = True)
-    copy_ = torch.ops.aten.copy_.default(empty_strided, getitem, True);  empty_strided = getitem = None
-    empty_strided_1 = torch.ops.aten.empty_strided.default([8, 1], [1, 1], dtype = torch.float32, device = device(type='cpu'), pin_memory = True)
-    copy__1 = torch.ops.aten.copy_.default(empty_strided_1, getitem_1, True);  empty_strided_1 = getitem_1 = None
-    return (0, ((copy_, copy__1, torch.float32, ((0, 1), (4, 256), ()), False), True, device(type='cuda', index=0), ()))""")
+    offload = torch.ops.savedhooks.offload.default(getitem, device(type='cpu'), True);  getitem = None
+    offload_1 = torch.ops.savedhooks.offload.default(getitem_1, device(type='cpu'), True);  getitem_1 = None
+    return (0, ((offload, offload_1, torch.float32, ((0, 1), (4, 256), ()), False), True, device(type='cuda', index=0), ()))""")
         self.assertExpectedInline(unpack.code.strip(), """\
 def forward(self, arg0):
     arg0_1, arg0_2, arg0_3, arg0_4, arg0_5, arg0_6, arg0_7, arg0_8, arg0_9, arg0_10, arg0_11, = fx_pytree.tree_flatten_spec([arg0], self._in_spec)
-    _to_copy = torch.ops.aten._to_copy.default(arg0_2, dtype = torch.float8_e4m3fn, layout = torch.strided, device = device(type='cuda', index=0), non_blocking = True);  arg0_2 = None
-    _to_copy_1 = torch.ops.aten._to_copy.default(arg0_3, dtype = torch.float32, layout = torch.strided, device = device(type='cuda', index=0), non_blocking = True);  arg0_3 = None
-    triton_fp8_dequantize = torch.ops.savedhooks.triton_fp8_dequantize.default(_to_copy, _to_copy_1, torch.float32, 128);  _to_copy = _to_copy_1 = None
+    reload = torch.ops.savedhooks.reload.default(arg0_2, device(type='cuda', index=0));  arg0_2 = None
+    reload_1 = torch.ops.savedhooks.reload.default(arg0_3, device(type='cuda', index=0));  arg0_3 = None
+    triton_fp8_dequantize = torch.ops.savedhooks.triton_fp8_dequantize.default(reload, reload_1, torch.float32, 128);  reload = reload_1 = None
     view = torch.ops.aten.view.default(triton_fp8_dequantize, [4, 256]);  triton_fp8_dequantize = None
     return pytree.tree_unflatten([view], self._out_spec)""")
 

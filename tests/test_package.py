@@ -52,7 +52,8 @@ def test_public_functions_document_args_returns_raises():
     missing = []
     namespaces = [savedhooks, savedhooks.codecs, savedhooks.fidelity, savedhooks.hostmem, savedhooks.memory,
                   savedhooks.metrics, savedhooks.passes, savedhooks.planner, savedhooks.schedule]
-    namespaces += [savedhooks.kernels] + [importlib.import_module(f"savedhooks.kernels.{m}") for m in ("fp8", "bitmask")]
+    kernel_modules = ("fp8", "bitmask", "offload")
+    namespaces += [savedhooks.kernels] + [importlib.import_module(f"savedhooks.kernels.{m}") for m in kernel_modules]
     if importlib.util.find_spec("triton") is not None:
         names = ("triton_support", "fp8_triton", "bitmask_triton")
         namespaces += [importlib.import_module(f"savedhooks.kernels.{m}") for m in names]

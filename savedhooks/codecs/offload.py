@@ -1,10 +1,11 @@
 """Move saved tensors to another device (host memory) in pack and back in unpack.
 
 With an inner codec the payload is packed first and then moved: fp8 then offload
-moves 4x fewer bytes than fp32 offload. Stream overlap and prefetch placement are
-a later step; here the copies are plain in-graph ``_to_copy`` ops, so the result
-is correct on any stream order (the allocator orders reuse of the freed device
-memory after the copy on the same stream).
+moves 4x fewer bytes than fp32 offload. Each move is one ``savedhooks::offload``
+or ``savedhooks::reload`` node (:mod:`savedhooks.kernels.offload`): a copy on the
+current stream, correct wherever it runs. In CUDA graphs that the reorder pass
+sees, :mod:`savedhooks.hostmem.overlap` turns them into asynchronous copies on a
+transfer stream, the pack's wait sunk and the reload started early.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch._prims_common import is_non_overlapping_and_dense_or_false
 
+import savedhooks.kernels.offload  # noqa: F401  (registers savedhooks::offload and savedhooks::reload)
 from savedhooks.codecs.base import Codec, as_codec, is_broadcast, narrow_broadcast
 
 __all__ = ["Offload", "offload"]
@@ -51,14 +52,15 @@ class Offload(Codec):
         else:
             payload, expand = _unbroadcast(x)
         # Pinned host memory makes the device-to-host copy asynchronous.
-        pin = self.pin_memory and self.device.type == "cpu" and x.device.type == "cuda"
-        moved = pytree.tree_map_only(torch.Tensor, lambda t: _copy_to(t, self.device, pin), payload)
+        moved = pytree.tree_map_only(
+            torch.Tensor, lambda t: torch.ops.savedhooks.offload(t, self.device, self.pin_memory), payload
+        )
         return moved, use_inner, x.device, expand
 
     def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
         """Copy back to the saved tensor's device, then unpack the inner codec."""
         moved, use_inner, device, expand = payload
-        back = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), moved)
+        back = pytree.tree_map_only(torch.Tensor, lambda t: torch.ops.savedhooks.reload(t, device), moved)
         if use_inner:
             return self.inner.decode(back)
         return back.expand(expand) if expand else back
@@ -69,17 +71,6 @@ def _unbroadcast(x: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
     if not is_broadcast(x):
         return x, ()
     return narrow_broadcast(x), tuple(x.shape)
-
-
-def _copy_to(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
-    if not pin:
-        return t.to(device)  # keeps the strides of dense tensors
-    # Not t.to(device, pin_memory=...): the _to_copy decomposition rejects pin_memory.
-    if is_non_overlapping_and_dense_or_false(t):  # keep transposed / channels_last strides
-        host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device, pin_memory=True)
-    else:
-        host = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
 
 
 def offload(inner: Any = None, device: str | torch.device = "cpu", pin_memory: bool = True):

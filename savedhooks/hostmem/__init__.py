@@ -1,10 +1,23 @@
-"""Host memory for offload: a pool of exact-size buffers reused across steps (:mod:`savedhooks.hostmem.pool`).
+"""Host memory for offload.
 
-Not yet used by ``sh.offload``: that needs the in-graph asynchronous copy ops of
-the offload work (issue 14), whose pack takes a slab and whose unpack gives it
-back with the event of its copy.
+* :mod:`savedhooks.hostmem.pool`: a pool of exact-size host buffers reused across
+  steps. Not yet used by ``sh.offload``: its copies allocate through torch's host
+  allocator (``ao::offload`` in the overlapped form).
+* :mod:`savedhooks.hostmem.overlap`: turns the offload codec's copy nodes in a
+  compiled CUDA graph into torch's asynchronous copy ops and places them to
+  overlap compute (run by the reorder pass).
 """
 
+from savedhooks.hostmem.overlap import Transfer, TransferModel, nominal_seconds, overlap_transfers
 from savedhooks.hostmem.pool import HostPool, HostPoolExhaustedError, PoolStats, pinned_bytes
 
-__all__ = ["HostPool", "HostPoolExhaustedError", "PoolStats", "pinned_bytes"]
+__all__ = [
+    "HostPool",
+    "HostPoolExhaustedError",
+    "PoolStats",
+    "Transfer",
+    "TransferModel",
+    "nominal_seconds",
+    "overlap_transfers",
+    "pinned_bytes",
+]

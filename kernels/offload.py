@@ -1,0 +1,130 @@
+"""Copies between device and host memory for ``sh.offload``: one graph node each.
+
+Design notes
+------------
+* Pack calls ``savedhooks::offload`` and unpack ``savedhooks::reload``. They are
+  functional custom ops (no output aliases an input), so AOTAutograd can trace
+  them inside the hooks under functionalization. Each stays one node in the
+  compiled graphs, where the reorder pass places it like any pack or unpack.
+* Alone, each op is a whole copy ordered on the current stream: correct in eager
+  mode, under aot_eager and under inductor, with no pass at all. The source's
+  memory is freed after the copy on that same stream, so the caching allocator
+  orders its reuse after the copy. A D2H copy into pinned memory does not block
+  the host.
+* Overlap is added after tracing, by :mod:`savedhooks.hostmem.overlap`. Each op is
+  rewritten there into torch's own asynchronous pair: ``ao::offload`` or
+  ``ao::reload``, then ``ao::wait_tensor`` (a transfer stream, and an event per
+  copy). The hooks cannot call those ops directly: ``ao::wait_tensor`` returns an
+  alias of its input, which functionalization refuses
+  (``tests/test_codec_models.py`` pins this).
+* Layout: a dense tensor keeps its strides on both sides (transposed and
+  channels-last tensors come back as they went); any other tensor moves
+  contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+__all__ = ["torch_offload", "torch_reload"]
+
+
+def _empty_like_layout(x: torch.Tensor, device: torch.device, pin_memory: bool) -> torch.Tensor:
+    """An uninitialized tensor shaped as ``x`` on ``device``: ``x``'s strides when dense, else contiguous."""
+    if is_non_overlapping_and_dense_or_false(x):
+        return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=device, pin_memory=pin_memory)
+    return torch.empty(x.shape, dtype=x.dtype, device=device, pin_memory=pin_memory)
+
+
+def torch_offload(x: torch.Tensor, device: torch.device, pin_memory: bool) -> torch.Tensor:
+    """Copy ``x`` to ``device`` (host memory, usually), on the current stream.
+
+    Args:
+        x: the tensor to move (any dtype).
+        device: where the copy lives.
+        pin_memory: allocate pinned host memory when copying from CUDA to the
+            CPU, so that the copy does not block the host.
+
+    Returns:
+        The copy, with ``x``'s strides when ``x`` is dense.
+
+    Raises:
+        ValueError: ``x`` already lives on ``device``.
+    """
+    device = torch.device(device)
+    if x.device == device:
+        raise ValueError(f"savedhooks.offload: the tensor already lives on {device}")
+    pin = pin_memory and device.type == "cpu" and x.device.type == "cuda"
+    return _empty_like_layout(x, device, pin).copy_(x, non_blocking=pin)
+
+
+def torch_reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy an offloaded payload back to ``device``, on the current stream.
+
+    Args:
+        host: what :func:`torch_offload` returned.
+        device: the device the saved tensor came from.
+
+    Returns:
+        The copy on ``device``, with ``host``'s strides when dense.
+
+    Raises:
+        ValueError: ``host`` already lives on ``device``.
+    """
+    device = torch.device(device)
+    if host.device == device:
+        raise ValueError(f"savedhooks.reload: the tensor already lives on {device}")
+    return _empty_like_layout(host, device, False).copy_(host, non_blocking=host.is_pinned())
+
+
+# --- ops: one graph node per copy, traceable inside hook graphs ---------------------------------
+
+
+@torch.library.custom_op("savedhooks::offload", mutates_args=())
+def offload(x: torch.Tensor, device: torch.device, pin_memory: bool) -> torch.Tensor:
+    """``torch.ops.savedhooks.offload``: :func:`torch_offload` as one graph node.
+
+    Args:
+        x: the tensor to move.
+        device: where the copy lives.
+        pin_memory: pinned host memory for a CUDA-to-CPU copy.
+
+    Returns:
+        The copy (a new tensor: the op aliases nothing, so it traces under functionalization).
+
+    Raises:
+        ValueError: ``x`` already lives on ``device``.
+    """
+    return torch_offload(x, device, pin_memory)
+
+
+@offload.register_fake
+def _(x, device, pin_memory):
+    if x.device == torch.device(device):
+        raise ValueError(f"savedhooks.offload: the tensor already lives on {device}")
+    return _empty_like_layout(x, device, False)
+
+
+@torch.library.custom_op("savedhooks::reload", mutates_args=())
+def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``torch.ops.savedhooks.reload``: :func:`torch_reload` as one graph node.
+
+    Args:
+        host: what ``savedhooks::offload`` returned.
+        device: the device the saved tensor came from.
+
+    Returns:
+        The copy on ``device``.
+
+    Raises:
+        ValueError: ``host`` already lives on ``device``.
+    """
+    return torch_reload(host, device)
+
+
+@reload.register_fake
+def _(host, device):
+    if host.device == torch.device(device):
+        raise ValueError(f"savedhooks.reload: the tensor already lives on {device}")
+    return _empty_like_layout(host, device, False)

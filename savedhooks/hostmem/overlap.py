@@ -1,0 +1,342 @@
+"""Overlap offload copies with compute: torch's asynchronous copy ops, placed by modelled time.
+
+Design notes
+------------
+* Input: a graph the reorder pass has already ordered, whose pack and unpack
+  chains move tensors between an accelerator and the host with
+  ``savedhooks::offload`` (forward) and ``savedhooks::reload`` (backward)
+  (:mod:`savedhooks.kernels.offload`). Alone, each is a copy ordered on the
+  compute stream, so it stalls compute.
+* Rewrite (torch's own ops, ``torch._functorch._activation_offloading``):
+  ``offload(x)`` becomes ``ao::offload(x)`` (a D2H copy on the transfer stream,
+  after the compute stream has made ``x``) and ``ao::wait_tensor(host, None, x)``
+  (the compute stream waits on the copy's event). ``x`` stays an input of the
+  wait, so it is freed only after the wait, on a stream that the copy has
+  already finished on: no ``record_stream``. ``reload(host)`` becomes
+  ``ao::reload`` and ``ao::wait_tensor(device_copy, None, host)``. The waits
+  never free anything themselves (no ``keepalive``), so a storage that another
+  tensor still uses is never released, and a retained graph can unpack again.
+* Placement: copies on the one transfer stream run in the order they are issued.
+  Each forward wait sinks past the following nodes until their modelled time
+  covers its copy's end; each backward reload rises above its wait (which stays
+  right before the first user) until the copy ends in time. Neither may lift
+  the graph's modelled device peak above ``limit_bytes`` (default: the peak
+  before overlap): a sunk wait keeps its source on the device longer, a hoisted
+  reload holds its result sooner. Host bytes are counted apart (the memory model
+  counts one device).
+* Times: a copy takes ``bytes / copy_bytes_per_s`` (default: torch's
+  ``activation_offload_cpu_gpu_bw``, GB/s); a node takes ``node_seconds(node)``
+  (default: torch's roofline estimate on a machine with a GPU, else a nominal
+  one: FLOPs at 100 TFLOP/s or bytes at 2 TB/s, whichever is longer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+__all__ = ["Transfer", "TransferModel", "hoist_starts", "nominal_seconds", "overlap_transfers", "sink_waits"]
+
+log = logging.getLogger(__name__)
+_NOMINAL_FLOPS = 100e12
+_NOMINAL_BYTES_PER_S = 2e12
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferModel:
+    """How :func:`overlap_transfers` times copies and nodes, and how much memory it may add.
+
+    Attributes:
+        copy_bytes_per_s: host-device copy bandwidth; None reads torch's
+            ``torch._functorch.config.activation_offload_cpu_gpu_bw`` (GB/s).
+        node_seconds: the modelled run time of one FX node; None: torch's
+            roofline estimate where a GPU is present, else :func:`nominal_seconds`.
+        limit_bytes: the modelled device peak the placement may not exceed; None:
+            the graph's own modelled peak before overlap.
+    """
+
+    copy_bytes_per_s: float | None = None
+    node_seconds: Callable[[torch.fx.Node], float] | None = None
+    limit_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.copy_bytes_per_s is not None and not self.copy_bytes_per_s > 0:
+            raise ValueError(f"TransferModel: copy_bytes_per_s must be positive, got {self.copy_bytes_per_s!r}")
+        if self.node_seconds is not None and not callable(self.node_seconds):
+            raise TypeError(f"TransferModel: node_seconds must be callable, got {self.node_seconds!r}")
+        if self.limit_bytes is not None and (not isinstance(self.limit_bytes, int) or self.limit_bytes < 0):
+            raise ValueError(f"TransferModel: limit_bytes must be a non-negative int, got {self.limit_bytes!r}")
+
+    def bandwidth(self) -> float:
+        """Copy bandwidth in bytes per second."""
+        if self.copy_bytes_per_s is not None:
+            return float(self.copy_bytes_per_s)
+        from torch._functorch import config
+
+        return config.activation_offload_cpu_gpu_bw * 1024**3
+
+    def seconds(self, node: torch.fx.Node) -> float:
+        """Modelled run time of ``node`` on the compute stream."""
+        if self.node_seconds is not None:
+            return float(self.node_seconds(node))
+        if torch.cuda.is_available():
+            from torch._inductor.fx_passes.overlap_scheduling import estimate_roofline_runtime_ms
+
+            return estimate_roofline_runtime_ms(node) / 1e3
+        return nominal_seconds(node)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One copy to place: where it is issued or waited on, how long it takes, what it holds.
+
+    Attributes:
+        at: the position it starts from (a forward wait's, a backward reload's).
+        seconds: modelled copy time.
+        nbytes: device bytes that moving it keeps alive over the nodes it passes.
+    """
+
+    at: int
+    seconds: float
+    nbytes: int
+
+
+def nominal_seconds(node: torch.fx.Node) -> float:
+    """A GPU-free estimate of a node's run time: FLOPs at 100 TFLOP/s or bytes at 2 TB/s, the longer.
+
+    Args:
+        node: an FX node whose inputs and output carry ``meta["val"]``.
+
+    Returns:
+        Seconds; 0 for placeholders, outputs and nodes that make no new storage.
+
+    Raises:
+        Nothing.
+    """
+    if node.op != "call_function":
+        return 0.0
+    out = [t for t in pytree.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
+    args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta.get("val"), (node.args, node.kwargs))
+    ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage()._cdata for t in ins}
+    if not out or all(t.untyped_storage()._cdata in storages for t in out):  # a view or an alias
+        return 0.0
+    moved = sum(t.numel() * t.element_size() for t in (*ins, *out))
+    seconds = moved / _NOMINAL_BYTES_PER_S
+    from torch.utils.flop_counter import flop_registry
+
+    counter = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    if counter is not None:
+        with contextlib.suppress(TypeError, ValueError, RuntimeError):  # a counter that rejects these: bytes alone
+            seconds = max(seconds, counter(*args, out_val=node.meta.get("val"), **kwargs) / _NOMINAL_FLOPS)
+    return seconds
+
+
+def sink_waits(
+    transfers: list[Transfer], issued: list[int], ends: list[float], during: list[int], limit: int
+) -> list[int]:
+    """Where each forward wait goes: after the first node whose end covers its copy, within ``limit``.
+
+    Args:
+        transfers: the waits, in graph order; ``at`` is the wait's position.
+        issued: per wait, the position of the node that starts its copy.
+        ends: per position, the modelled compute time when that node ends.
+        during: per position, the modelled live device bytes while it runs
+            (updated in place with what each accepted move adds).
+        limit: the device peak no move may exceed.
+
+    Returns:
+        Per wait, the position of the last node it runs after (its own ``at`` when it does not move).
+
+    Raises:
+        Nothing.
+    """
+    stream_free, placed = 0.0, []
+    last = len(during) - 1
+    for t, at in zip(transfers, issued):
+        done = stream_free = _copy_end(ends, at, stream_free, t)
+        k = t.at
+        while ends[k] < done and k < last and during[k + 1] + t.nbytes <= limit:
+            k += 1
+            during[k] += t.nbytes
+        placed.append(k)
+    return placed
+
+
+def hoist_starts(
+    transfers: list[Transfer], floor: list[int], ends: list[float], during: list[int], limit: int
+) -> list[int]:
+    """Where each backward reload starts: as late as lets its copy end before its wait, within ``limit``.
+
+    Args:
+        transfers: the reloads, in graph order; ``at`` is the position of the
+            reload right before its wait.
+        floor: per reload, the first position it may take (after its inputs and
+            after the previous reload: copies keep their order).
+        ends: per position, the modelled compute time when that node ends.
+        during: per position, the modelled live device bytes while it runs
+            (updated in place with what each accepted move adds).
+        limit: the device peak no move may exceed.
+
+    Returns:
+        Per reload, the position it runs before (its own ``at`` when it does not move).
+
+    Raises:
+        Nothing.
+    """
+    stream_free, placed, previous = 0.0, [], 0
+    for t, low in zip(transfers, floor):
+        needed_by = ends[t.at - 1] if t.at > 0 else 0.0  # compute reaches the wait
+        j, low = t.at, max(low, previous)
+        while j > low and _copy_end(ends, j, stream_free, t) > needed_by and during[j - 1] + t.nbytes <= limit:
+            j -= 1
+            during[j] += t.nbytes
+        stream_free, previous = _copy_end(ends, j, stream_free, t), j
+        placed.append(j)
+    return placed
+
+
+def _copy_end(ends: list[float], issued: int, stream_free: float, transfer: Transfer) -> float:
+    """When a copy issued at position ``issued`` ends: after compute reaches it and the stream is free."""
+    return max(ends[issued - 1] if issued > 0 else 0.0, stream_free) + transfer.seconds
+
+
+def overlap_transfers(gm: torch.fx.GraphModule, is_backward: bool, model: TransferModel | None = None) -> int:
+    """Make the graph's offload copies asynchronous and place them to overlap compute.
+
+    Args:
+        gm: an ordered AOTAutograd forward or backward graph with ``meta["val"]``.
+        is_backward: which one it is.
+        model: times and memory limit (default :class:`TransferModel`).
+
+    Returns:
+        The number of copies rewritten (0 leaves the graph untouched: no copy
+        between an accelerator and the host).
+
+    Raises:
+        Nothing.
+    """
+    target = torch.ops.savedhooks.reload.default if is_backward else torch.ops.savedhooks.offload.default
+    nodes = [n for n in gm.graph.nodes if n.target is target and _overlappable(n, is_backward)]
+    if not nodes:
+        return 0
+    model = model or TransferModel()
+    ao = _ao_ops()
+    pairs = [_split(gm.graph, n, ao, is_backward) for n in nodes]
+    try:
+        _place(gm, pairs, is_backward, model)
+    except ValueError as error:  # no fake values to judge by: each copy overlaps nothing, still correct
+        log.info("savedhooks overlap: placement skipped: %s", error)
+    gm.graph.lint()
+    gm.recompile()
+    return len(pairs)
+
+
+def _overlappable(node: torch.fx.Node, is_backward: bool) -> bool:
+    """A contiguous copy between an accelerator and pinned host memory.
+
+    torch's ``ao::offload`` returns a contiguous host tensor, so only contiguous
+    tensors are rewritten (their layout is the same either way); the others, and
+    copies to pageable memory (``pin_memory=False``), stay synchronous.
+    """
+    source, dest = node.args[0].meta.get("val"), node.meta.get("val")
+    if not isinstance(source, torch.Tensor) or not isinstance(dest, torch.Tensor) or not source.is_contiguous():
+        return False
+    if not is_backward and not node.args[2]:
+        return False
+    device, host = (dest.device, source.device) if is_backward else (source.device, dest.device)
+    return host.type == "cpu" and device.type != "cpu"
+
+
+def _ao_ops():
+    import torch._functorch._activation_offloading.offload_ops  # registers ao::offload, ao::reload, ao::wait_tensor
+
+    return torch.ops.ao
+
+
+def _split(graph: torch.fx.Graph, node: torch.fx.Node, ao, is_backward: bool) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """Replace one copy node by ``(start, wait)``; the wait takes the node's place for its users."""
+    source, val = node.args[0], node.meta["val"]
+    with graph.inserting_before(node):
+        if is_backward:
+            start = graph.call_function(
+                ao.reload.default, (source, val.device)
+            )  # the host tensor's (contiguous) layout
+        else:
+            start = graph.call_function(ao.offload.default, (source,))
+        start.meta["val"] = val
+        wait = graph.call_function(ao.wait_tensor.default, (start, None, source))
+        wait.meta["val"] = val  # the same fake tensor: the memory model sees one storage
+    node.replace_all_uses_with(wait)
+    graph.erase_node(node)
+    return start, wait
+
+
+def _place(gm: torch.fx.GraphModule, pairs, is_backward: bool, model: TransferModel) -> None:
+    from savedhooks.memory import build_graph_memory, saved_activations
+    from savedhooks.memory.estimate import _report_device
+    from savedhooks.schedule import build_problem, live_profile
+
+    order = [n for n in gm.graph.nodes if n.op != "output"]
+    position = {n: i for i, n in enumerate(order)}
+    memory = build_graph_memory(gm, saved_activations(gm) if is_backward else ())
+    device = _report_device(memory)
+    fixed = [i for i, n in enumerate(order) if n.op in ("placeholder", "get_attr")]
+    problem = build_problem(memory, device, (), fixed)
+    during = live_profile(problem, list(range(problem.size)))
+    limit = model.limit_bytes if model.limit_bytes is not None else max(during, default=0)
+    moving = {n for pair in pairs for n in pair}
+    ends, clock = [], 0.0
+    for n in order:
+        clock += 0.0 if n in moving else model.seconds(n)
+        ends.append(clock)
+    bandwidth = model.bandwidth()
+    if is_backward:
+        transfers = [
+            Transfer(position[start], _nbytes(start) / bandwidth, problem.alloc[position[start]]) for start, _ in pairs
+        ]
+        floor = [max((position[a] + 1 for a in start.all_input_nodes), default=0) for start, _ in pairs]
+        starts = hoist_starts(transfers, floor, ends, during, limit)
+        for (start, _), j in zip(pairs, starts):
+            anchor = next(n for n in order[j:] if n not in moving)  # the wait at the latest
+            if position[anchor] < position[start]:
+                anchor.prepend(start)
+        moved = sum(j < t.at for t, j in zip(transfers, starts))
+    else:
+        transfers = [
+            Transfer(position[wait], _nbytes(start) / bandwidth, _freed_by(problem, position[wait]))
+            for start, wait in pairs
+        ]
+        spots = sink_waits(transfers, [position[start] for start, _ in pairs], ends, during, limit)
+        for (_, wait), k in sorted(zip(pairs, spots), key=lambda p: (-p[1], -position[p[0][1]])):
+            anchor = next(n for n in reversed(order[: k + 1]) if n not in moving)  # the copy's start at the earliest
+            if position[anchor] > position[wait]:
+                anchor.append(wait)
+        moved = sum(k > t.at for t, k in zip(transfers, spots))
+    log.info(
+        "savedhooks overlap (%s): %d async copies, %d moved, limit %d bytes",
+        "backward" if is_backward else "forward",
+        len(pairs),
+        moved,
+        limit,
+    )
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    t = node.meta["val"]
+    return t.numel() * t.element_size()
+
+
+def _freed_by(problem, node: int) -> int:
+    """Device bytes whose last toucher is ``node`` (kept alive while it sinks)."""
+    return sum(
+        size
+        for size, touchers, freeable in zip(problem.sizes, problem.touchers, problem.freeable)
+        if freeable and touchers and max(touchers) == node
+    )

@@ -1,0 +1,280 @@
+"""Offload copies as single graph nodes, and their asynchronous form placed to overlap compute.
+
+Graphs are traced on fake CUDA tensors (no GPU needed); the node times are given
+(1 unit per matmul) so that the placement is deterministic. The GPU tests run the
+copies for real.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import expecttest
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import savedhooks as sh
+import savedhooks.kernels.offload  # the savedhooks::offload and savedhooks::reload ops
+from savedhooks.codecs.base import pack_saved, unpack_saved
+from savedhooks.hostmem.overlap import (
+    Transfer,
+    TransferModel,
+    hoist_starts,
+    nominal_seconds,
+    overlap_transfers,
+    sink_waits,
+)
+from savedhooks.memory import estimate_peak
+from tests.models import train_step_grads
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+N = 256
+TILE = N * N * 4  # bytes of one (N, N) float32 tensor
+
+
+def _matmul_units(node: torch.fx.Node) -> float:
+    return 1.0 if node.target is torch.ops.aten.mm.default else 0.0
+
+
+def _model(copy_units: float, limit_bytes: int | None = None) -> TransferModel:
+    """Copies of one (N, N) float32 tensor take ``copy_units`` matmuls."""
+    return TransferModel(copy_bytes_per_s=TILE / copy_units, node_seconds=_matmul_units, limit_bytes=limit_bytes)
+
+
+def _forward(x, w1, w2, w3):
+    a = torch.mm(x, w1)
+    b = torch.mm(torch.relu(a), w2)
+    host = torch.ops.savedhooks.offload(a, CPU, True)  # pack, right after a's last use
+    c = torch.mm(b, w3)
+    d = torch.mm(c, w3)
+    return torch.mm(d, w3), host
+
+
+def _backward(host, tangents, w2, w3):
+    y = torch.mm(tangents, w3)
+    y = torch.mm(y, w3)
+    y = torch.mm(y, w2)
+    a = torch.ops.savedhooks.reload(host, CUDA)  # unpack, right before its first use
+    return torch.mm(a.t(), y)
+
+
+def _trace(fn, *devices):
+    with FakeTensorMode():
+        return make_fx(torch.func.functionalize(fn))(*(torch.empty(N, N, device=d) for d in devices))
+
+
+def _device_peak(gm) -> int:
+    return estimate_peak(gm).peak_bytes
+
+
+def _targets(gm) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+class TestOverlapGraphs(expecttest.TestCase):
+    def test_forward_copy_then_wait_then_free(self):
+        gm = _trace(_forward, "cuda", "cuda", "cuda", "cuda")
+        before = _device_peak(gm)
+        assert overlap_transfers(gm, is_backward=False, model=_model(copy_units=2.5)) == 1
+        # the copy starts where the pack was; the wait comes after 3 matmuls (3 >= 2.5 units of copy),
+        # and mm (the saved tensor) is read last by the wait: it is freed after the copy has ended
+        self.assertExpectedInline(
+            gm.code.strip(),
+            """\
+def forward(self, x_1, w1_1, w2_1, w3_1):
+    mm = torch.ops.aten.mm.default(x_1, w1_1);  x_1 = w1_1 = None
+    relu = torch.ops.aten.relu.default(mm)
+    mm_1 = torch.ops.aten.mm.default(relu, w2_1);  relu = w2_1 = None
+    offload_default = torch.ops.ao.offload.default(mm)
+    mm_2 = torch.ops.aten.mm.default(mm_1, w3_1);  mm_1 = None
+    mm_3 = torch.ops.aten.mm.default(mm_2, w3_1);  mm_2 = None
+    mm_4 = torch.ops.aten.mm.default(mm_3, w3_1);  mm_3 = w3_1 = None
+    wait_tensor_default = torch.ops.ao.wait_tensor.default(offload_default, None, mm);  offload_default = mm = None
+    return (mm_4, wait_tensor_default)""",
+        )
+        assert _device_peak(gm) <= before
+
+    def test_prefetch_starts_by_the_modelled_copy_time_when_memory_allows(self):
+        gm = _trace(_backward, "cpu", "cuda", "cuda", "cuda")
+        assert overlap_transfers(gm, is_backward=True, model=_model(copy_units=2.5, limit_bytes=1 << 30)) == 1
+        # 2.5 units of copy: the reload starts 3 matmuls before its wait, which stays at the first use
+        self.assertExpectedInline(
+            gm.code.strip(),
+            """\
+def forward(self, host_1, tangents_1, w2_1, w3_1):
+    reload_default = torch.ops.ao.reload.default(host_1, device(type='cuda', index=0))
+    mm = torch.ops.aten.mm.default(tangents_1, w3_1);  tangents_1 = None
+    mm_1 = torch.ops.aten.mm.default(mm, w3_1);  mm = w3_1 = None
+    mm_2 = torch.ops.aten.mm.default(mm_1, w2_1);  mm_1 = w2_1 = None
+    wait_tensor_default = torch.ops.ao.wait_tensor.default(reload_default, None, host_1);  reload_default = host_1 = None
+    t = torch.ops.aten.t.default(wait_tensor_default);  wait_tensor_default = None
+    mm_3 = torch.ops.aten.mm.default(t, mm_2);  t = mm_2 = None
+    return mm_3""",
+        )
+
+    def test_a_short_copy_starts_late(self):
+        gm = _trace(_backward, "cpu", "cuda", "cuda", "cuda")
+        overlap_transfers(gm, is_backward=True, model=_model(copy_units=0.5, limit_bytes=1 << 30))
+        names = [n.name for n in gm.graph.nodes]
+        assert names.index("reload_default") == names.index("mm_2") - 1  # one matmul hides half a unit
+
+
+def test_prefetch_never_raises_the_modelled_device_peak_by_default():
+    gm = _trace(_backward, "cpu", "cuda", "cuda", "cuda")
+    before = _device_peak(gm)
+    overlap_transfers(gm, is_backward=True, model=_model(copy_units=2.5))
+    names = [n.name for n in gm.graph.nodes]
+    # starting before mm_1 would hold the reloaded tile while mm_1 runs at the peak
+    assert names.index("mm_1") < names.index("reload_default") < names.index("mm_2")
+    assert _device_peak(gm) == before
+
+
+def test_sunk_waits_respect_an_explicit_limit():
+    gm = _trace(_forward, "cuda", "cuda", "cuda", "cuda")
+    peak = _device_peak(gm)
+    overlap_transfers(gm, is_backward=False, model=_model(copy_units=10.0, limit_bytes=peak))
+    assert _device_peak(gm) <= peak
+    assert [n.name for n in gm.graph.nodes][-2] == "wait_tensor_default"  # a long copy: waited on last
+
+
+def test_the_reorder_pass_makes_offload_copies_asynchronous():
+    gm = _trace(_forward, "cuda", "cuda", "cuda", "cuda")
+    sh.reorder_pass()(gm.graph)  # a forward graph: not reordered, but its copies overlap
+    assert "ao.offload.default" in _targets(gm) and "savedhooks.offload.default" not in _targets(gm)
+    gm = _trace(_backward, "cpu", "cuda", "cuda", "cuda")
+    sh.reorder_pass()(gm.graph)
+    assert "ao.reload.default" in _targets(gm) and "savedhooks.reload.default" not in _targets(gm)
+
+
+def test_strided_and_pageable_copies_stay_synchronous():
+    # torch's ao::offload returns a contiguous host tensor: a transposed source keeps our own copy
+    def forward(x):
+        a = torch.relu(x)
+        return torch.ops.savedhooks.offload(a.t(), CPU, True), torch.ops.savedhooks.offload(a, CPU, False)
+
+    gm = _trace(forward, "cuda")
+    assert overlap_transfers(gm, is_backward=False) == 0
+    assert _targets(gm).count("savedhooks.offload.default") == 2
+
+
+def test_graphs_without_device_host_copies_are_left_alone():
+    gm = _trace(lambda x, w: torch.mm(torch.relu(x), w), "cuda", "cuda")
+    code = gm.code
+    assert overlap_transfers(gm, is_backward=False) == 0 and gm.code == code
+
+
+def test_the_offload_codec_traces_to_one_node_per_payload_under_functionalization():
+    # torch's ao::wait_tensor cannot be traced here (test_codec_models pins it); our copies can
+    codec = sh.Offload(sh.Float8())
+    with FakeTensorMode():
+        x = torch.empty(4, 256, device="cuda")
+        pack = make_fx(torch.func.functionalize(functools.partial(pack_saved, codec)))(x)
+        unpack = make_fx(torch.func.functionalize(functools.partial(unpack_saved, codec)))(pack_saved(codec, x))
+    assert _targets(pack).count("savedhooks.offload.default") == 2  # fp8 codes and scales
+    assert _targets(unpack).count("savedhooks.reload.default") == 2
+    assert not any("copy" in t for t in _targets(pack) + _targets(unpack))
+
+
+def test_the_copy_ops_refuse_a_tensor_already_on_the_target_device():
+    with pytest.raises(ValueError, match="already lives on cpu"):
+        torch.ops.savedhooks.offload(torch.randn(2), CPU, True)
+    with pytest.raises(ValueError, match="already lives on cpu"):
+        torch.ops.savedhooks.reload(torch.randn(2), CPU)
+
+
+def test_copy_ops_keep_dense_strides_and_make_the_rest_contiguous():
+    meta = torch.device("meta")  # a device other than the CPU that needs none
+    t = torch.randn(8, 4).t()
+    assert torch.ops.savedhooks.offload(t, meta, True).stride() == t.stride()
+    sliced = torch.randn(8, 8)[:, :3]
+    assert torch.ops.savedhooks.offload(sliced, meta, True).is_contiguous()
+
+
+# --- the placement rules on their own ---------------------------------------------------
+
+
+def test_copies_on_one_stream_queue_behind_each_other():
+    ends = [float(i + 1) for i in range(10)]  # one unit per node
+    during = [0] * 10
+    waits = [Transfer(at=1, seconds=2.0, nbytes=0), Transfer(at=2, seconds=2.0, nbytes=0)]
+    # the first copy is issued at t=0 and ends at 2 (node 1 ends then); the second, issued at t=1,
+    # queues behind it and ends at 4, not 3 (node 3)
+    assert sink_waits(waits, [0, 1], ends, during, limit=0) == [1, 3]
+
+
+def test_hoisted_reloads_keep_their_order_and_queue():
+    ends = [float(i + 1) for i in range(10)]
+    during = [0] * 10
+    reloads = [Transfer(at=6, seconds=2.0, nbytes=0), Transfer(at=7, seconds=2.0, nbytes=0)]
+    # the first must end by t=6 (start at position 4); the second by t=7, but the stream is busy until 6
+    starts = hoist_starts(reloads, [0, 0], ends, during, limit=0)
+    assert starts[0] == 4 and starts[1] >= starts[0]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_moves_never_exceed_the_limit(seed):
+    rng = random.Random(seed)
+    n = 30
+    during = [rng.randrange(0, 100) for _ in range(n)]
+    limit = max(during) + rng.randrange(0, 50)
+    ends, clock = [], 0.0
+    for _ in range(n):
+        clock += rng.random()
+        ends.append(clock)
+    waits = sorted(rng.sample(range(1, n - 1), 4))
+    sunk = list(during)
+    spots = sink_waits(
+        [Transfer(at, rng.random() * 3, rng.randrange(1, 40)) for at in waits],
+        [at - 1 for at in waits],
+        ends,
+        sunk,
+        limit,
+    )
+    assert all(k >= at for k, at in zip(spots, waits)) and max(sunk) <= limit
+    hoisted = list(during)
+    starts = hoist_starts(
+        [Transfer(at, rng.random() * 3, rng.randrange(1, 40)) for at in waits], [0] * len(waits), ends, hoisted, limit
+    )
+    assert all(j <= at for j, at in zip(starts, waits)) and starts == sorted(starts) and max(hoisted) <= limit
+
+
+def test_nominal_times_rank_a_matmul_above_a_view():
+    gm = _trace(lambda x, w: torch.mm(x, w).t(), "cuda", "cuda")
+    times = {n.name: nominal_seconds(n) for n in gm.graph.nodes}
+    flops, moved = 2 * N**3, 3 * TILE  # FLOPs at 100 TFLOP/s or bytes at 2 TB/s, the longer
+    assert times["mm"] == pytest.approx(max(flops / 100e12, moved / 2e12)) and times["t"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"copy_bytes_per_s": 0}, ValueError),
+        ({"node_seconds": 3}, TypeError),
+        ({"limit_bytes": -1}, ValueError),
+    ],
+)
+def test_transfer_model_refuses_bad_settings(kwargs, error):
+    with pytest.raises(error):
+        TransferModel(**kwargs)
+
+
+# --- on a GPU ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_async_offload_is_bit_exact_over_many_steps_of_changing_sizes(backend):
+    """Stress: many steps, batch sizes drawn at random, the copies' host buffers reused by torch's
+    host allocator: gradients must equal those without hooks bit for bit on every step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(256, 256), torch.nn.GELU())]).cuda()
+    compiled = torch.compile(model, backend=sh.backend(backend), dynamic=True)
+    rng = random.Random(0)
+    for _ in range(30):
+        x = torch.randn(rng.choice([8, 64, 200, 512]), 256, device="cuda")
+        want = train_step_grads(model, compiled, x)
+        got = train_step_grads(model, compiled, x, sh.offload())
+        assert all(torch.equal(w, g) for w, g in zip(want, got))
