@@ -193,6 +193,53 @@ def test_copy_ops_keep_dense_strides_and_make_the_rest_contiguous():
     assert torch.ops.savedhooks.offload(sliced, meta, True).is_contiguous()
 
 
+# --- what is offloaded ------------------------------------------------------------------
+
+
+class _Captured(Exception):
+    pass
+
+
+def _offloaded(hooks, model, x) -> list[str]:
+    """Saved values that the compiled forward copies to the host (traced only: nothing runs)."""
+    from functorch.compile import aot_function
+
+    graphs = []
+
+    def capture(gm, _inputs):
+        graphs.append(gm)
+        raise _Captured
+
+    def loss(x, params):
+        return torch.func.functional_call(model, params, (x,)).square().sum()
+
+    with sh.saved_tensors_hooks(hooks), pytest.raises(_Captured):
+        aot_function(loss, fw_compiler=capture)(x, dict(model.named_parameters()))
+    return [n.args[0].name for n in graphs[0].graph.nodes if n.target is torch.ops.savedhooks.offload.default]
+
+
+def test_what_the_backward_needs_before_a_copy_back_could_end_stays_on_the_device():
+    # CPU tensors "offloaded" to the meta device: a device type other than the CPU, no GPU needed
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(256, 256), torch.nn.GELU())])
+    x = torch.randn(512, 256)
+    everything = _offloaded(sh.offload(device="meta", keep_needed_soon=False), model, x)
+    assert len(everything) == 16  # each layer's matmul output and GELU output
+    kept_soon = _offloaded(sh.offload(device="meta"), model, x)
+    # the last layer's two (read first by the backward) stay; the earlier layers' move
+    assert set(everything) - set(kept_soon) == {"addmm_7", "gelu_7"}
+
+
+def test_tensors_below_min_bytes_are_stored_as_they_are():
+    x = torch.randn(16, 16) * 2  # 1 KiB
+    assert pack_saved(sh.Offload(device="meta"), x)[0] == 0  # moved
+    assert pack_saved(sh.Offload(device="meta", min_bytes=1025), x)[0] == -1  # as it is
+    with pytest.raises(ValueError, match="min_bytes"):
+        sh.offload(min_bytes=-1)
+    with pytest.raises(ValueError, match="keep_needed_soon"):
+        sh.offload(keep_needed_soon=1)
+
+
 # --- the placement rules on their own ---------------------------------------------------
 
 
@@ -276,5 +323,5 @@ def test_async_offload_is_bit_exact_over_many_steps_of_changing_sizes(backend):
     for _ in range(30):
         x = torch.randn(rng.choice([8, 64, 200, 512]), 256, device="cuda")
         want = train_step_grads(model, compiled, x)
-        got = train_step_grads(model, compiled, x, sh.offload())
+        got = train_step_grads(model, compiled, x, sh.offload(keep_needed_soon=False))
         assert all(torch.equal(w, g) for w, g in zip(want, got))

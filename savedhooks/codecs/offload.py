@@ -29,6 +29,8 @@ class Offload(Codec):
     inner: Codec | None = None
     device: torch.device = torch.device("cpu")
     pin_memory: bool = True
+    min_bytes: int = 1024
+    keep_needed_soon: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inner", as_codec(self.inner, "offload(inner=...)"))
@@ -38,32 +40,59 @@ class Offload(Codec):
             raise ValueError(f"offload: device must name a torch device, got {self.device!r}") from e
         if not isinstance(self.pin_memory, bool):
             raise ValueError(f"offload: pin_memory must be a bool, got {self.pin_memory!r}")
+        if not isinstance(self.min_bytes, int) or isinstance(self.min_bytes, bool) or self.min_bytes < 0:
+            raise ValueError(f"offload: min_bytes must be a non-negative int, got {self.min_bytes!r}")
+        if not isinstance(self.keep_needed_soon, bool):
+            raise ValueError(f"offload: keep_needed_soon must be a bool, got {self.keep_needed_soon!r}")
 
     def accepts(self, x: torch.Tensor) -> bool:
-        """Non-empty tensors of any dtype that live on another device type."""
-        return x.numel() > 0 and x.device.type != self.device.type
+        """Non-empty tensors of at least ``min_bytes``, of any dtype, that live on another device type."""
+        return x.numel() > 0 and x.device.type != self.device.type and x.numel() * x.element_size() >= self.min_bytes
 
     def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
-        """``(inner payload moved to device, inner index, source device)``."""
+        """``(inner payload, moved to device or not, inner index, source device, expand, moved)``."""
         use_inner = self.inner is not None and self.inner.accepts(x)
         expand: tuple[Any, ...] = ()
         if use_inner:
             payload = self.inner.encode(x)
         else:
             payload, expand = _unbroadcast(x)
+        if self.keep_needed_soon and _needed_soon(payload):
+            return payload, use_inner, x.device, expand, False
         # Pinned host memory makes the device-to-host copy asynchronous.
         moved = pytree.tree_map_only(
             torch.Tensor, lambda t: torch.ops.savedhooks.offload(t, self.device, self.pin_memory), payload
         )
-        return moved, use_inner, x.device, expand
+        return moved, use_inner, x.device, expand, True
 
     def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
-        """Copy back to the saved tensor's device, then unpack the inner codec."""
-        moved, use_inner, device, expand = payload
-        back = pytree.tree_map_only(torch.Tensor, lambda t: torch.ops.savedhooks.reload(t, device), moved)
+        """Copy back to the saved tensor's device (if it moved), then unpack the inner codec."""
+        back, use_inner, device, expand, moved = payload
+        if moved:
+            back = pytree.tree_map_only(torch.Tensor, lambda t: torch.ops.savedhooks.reload(t, device), back)
         if use_inner:
             return self.inner.decode(back)
         return back.expand(expand) if expand else back
+
+
+def _needed_soon(payload: Any) -> bool:
+    """Under compile: whether the backward reads the saved value before its copy back could end.
+
+    The copy back can overlap at most the backward compute that runs before the
+    value's first use (:func:`savedhooks.hostmem.overlap.backward_seconds_before_use`);
+    a value needed sooner (the last layers' activations) would be reloaded at
+    once and its copy stall the backward, for no memory saved at the step's peak.
+    In eager mode there is no backward graph to look at: False.
+    """
+    from savedhooks.contract import hook_context
+    from savedhooks.hostmem.overlap import TransferModel, backward_seconds_before_use
+
+    ctx = hook_context()
+    if ctx is None:
+        return False
+    model = TransferModel()
+    nbytes = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(payload) if isinstance(t, torch.Tensor))
+    return backward_seconds_before_use(ctx.node.name, ctx.bw_graph, model) < nbytes / model.bandwidth()
 
 
 def _unbroadcast(x: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
@@ -73,7 +102,13 @@ def _unbroadcast(x: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
     return narrow_broadcast(x), tuple(x.shape)
 
 
-def offload(inner: Any = None, device: str | torch.device = "cpu", pin_memory: bool = True):
+def offload(
+    inner: Any = None,
+    device: str | torch.device = "cpu",
+    pin_memory: bool = True,
+    min_bytes: int = 1024,
+    keep_needed_soon: bool = True,
+):
     """Hooks that keep saved tensors in another device's memory (host memory by default).
 
     Args:
@@ -81,6 +116,12 @@ def offload(inner: Any = None, device: str | torch.device = "cpu", pin_memory: b
             (a HookPair from a savedhooks codec, or a Codec object).
         device: where the payload is kept.
         pin_memory: pin host buffers so that device-to-host copies are asynchronous.
+        min_bytes: smaller saved tensors are stored as they are (a copy's fixed
+            cost outweighs what it frees; torchtune's threshold is 1024 bytes).
+        keep_needed_soon: under compile, keep on the device (packed by ``inner``)
+            what the backward reads before its copy back could end: the modelled
+            backward compute before the value's first use is shorter than the
+            copy (the last layers' activations).
 
     Returns:
         The cached :class:`~savedhooks.HookPair`. Tensors already on ``device`` (or
@@ -88,6 +129,8 @@ def offload(inner: Any = None, device: str | torch.device = "cpu", pin_memory: b
 
     Raises:
         TypeError: ``inner`` is not a savedhooks codec.
-        ValueError: ``device`` is not a device name or ``pin_memory`` not a bool.
+        ValueError: ``device`` is not a device name, ``pin_memory`` or
+            ``keep_needed_soon`` not a bool, or ``min_bytes`` negative.
     """
-    return Offload(as_codec(inner, "offload(inner=...)"), device, pin_memory).hooks()
+    codec = Offload(as_codec(inner, "offload(inner=...)"), device, pin_memory, min_bytes, keep_needed_soon)
+    return codec.hooks()

@@ -8,7 +8,13 @@
   overlap compute (run by the reorder pass).
 """
 
-from savedhooks.hostmem.overlap import Transfer, TransferModel, nominal_seconds, overlap_transfers
+from savedhooks.hostmem.overlap import (
+    Transfer,
+    TransferModel,
+    backward_seconds_before_use,
+    nominal_seconds,
+    overlap_transfers,
+)
 from savedhooks.hostmem.pool import HostPool, HostPoolExhaustedError, PoolStats, pinned_bytes
 
 __all__ = [
@@ -17,6 +23,7 @@ __all__ = [
     "PoolStats",
     "Transfer",
     "TransferModel",
+    "backward_seconds_before_use",
     "nominal_seconds",
     "overlap_transfers",
     "pinned_bytes",

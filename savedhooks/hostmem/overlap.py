@@ -41,7 +41,15 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-__all__ = ["Transfer", "TransferModel", "hoist_starts", "nominal_seconds", "overlap_transfers", "sink_waits"]
+__all__ = [
+    "Transfer",
+    "TransferModel",
+    "backward_seconds_before_use",
+    "hoist_starts",
+    "nominal_seconds",
+    "overlap_transfers",
+    "sink_waits",
+]
 
 log = logging.getLogger(__name__)
 _NOMINAL_FLOPS = 100e12
@@ -135,6 +143,39 @@ def nominal_seconds(node: torch.fx.Node) -> float:
     if counter is not None:
         with contextlib.suppress(TypeError, ValueError, RuntimeError):  # a counter that rejects these: bytes alone
             seconds = max(seconds, counter(*args, out_val=node.meta.get("val"), **kwargs) / _NOMINAL_FLOPS)
+    return seconds
+
+
+def backward_seconds_before_use(saved: str, backward: torch.fx.Graph, model: TransferModel | None = None) -> float:
+    """Modelled backward compute that runs before a saved tensor's first use: what can hide its copy back.
+
+    Args:
+        saved: the saved value's name (a placeholder of ``backward``).
+        backward: the backward graph (AOTAutograd's, with ``meta["val"]``).
+        model: how nodes are timed (default :class:`TransferModel`).
+
+    Returns:
+        Seconds of the nodes before the first node that reads the value (through
+        ``detach`` / ``alias``); every node's when nothing reads it.
+
+    Raises:
+        Nothing.
+    """
+    model = model or TransferModel()
+    aliases = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+    readers: set[torch.fx.Node] = set()
+    frontier = [n for n in backward.nodes if n.op == "placeholder" and n.name == saved]
+    while frontier:
+        for user in frontier.pop().users:
+            if user.target in aliases:
+                frontier.append(user)
+            else:
+                readers.add(user)
+    seconds = 0.0
+    for node in backward.nodes:
+        if node in readers:
+            break
+        seconds += model.seconds(node)
     return seconds
 
 
