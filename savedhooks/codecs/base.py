@@ -239,11 +239,12 @@ def uses_triton(backend: str, x: torch.Tensor) -> bool:
     return backend == "triton" or (backend == "auto" and x.device.type == "cuda" and triton_available())
 
 
-def uses_fused(backend: str) -> bool:
+def uses_fused(backend: str, x: torch.Tensor | None = None) -> bool:
     """Whether a codec with ``backend`` uses its decomposed form (plain aten ops) rather than its ops.
 
     Args:
         backend: one of :data:`BACKENDS` or ``"fused"``.
+        x: the tensor to encode (None: decided for a float32 one).
 
     Returns:
         True for ``"fused"``, and for ``"auto"`` while AOTAutograd traces the hook
@@ -251,12 +252,31 @@ def uses_fused(backend: str) -> bool:
         and inductor's compile is on the call stack): inductor fuses the decomposed
         form into the neighbouring kernels. Elsewhere ``"auto"`` keeps the ops: in
         eager mode and under ``aot_eager`` each aten op of the decomposed form would
-        run as a full-size pass with full-size temporaries.
+        run as a full-size pass with full-size temporaries. One exception, measured:
+        ``"auto"`` keeps the ops for a 16-bit floating tensor on the CPU
+        (:func:`_materializes_better`).
 
     Raises:
         Nothing.
     """
-    return backend == FUSED or (backend == "auto" and hook_context() is not None and _inductor_compiling())
+    if backend == FUSED:
+        return True
+    if backend != "auto" or hook_context() is None or not _inductor_compiling():
+        return False
+    return x is None or not _materializes_better(x)
+
+
+def _materializes_better(x: torch.Tensor) -> bool:
+    """A 16-bit floating tensor on the CPU: its opaque decode (a materialized bf16/fp16 tensor) measured lower.
+
+    Under bf16 autocast, inductor fused the decomposed decode of the benchmark
+    cnn's conv outputs into the kernels that recompute batch norm in the backward
+    and held float32 intermediates of the full shape there: step peak 1.46x of no
+    hooks at size 1 (17.8 against 12.2 MiB) and 1.50x at size 8; with the ops,
+    1.02x and 0.86x. The mlp, gpt2 and llama measured the same either way, the vit
+    0.05 MiB higher (README, "Codec ops that inductor fuses"). Not measured on CUDA.
+    """
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def _inductor_compiling() -> bool:

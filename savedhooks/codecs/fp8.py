@@ -84,7 +84,7 @@ class Float8(Codec):
         need it.
         """
         rows, layout = to_rows(x)
-        fused = uses_fused(self.backend)
+        fused = uses_fused(self.backend, x)
         quantize = fused_fp8_quantize if fused else kernel_op("fp8_quantize", uses_triton(self.backend, x))
         args = (self._groups_view(rows), self.dtype, self.granularity, self.block_size, self.pow2_scale)
         q, scale = quantize(*args) if self.rounding == "nearest" else quantize(*args, self._seed(x))

@@ -259,7 +259,7 @@ class Policy(Codec):
         return (
             self.centered is not None
             and ctx is not None
-            and uses_fused(getattr(self.centered.inner, "backend", "auto"))
+            and uses_fused(getattr(self.centered.inner, "backend", "auto"), x)
             and self.centered.accepts(x)
             and is_batch_norm_input(ctx.node)
         )
