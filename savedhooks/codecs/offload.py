@@ -50,7 +50,12 @@ class Offload(Codec):
         return x.numel() > 0 and x.device.type != self.device.type and x.numel() * x.element_size() >= self.min_bytes
 
     def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
-        """``(inner payload, moved to device or not, inner index, source device, expand, moved)``."""
+        """``(payload, inner used, source device, shape to expand back to, moved)``.
+
+        The payload is the inner codec's (or ``x`` without broadcast dims), on
+        ``device`` when it moved; it stays on the source device when the backward
+        needs it before a copy back could end (``keep_needed_soon``).
+        """
         use_inner = self.inner is not None and self.inner.accepts(x)
         expand: tuple[Any, ...] = ()
         if use_inner:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -171,12 +172,29 @@ def backward_seconds_before_use(saved: str, backward: torch.fx.Graph, model: Tra
                 frontier.append(user)
             else:
                 readers.add(user)
-    seconds = 0.0
-    for node in backward.nodes:
-        if node in readers:
-            break
-        seconds += model.seconds(node)
-    return seconds
+    clock = _clock(backward, model)
+    if any(n not in clock for n in readers):  # the graph changed since it was timed
+        clock = _clock(backward, model, fresh=True)
+    return min((clock[n] for n in readers), default=clock[None])
+
+
+# Per backward graph and model: each node's start time (None: the graph's end). A pack hook asks
+# once per saved tensor while AOTAutograd inlines the hooks one saved tensor after another, so the
+# graph is timed once, as the partitioner made it: the unpack chains inlined meanwhile at its start
+# are not compute that hides a copy (placement moves each to right before its first use).
+_CLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _clock(backward: torch.fx.Graph, model: TransferModel, fresh: bool = False) -> dict[torch.fx.Node | None, float]:
+    per_model = _CLOCKS.setdefault(backward, {})
+    if fresh or model not in per_model:
+        starts, elapsed = {}, 0.0
+        for node in backward.nodes:
+            starts[node] = elapsed
+            elapsed += model.seconds(node)
+        starts[None] = elapsed
+        per_model[model] = starts
+    return per_model[model]
 
 
 def sink_waits(
