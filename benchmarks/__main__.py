@@ -36,8 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from benchmarks.run import BACKENDS, DEFAULT_INDUCTOR
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), metavar="MODEL",
-                        help=f"models to run (default: all of {' '.join(MODELS)})")
+    parser.add_argument("--models", nargs="+", default=None, choices=list(MODELS), metavar="MODEL",
+                        help=f"models to run (default: all of {' '.join(m for m in MODELS if not MODELS[m].cuda_only)}; "
+                             f"with --device cuda also {' '.join(m for m in MODELS if MODELS[m].cuda_only)})")
     reduced = "; ".join(f"{name}: {', '.join(m.configs)}" for name, m in MODELS.items() if m.configs is not None)
     own = "; ".join(f"{name}: {', '.join(m.backends)}" for name, m in MODELS.items() if m.backends is not None)
     parser.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS), metavar="CONFIG",
@@ -64,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device")
+    if args.models is None:
+        args.models = [name for name, m in MODELS.items() if args.device == "cuda" or not m.cuda_only]
     args.size = args.size if args.size is not None else (0.5 if args.quick else 1.0)
     args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
     if args.quick and args.backends is None:

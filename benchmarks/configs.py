@@ -374,6 +374,23 @@ def _savedhooks_offload(workload: Workload, backend: str) -> Step:
     return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(offload), placed=True)
 
 
+def _bf16_save_on_cpu(workload: Workload, backend: str) -> Step:
+    """bf16 autocast, torch's ``save_on_cpu(pin_memory=True)`` (Python hooks, not inlined). CUDA only."""
+    step = _compiled(workload, backend, _bf16(workload), lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
+    step.graphs = None  # its hooks run outside the recorded graphs
+    return step
+
+
+def _bf16_offload(inner: Any) -> Callable[[Workload, str], Step]:
+    """bf16 autocast, ``sh.offload(inner)`` inlined under plain ``torch.compile`` (the default placement). CUDA only."""
+    hooks = sh.offload(inner, device="cpu")
+
+    def build(workload: Workload, backend: str) -> Step:
+        return _compiled(workload, backend, _bf16(workload), lambda: sh.saved_tensors_hooks(hooks))
+
+    return build
+
+
 CONFIGS: dict[str, Config] = {
     c.name: c
     for c in (
@@ -399,6 +416,12 @@ CONFIGS: dict[str, Config] = {
                baseline="bf16", in_default=False),
         Config("save_on_cpu", _save_on_cpu, True, True, "torch.autograd.graph.save_on_cpu(pin_memory=True)"),
         Config("sh offload", _savedhooks_offload, True, True, "sh.offload(fp8) + reorder pass"),
+        Config("bf16 save_on_cpu", _bf16_save_on_cpu, True, True, "bf16 autocast, save_on_cpu(pin_memory=True)",
+               baseline="bf16", in_default=False),
+        Config("bf16 offload", _bf16_offload(None), True, True, "bf16 autocast, sh.offload() (asynchronous copies)",
+               baseline="bf16", in_default=False),
+        Config("bf16 sh offload", _bf16_offload(CODEC), True, True, "bf16 autocast, sh.offload(fp8) (asynchronous)",
+               baseline="bf16", in_default=False),
     )
 }
 

@@ -276,6 +276,20 @@ def _gpt2_big(size: float, device: str) -> Workload:
     return _hf("gpt2-big", desc, model, *_token_inputs(batch, seq, device))
 
 
+def _gpt2_medium(size: float, device: str) -> Workload:
+    """GPT-2-medium-sized (transformers): 24 layers, hidden 1024, 16 heads, vocab 2048, seq 1024, batch 4 x size.
+
+    About 300 M parameters: the model of the offload measurements (bf16 autocast,
+    ``--device cuda``); too large for the CPU suite, so only ``--device cuda``
+    runs it by default.
+    """
+    layers, hidden, heads, seq = 24, 1024, 16, 1024
+    batch = _batch(4, size)
+    model = _gpt2_model(layers, hidden, heads, seq, device, "sdpa")
+    desc = f"{layers} layers, hidden {hidden}, {heads} heads, seq {seq}, batch {batch}"
+    return _hf("gpt2-medium", desc, model, *_token_inputs(batch, seq, device))
+
+
 def _llama(size: float, device: str) -> Workload:
     """Llama (transformers), 2 layers, hidden 256, 4 heads (2 KV), MLP 688, vocab 2048, seq 256, batch 2 x size."""
     transformers = _transformers()
@@ -313,21 +327,28 @@ class Model:
         configs: configuration names it runs by default (``None``: all of them).
         backends: compile backends of its compiled configurations by default
             (``None``: the suite's default matrix, see ``benchmarks.run.jobs``).
+        cuda_only: run by default only with ``--device cuda`` (named with
+            ``--models``, it runs anywhere).
     """
 
     build: Callable[[float, str], Workload]
     configs: tuple[str, ...] | None = None
     backends: tuple[str, ...] | None = None
+    cuda_only: bool = False
 
 
 # gpt2-big: a step takes seconds and a compile up to two and a half minutes on 2 CPU cores (these 3 rows:
 # about 4 minutes); enough to compare the codec with recompute at scale ("sh + checkpoint" with --configs)
 BIG_MODEL_CONFIGS = ("compiled", "sh", "checkpoint")
 
+# gpt2-medium (CUDA): offload against torch's save_on_cpu and checkpointing, all under bf16 autocast (issue 14)
+OFFLOAD_CONFIGS = ("bf16", "bf16 checkpoint", "bf16 save_on_cpu", "bf16 offload", "bf16 sh offload")
+
 # name -> Model; make_workload is the entry point
 MODELS: dict[str, Model] = {
     "mlp": Model(_mlp), "cnn": Model(_cnn), "gpt2": Model(_gpt2), "llama": Model(_llama), "vit": Model(_vit),
     "gpt2-big": Model(_gpt2_big, configs=BIG_MODEL_CONFIGS, backends=("inductor",)),
+    "gpt2-medium": Model(_gpt2_medium, configs=OFFLOAD_CONFIGS, backends=("inductor",), cuda_only=True),
 }  # fmt: skip
 
 

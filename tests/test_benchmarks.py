@@ -183,6 +183,16 @@ def test_big_model_runs_its_reduced_job_list_by_default():
     assert args.configs is None and args.backends is None and "gpt2-big" in args.models
 
 
+def test_the_offload_model_runs_by_default_only_on_cuda_with_the_offload_comparison():
+    medium = MODELS["gpt2-medium"]
+    assert medium.cuda_only and "gpt2-medium" not in parse_args([]).models
+    assert parse_args(["--models", "gpt2-medium"]).models == ["gpt2-medium"]
+    offload = ["bf16", "bf16 checkpoint", "bf16 save_on_cpu", "bf16 offload", "bf16 sh offload"]
+    assert [(c.name, b) for c, b in jobs(None, None, "cuda", "gpt2-medium")] == [(n, "inductor") for n in offload]
+    assert [c.name for c, _ in jobs(None, None, "cpu", "gpt2-medium")] == ["bf16", "bf16 checkpoint"]
+    assert all(CONFIGS[n].baseline == "bf16" and not CONFIGS[n].in_default for n in offload[1:])
+
+
 def test_big_model_is_the_size_its_description_says():
     workload = make_workload("gpt2-big", size=1.0)
     config = workload.model.config
