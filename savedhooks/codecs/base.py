@@ -37,6 +37,7 @@ __all__ = [
     "Codec",
     "Layout",
     "as_codec",
+    "backward_uses",
     "check_backend",
     "from_rows",
     "innermost_size",
@@ -376,6 +377,32 @@ def unpack_saved(codec: Codec, packed: tuple[int, Any]) -> torch.Tensor:
     return codec.codecs()[index].decode(payload)
 
 
+def backward_uses(name: str, bw_graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """The backward nodes that read a saved value, looking through ``detach`` / ``alias``.
+
+    Args:
+        name: the saved value's name (a placeholder of ``bw_graph``).
+        bw_graph: the backward graph being compiled.
+
+    Returns:
+        ``(user, value it reads)`` pairs, the value being the placeholder or one
+        of its aliases; empty when no placeholder has that name.
+
+    Raises:
+        Nothing.
+    """
+    frontier = [n for n in bw_graph.find_nodes(op="placeholder") if n.name == name]
+    uses = []
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.target in ALIAS_OPS:
+                frontier.append(user)
+            else:
+                uses.append((user, node))
+    return uses
+
+
 def sign_only_in_backward() -> bool:
     """Whether the saved value being packed is only compared with 0 in backward.
 
@@ -395,17 +422,7 @@ def sign_only_in_backward() -> bool:
     ctx = hook_context()
     if ctx is None:
         return False
-    placeholder = next((n for n in ctx.bw_graph.nodes if n.op == "placeholder" and n.name == ctx.node.name), None)
-    if placeholder is None:
-        return False
-    frontier, uses = [placeholder], []
-    while frontier:
-        node = frontier.pop()
-        for user in node.users:
-            if user.target in ALIAS_OPS:
-                frontier.append(user)
-            else:
-                uses.append((user, node))
+    uses = backward_uses(ctx.node.name, ctx.bw_graph)
     return bool(uses) and all(
         user.target is torch.ops.aten.threshold_backward.default
         and user.args[1] is value

@@ -15,11 +15,11 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from savedhooks.codecs.base import (
-    ALIAS_OPS,
     Codec,
     _op_name,
     _through_aliases,
     as_codec,
+    backward_uses,
     producing_op,
     uses_fused,
 )
@@ -158,14 +158,7 @@ def is_periodic_argument(name: str, bw_graph: torch.fx.Graph) -> bool:
     Raises:
         Nothing.
     """
-    frontier = [n for n in bw_graph.find_nodes(op="placeholder") if n.name == name]
-    while frontier:
-        for user in frontier.pop().users:
-            if user.target in ALIAS_OPS:
-                frontier.append(user)
-            elif _op_name(user.target) in _PERIODIC_OPS:
-                return True
-    return False
+    return any(_op_name(user.target) in _PERIODIC_OPS for user, _ in backward_uses(name, bw_graph))
 
 
 def is_narrow_softmax(x: torch.Tensor, node: torch.fx.Node | None, classes: int) -> bool:

@@ -162,16 +162,10 @@ def backward_seconds_before_use(saved: str, backward: torch.fx.Graph, model: Tra
     Raises:
         Nothing.
     """
+    from savedhooks.codecs.base import backward_uses
+
     model = model or TransferModel()
-    aliases = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
-    readers: set[torch.fx.Node] = set()
-    frontier = [n for n in backward.nodes if n.op == "placeholder" and n.name == saved]
-    while frontier:
-        for user in frontier.pop().users:
-            if user.target in aliases:
-                frontier.append(user)
-            else:
-                readers.add(user)
+    readers = {user for user, _ in backward_uses(saved, backward)}
     clock = _clock(backward, model)
     if any(n not in clock for n in readers):  # the graph changed since it was timed
         clock = _clock(backward, model, fresh=True)
