@@ -59,12 +59,14 @@ def torch_offload(x: torch.Tensor, device: torch.device, pin_memory: bool) -> to
     return _empty_like_layout(x, device, pin).copy_(x, non_blocking=pin)
 
 
-def torch_reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def torch_reload(host: torch.Tensor, device: torch.device, pinned: bool) -> torch.Tensor:
     """Copy an offloaded payload back to ``device``, on the current stream.
 
     Args:
         host: what :func:`torch_offload` returned.
         device: the device the saved tensor came from.
+        pinned: whether ``torch_offload`` was asked for pinned memory (what
+            the compiled graph knows; the copy itself asks ``host``).
 
     Returns:
         The copy on ``device``, with ``host``'s strides when dense.
@@ -75,7 +77,7 @@ def torch_reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     device = torch.device(device)
     if host.device == device:
         raise ValueError(f"savedhooks.reload: the tensor already lives on {device}")
-    return _empty_like_layout(host, device, False).copy_(host, non_blocking=host.is_pinned())
+    return _empty_like_layout(host, device, False).copy_(host, non_blocking=pinned and host.is_pinned())
 
 
 # --- ops: one graph node per copy, traceable inside hook graphs ---------------------------------
@@ -107,12 +109,14 @@ def _(x, device, pin_memory):
 
 
 @torch.library.custom_op("savedhooks::reload", mutates_args=())
-def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def reload(host: torch.Tensor, device: torch.device, pinned: bool) -> torch.Tensor:
     """``torch.ops.savedhooks.reload``: :func:`torch_reload` as one graph node.
 
     Args:
         host: what ``savedhooks::offload`` returned.
         device: the device the saved tensor came from.
+        pinned: the ``pin_memory`` its offload was given: only a pinned
+            payload's copy back is made asynchronous in compiled graphs.
 
     Returns:
         The copy on ``device``.
@@ -120,11 +124,11 @@ def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     Raises:
         ValueError: ``host`` already lives on ``device``.
     """
-    return torch_reload(host, device)
+    return torch_reload(host, device, pinned)
 
 
 @reload.register_fake
-def _(host, device):
+def _(host, device, pinned):
     if host.device == torch.device(device):
         raise ValueError(f"savedhooks.reload: the tensor already lives on {device}")
     return _empty_like_layout(host, device, False)

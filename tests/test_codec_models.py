@@ -256,8 +256,8 @@ def forward(self, arg0_1):
         self.assertExpectedInline(unpack.code.strip(), """\
 def forward(self, arg0):
     arg0_1, arg0_2, arg0_3, arg0_4, arg0_5, arg0_6, arg0_7, arg0_8, arg0_9, arg0_10, arg0_11, arg0_12, = fx_pytree.tree_flatten_spec([arg0], self._in_spec)
-    reload = torch.ops.savedhooks.reload.default(arg0_2, device(type='cuda', index=0));  arg0_2 = None
-    reload_1 = torch.ops.savedhooks.reload.default(arg0_3, device(type='cuda', index=0));  arg0_3 = None
+    reload = torch.ops.savedhooks.reload.default(arg0_2, device(type='cuda', index=0), True);  arg0_2 = None
+    reload_1 = torch.ops.savedhooks.reload.default(arg0_3, device(type='cuda', index=0), True);  arg0_3 = None
     triton_fp8_dequantize = torch.ops.savedhooks.triton_fp8_dequantize.default(reload, reload_1, torch.float32, 128);  reload = reload_1 = None
     view = torch.ops.aten.view.default(triton_fp8_dequantize, [4, 256]);  triton_fp8_dequantize = None
     return pytree.tree_unflatten([view], self._out_spec)""")

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import savedhooks as sh
 import savedhooks.kernels.offload  # the savedhooks::offload and savedhooks::reload ops
@@ -57,7 +58,7 @@ def _backward(host, tangents, w2, w3):
     y = torch.mm(tangents, w3)
     y = torch.mm(y, w3)
     y = torch.mm(y, w2)
-    a = torch.ops.savedhooks.reload(host, CUDA)  # unpack, right before its first use
+    a = torch.ops.savedhooks.reload(host, CUDA, True)  # unpack, right before its first use
     return torch.mm(a.t(), y)
 
 
@@ -159,6 +160,35 @@ def test_strided_and_pageable_copies_stay_synchronous():
     assert overlap_transfers(gm, is_backward=False) == 0
     assert _targets(gm).count("savedhooks.offload.default") == 2
 
+    # a pageable payload's copy back stays synchronous too (torch's ao::reload needs pinned memory)
+    gm = _trace(lambda host: torch.ops.savedhooks.reload(host, CUDA, False) * 2, "cpu")
+    assert overlap_transfers(gm, is_backward=True) == 0
+    assert _targets(gm).count("savedhooks.reload.default") == 1
+
+
+def test_symbolic_sizes_are_placed_by_their_hints():
+    """Under ``dynamic=True`` the copy sizes are SymInts: placement reads their hints, as with static sizes."""
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    host = [mode.from_tensor(torch.empty(N, N), static_shapes=False) for _ in range(4)]
+    with mode:
+        args = [torch.empty(t.shape, device="cuda") for t in host]
+    static = _trace(_forward, "cuda", "cuda", "cuda", "cuda")
+    symbolic = make_fx(torch.func.functionalize(_forward), tracing_mode="symbolic")(*args)
+    assert any(
+        isinstance(s, torch.SymInt) for n in symbolic.graph.nodes for s in getattr(n.meta.get("val"), "shape", ())
+    )
+    for gm in (static, symbolic):
+        assert overlap_transfers(gm, is_backward=False, model=_model(copy_units=2.0)) == 1
+    assert _targets(symbolic) == _targets(static)
+
+
+def test_only_call_functions_take_time():
+    gm = _trace(lambda host, x: (torch.relu(host), torch.relu(x)), "cpu", "cuda")
+    seconds = {n.name: TransferModel().seconds(n) for n in gm.graph.nodes}
+    assert seconds["host_1"] == seconds["x_1"] == seconds["output"] == 0.0
+    relu = next(n for n in gm.graph.nodes if n.name == "relu")
+    assert seconds["relu"] == seconds["relu_1"] == nominal_seconds(relu) > 0.0
+
 
 def test_graphs_without_device_host_copies_are_left_alone():
     gm = _trace(lambda x, w: torch.mm(torch.relu(x), w), "cuda", "cuda")
@@ -182,7 +212,7 @@ def test_the_copy_ops_refuse_a_tensor_already_on_the_target_device():
     with pytest.raises(ValueError, match="already lives on cpu"):
         torch.ops.savedhooks.offload(torch.randn(2), CPU, True)
     with pytest.raises(ValueError, match="already lives on cpu"):
-        torch.ops.savedhooks.reload(torch.randn(2), CPU)
+        torch.ops.savedhooks.reload(torch.randn(2), CPU, True)
 
 
 def test_copy_ops_keep_dense_strides_and_make_the_rest_contiguous():

@@ -74,7 +74,9 @@ class Offload(Codec):
         """Copy back to the saved tensor's device (if it moved), then unpack the inner codec."""
         back, use_inner, device, expand, moved = payload
         if moved:
-            back = pytree.tree_map_only(torch.Tensor, lambda t: torch.ops.savedhooks.reload(t, device), back)
+            back = pytree.tree_map_only(
+                torch.Tensor, lambda t: torch.ops.savedhooks.reload(t, device, self.pin_memory), back
+            )
         if use_inner:
             return self.inner.decode(back)
         return back.expand(expand) if expand else back
@@ -91,12 +93,13 @@ def _needed_soon(payload: Any) -> bool:
     """
     from savedhooks.contract import hook_context
     from savedhooks.hostmem.overlap import TransferModel, backward_seconds_before_use
+    from savedhooks.memory.sizes import tensor_nbytes
 
     ctx = hook_context()
     if ctx is None:
         return False
     model = TransferModel()
-    nbytes = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(payload) if isinstance(t, torch.Tensor))
+    nbytes = sum(tensor_nbytes(t) for t in pytree.tree_leaves(payload) if isinstance(t, torch.Tensor))
     return backward_seconds_before_use(ctx.node.name, ctx.bw_graph, model) < nbytes / model.bandwidth()
 
 

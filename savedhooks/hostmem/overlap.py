@@ -42,6 +42,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from savedhooks.memory.sizes import size_hint, tensor_nbytes
+
 __all__ = [
     "Transfer",
     "TransferModel",
@@ -83,7 +85,15 @@ class TransferModel:
             raise ValueError(f"TransferModel: limit_bytes must be a non-negative int, got {self.limit_bytes!r}")
 
     def bandwidth(self) -> float:
-        """Copy bandwidth in bytes per second."""
+        """Copy bandwidth.
+
+        Returns:
+            Bytes per second: ``copy_bytes_per_s``, or torch's
+            ``activation_offload_cpu_gpu_bw`` (GB/s) converted.
+
+        Raises:
+            Nothing.
+        """
         if self.copy_bytes_per_s is not None:
             return float(self.copy_bytes_per_s)
         from torch._functorch import config
@@ -91,14 +101,35 @@ class TransferModel:
         return config.activation_offload_cpu_gpu_bw * 1024**3
 
     def seconds(self, node: torch.fx.Node) -> float:
-        """Modelled run time of ``node`` on the compute stream."""
+        """Modelled run time of ``node`` on the compute stream.
+
+        Args:
+            node: an FX node with ``meta["val"]``.
+
+        Returns:
+            Seconds from ``node_seconds``; else 0 for placeholders, outputs and
+            attribute reads, torch's roofline estimate for a node on a GPU,
+            :func:`nominal_seconds` for the rest.
+
+        Raises:
+            Whatever ``node_seconds`` raises.
+        """
         if self.node_seconds is not None:
             return float(self.node_seconds(node))
-        if torch.cuda.is_available():
+        if node.op != "call_function":
+            return 0.0
+        if torch.cuda.is_available() and _on_cuda(node):
             from torch._inductor.fx_passes.overlap_scheduling import estimate_roofline_runtime_ms
 
             return estimate_roofline_runtime_ms(node) / 1e3
         return nominal_seconds(node)
+
+
+def _on_cuda(node: torch.fx.Node) -> bool:
+    """Whether ``node`` makes a CUDA tensor (what torch's roofline estimate times)."""
+    return any(
+        isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in pytree.tree_leaves(node.meta.get("val"))
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,14 +167,14 @@ def nominal_seconds(node: torch.fx.Node) -> float:
     storages = {t.untyped_storage()._cdata for t in ins}
     if not out or all(t.untyped_storage()._cdata in storages for t in out):  # a view or an alias
         return 0.0
-    moved = sum(t.numel() * t.element_size() for t in (*ins, *out))
+    moved = sum(tensor_nbytes(t) for t in (*ins, *out))
     seconds = moved / _NOMINAL_BYTES_PER_S
     from torch.utils.flop_counter import flop_registry
 
     counter = flop_registry.get(getattr(node.target, "overloadpacket", None))
     if counter is not None:
         with contextlib.suppress(TypeError, ValueError, RuntimeError):  # a counter that rejects these: bytes alone
-            seconds = max(seconds, counter(*args, out_val=node.meta.get("val"), **kwargs) / _NOMINAL_FLOPS)
+            seconds = max(seconds, size_hint(counter(*args, out_val=node.meta.get("val"), **kwargs)) / _NOMINAL_FLOPS)
     return seconds
 
 
@@ -296,12 +327,13 @@ def _overlappable(node: torch.fx.Node, is_backward: bool) -> bool:
 
     torch's ``ao::offload`` returns a contiguous host tensor, so only contiguous
     tensors are rewritten (their layout is the same either way); the others, and
-    copies to pageable memory (``pin_memory=False``), stay synchronous.
+    copies to or from pageable memory (``pin_memory=False``; both ops carry the
+    flag as their third argument), stay synchronous.
     """
     source, dest = node.args[0].meta.get("val"), node.meta.get("val")
     if not isinstance(source, torch.Tensor) or not isinstance(dest, torch.Tensor) or not source.is_contiguous():
         return False
-    if not is_backward and not node.args[2]:
+    if not node.args[2]:
         return False
     device, host = (dest.device, source.device) if is_backward else (source.device, dest.device)
     return host.type == "cpu" and device.type != "cpu"
@@ -382,8 +414,7 @@ def _place(gm: torch.fx.GraphModule, pairs, is_backward: bool, model: TransferMo
 
 
 def _nbytes(node: torch.fx.Node) -> int:
-    t = node.meta["val"]
-    return t.numel() * t.element_size()
+    return tensor_nbytes(node.meta["val"])
 
 
 def _freed_by(problem, node: int) -> int:

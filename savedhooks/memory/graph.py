@@ -25,6 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from savedhooks.memory.fusion import inlined_nodes
 from savedhooks.memory.scratch import op_scratch_bytes
+from savedhooks.memory.sizes import size_hint
 
 __all__ = ["Buffer", "GraphMemory", "build_graph_memory", "tensor_storages"]
 
@@ -96,11 +97,7 @@ def tensor_storages(value: Any) -> list[torch.Tensor]:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    size = t.untyped_storage().nbytes()
-    if isinstance(size, int):
-        return size
-    hint = getattr(size.node, "hint", None)
-    return int(hint) if hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
+    return size_hint(t.untyped_storage().nbytes())
 
 
 def build_graph_memory(

@@ -29,6 +29,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from savedhooks.kernels.fp8_inductor import inductor_scratch_bytes, inductor_serves
+from savedhooks.memory.sizes import size_hint
 
 __all__ = ["op_scratch_bytes"]
 
@@ -62,8 +63,9 @@ def _fp8_quantize_scratch(dtype: torch.dtype, rows: int, cols: int, args: tuple,
 
 
 @functools.lru_cache(maxsize=256)
-def _fp8_dequantize_scratch(q_dtype: torch.dtype, rows: int, cols: int, scale_rows: int, scale_cols: int,
-                            args: tuple) -> int:
+def _fp8_dequantize_scratch(
+    q_dtype: torch.dtype, rows: int, cols: int, scale_rows: int, scale_cols: int, args: tuple
+) -> int:
     from savedhooks.kernels.fp8 import torch_fp8_dequantize
 
     with unset_fake_temporarily():
@@ -78,14 +80,6 @@ def _scale_value(node: torch.fx.Node, quantize: bool):
         vals = node.meta.get("val")
         return vals[1] if isinstance(vals, (tuple, list)) and len(vals) == 2 else None
     return node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
-
-
-def _hint(size) -> int:
-    if isinstance(size, int):
-        return size
-    node = size.node
-    hint = getattr(node, "hint", None)
-    return int(hint) if hint is not None else int(node.shape_env.size_hint(node.expr))
 
 
 def op_scratch_bytes(node: torch.fx.Node) -> int:
@@ -116,7 +110,7 @@ def op_scratch_bytes(node: torch.fx.Node) -> int:
     first = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     if not isinstance(first, torch.Tensor) or first.dim() != 2:
         return 0
-    rows, cols = (_hint(s) for s in first.shape)
+    rows, cols = (size_hint(s) for s in first.shape)
     if rows * cols == 0:
         return 0
     quantize = name == "savedhooks::fp8_quantize"
@@ -126,7 +120,7 @@ def op_scratch_bytes(node: torch.fx.Node) -> int:
     if inductor_serves((rows, cols), first.device):
         if not isinstance(scale, torch.Tensor):
             return 0
-        scale_shape = tuple(_hint(s) for s in scale.shape)
+        scale_shape = tuple(size_hint(s) for s in scale.shape)
         # block_size is argument 3 of both ops; None: the reference runs (stochastic, short last block)
         compiled = inductor_scratch_bytes(quantize, (rows, cols), scale_shape, node.args[3], stochastic)
         if compiled is not None:
@@ -136,5 +130,7 @@ def op_scratch_bytes(node: torch.fx.Node) -> int:
         return _fp8_quantize_scratch(first.dtype, chunk, cols, tuple(node.args[1:5]), stochastic)
     if not isinstance(scale, torch.Tensor):
         return 0
-    scale_rows = chunk if _hint(scale.shape[0]) != 1 else 1
-    return _fp8_dequantize_scratch(first.dtype, chunk, cols, scale_rows, _hint(scale.shape[1]), tuple(node.args[2:]))
+    scale_rows = chunk if size_hint(scale.shape[0]) != 1 else 1
+    return _fp8_dequantize_scratch(
+        first.dtype, chunk, cols, scale_rows, size_hint(scale.shape[1]), tuple(node.args[2:])
+    )
