@@ -42,6 +42,7 @@ __all__ = [
     "from_rows",
     "innermost_size",
     "is_broadcast",
+    "materializes_better",
     "memory_order",
     "narrow_broadcast",
     "producing_op",
@@ -255,7 +256,7 @@ def uses_fused(backend: str, x: torch.Tensor | None = None) -> bool:
         eager mode and under ``aot_eager`` each aten op of the decomposed form would
         run as a full-size pass with full-size temporaries. One exception, measured:
         ``"auto"`` keeps the ops for a 16-bit floating tensor on the CPU
-        (:func:`_materializes_better`).
+        (:func:`materializes_better`).
 
     Raises:
         Nothing.
@@ -264,10 +265,10 @@ def uses_fused(backend: str, x: torch.Tensor | None = None) -> bool:
         return True
     if backend != "auto" or hook_context() is None or not _inductor_compiling():
         return False
-    return x is None or not _materializes_better(x)
+    return x is None or not materializes_better(x)
 
 
-def _materializes_better(x: torch.Tensor) -> bool:
+def materializes_better(x: torch.Tensor) -> bool:
     """A 16-bit floating tensor on the CPU: its opaque decode (a materialized bf16/fp16 tensor) measured lower.
 
     Under bf16 autocast, inductor fused the decomposed decode of the benchmark
@@ -276,6 +277,15 @@ def _materializes_better(x: torch.Tensor) -> bool:
     hooks at size 1 (17.8 against 12.2 MiB) and 1.50x at size 8; with the ops,
     1.02x and 0.86x. The mlp, gpt2 and llama measured the same either way, the vit
     0.05 MiB higher (README, "Codec ops that inductor fuses"). Not measured on CUDA.
+
+    Args:
+        x: the tensor to encode (only its dtype and device are read).
+
+    Returns:
+        True for a bf16 or fp16 tensor on the CPU.
+
+    Raises:
+        Nothing.
     """
     return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
 

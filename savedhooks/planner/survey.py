@@ -45,11 +45,14 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from savedhooks.codecs import Policy
+from savedhooks.codecs.base import materializes_better
 from savedhooks.fidelity.select import Census, SavedTensor, keyed_run
 from savedhooks.fidelity.sensitivity import call_model, default_loss
 from savedhooks.hooks import saved_tensors_hooks
+from savedhooks.memory.measure import measure_peak
 from savedhooks.planner.census import (
     GraphTimeline,
+    StepTimeline,
     fresh_backend,
     key_of_saved,
     recording_backend,
@@ -96,12 +99,33 @@ def _device(example_inputs: Any) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-def _step(fn: Callable[..., Any], model: torch.nn.Module, example_inputs: Any, loss_fn: Callable, seed: int) -> None:
+def _step(fn: Callable[..., Any], model: torch.nn.Module, example_inputs: Any, loss_fn: Callable, seed: int) -> Any:
+    """One training step; returns the model's output, detached."""
     model.zero_grad(set_to_none=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        loss_fn(call_model(fn, example_inputs)).backward()
+        output = call_model(fn, example_inputs)
+        loss_fn(output).backward()
     model.zero_grad(set_to_none=True)
+    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, output)
+
+
+def _loss_peak(loss_fn: Callable, output: Any, device: torch.device, seed: int) -> int:
+    """Measured peak of the loss alone, forward and backward, on the model's output (held before it starts).
+
+    It runs eagerly after the compiled forward graphs, and its own temporaries (a cross-entropy's
+    log-softmax, a square's gradient) and the gradient it hands to the compiled backward are in no graph.
+    """
+    leaves = pytree.tree_map_only(
+        torch.Tensor, lambda t: t.clone().requires_grad_(t.is_floating_point() or t.is_complex()), output
+    )
+
+    def run() -> None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            loss_fn(leaves).backward()
+
+    return measure_peak(run, device=device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,10 +184,32 @@ class Survey:
             first, option = self.saved[unit.key][0], unit.options[o]
             at_peak = any(start <= result.at < end for start, end, _ in unit.spans)
             dtype = str(first.dtype).removeprefix("torch.")
-            tensors.append(PlannedTensor(unit.key, first.op, first.shape, dtype, unit.bytes, len(self.saved[unit.key]),
-                                         option.name, option.payload, option.seconds, at_peak))
-        planned = Plan(tuple(tensors), budget_bytes, result.peak, self.baseline_bytes, floor, self.backend, result.log,
-                       self.recompute, self.recompute_seconds, self.recompute_mode)
+            tensors.append(
+                PlannedTensor(
+                    unit.key,
+                    first.op,
+                    first.shape,
+                    dtype,
+                    unit.bytes,
+                    len(self.saved[unit.key]),
+                    option.name,
+                    option.payload,
+                    option.seconds,
+                    at_peak,
+                )
+            )
+        planned = Plan(
+            tuple(tensors),
+            budget_bytes,
+            result.peak,
+            self.baseline_bytes,
+            floor,
+            self.backend,
+            result.log,
+            self.recompute,
+            self.recompute_seconds,
+            self.recompute_mode,
+        )
         if verbose:
             print(planned.report())
         return planned
@@ -217,15 +263,17 @@ def survey(
     if recompute_seconds is None:
         seconds = block_seconds(model, example_inputs, recompute, mode=recompute_mode) if recompute else ()
         recompute_seconds = sum(seconds, 0.0)
-    with checkpointed(model, recompute, recompute_mode), \
-            torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16), \
-            torch._functorch.config.patch(enable_autograd_cache=False), \
-            torch._inductor.config.patch(fx_graph_cache=False):
+    with (
+        checkpointed(model, recompute, recompute_mode),
+        torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+    ):
         try:
             with keyed_run() as run, saved_tensors_hooks(Census(Policy()).hooks(), reorder=False):
                 _step(torch.compile(model, backend=fresh_backend(backend)), model, example_inputs, loss_fn, seed)
             with recorder.kernel_order():
-                _step(torch.compile(model, backend=recording), model, example_inputs, loss_fn, seed)
+                output = _step(torch.compile(model, backend=recording), model, example_inputs, loss_fn, seed)
         finally:
             # every survey adds cache entries for the model's frames, under backends used once; past
             # dynamo's recompile limit the user's own torch.compile of the model would run it eagerly
@@ -243,16 +291,35 @@ def survey(
         forwards.append(timeline_of(fw, saved, fused=fused))
     backwards = [timeline_of(bw, fused=fused) for bw in recorder.backwards]
     eager = [t for t in run.census if t.key.startswith("eager:")]
-    timeline = step_timeline(forwards, backwards, eager)
+    timeline = step_timeline(forwards, backwards, eager, _loss_peak(loss_fn, output, _device(example_inputs), seed))
     groups, blocked = _choice_groups(run.census, forwards)
     device = _device(example_inputs)
     units = tuple(
-        Unit(key, sum(t.bytes for t in ts),
-             tuple((*timeline.spans[t.key], t.bytes) for t in ts if t.key in timeline.spans and t.key not in blocked),
-             _merged_options([_options(same, device, backend) for same in _by_plan_key(ts)]))
+        Unit(
+            key,
+            sum(t.bytes for t in ts),
+            tuple(span for t in ts if t.key not in blocked for span in _spans(t, timeline, device, fused)),
+            _merged_options([_options(same, device, backend) for same in _by_plan_key(ts)]),
+        )
         for key, ts in sorted(groups.items())
     )
     return Survey(units, groups, timeline.live, backend, recompute, recompute_seconds, recompute_mode)
+
+
+def _spans(saved: SavedTensor, timeline: StepTimeline, device: torch.device, fused: bool) -> list[tuple[int, int, int]]:
+    """Where packing ``saved`` frees its bytes: its span, and under inductor the points after its first
+    use where its fused decode holds only the payload (floating tensors; the 16-bit ones on the CPU
+    are decoded by the materializing op, :func:`savedhooks.codecs.base.uses_fused`)."""
+    if saved.key not in timeline.spans:
+        return []
+    spans = [(*timeline.spans[saved.key], saved.bytes)]
+    if (
+        fused
+        and saved.dtype.is_floating_point
+        and not materializes_better(torch.empty(0, dtype=saved.dtype, device=device))
+    ):
+        spans += [(start, end, saved.bytes) for start, end in timeline.reread.get(saved.key, ())]
+    return spans
 
 
 def _by_plan_key(tensors: tuple[SavedTensor, ...]) -> list[list[SavedTensor]]:
@@ -301,8 +368,10 @@ def _merged_options(per_key: list[tuple[Option, ...]]) -> tuple[Option, ...]:
     """The options every plan key of a unit has, payloads and times summed."""
     names = [o.name for o in per_key[0] if all(any(p.name == o.name for p in opts) for opts in per_key)]
     return tuple(
-        Option(name, sum(o.payload for opts in per_key for o in opts if o.name == name),
-               sum(o.seconds for opts in per_key for o in opts if o.name == name))
+        Option(
+            name,
+            sum(o.payload for opts in per_key for o in opts if o.name == name),
+            sum(o.seconds for opts in per_key for o in opts if o.name == name),
+        )
         for name in names
     )
-
