@@ -40,7 +40,7 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 import savedhooks as sh
 from benchmarks.models import Workload
 
-__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FLOAT8", "POLICY", "POLICY_CENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "torch_fp8_hooks"]
+__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FLOAT8", "POLICY", "POLICY_CENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "planner_for", "torch_fp8_hooks"]
 
 FLOAT8 = sh.Float8()  # the codec's configuration: the library default, e4m3 with block scales (128)
 CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8() returns it
@@ -102,11 +102,14 @@ class Step:
         graphs: the recorded aot_eager graphs, for the memory model's prediction
             (``None`` where the configuration runs no aot_eager graphs).
         close: undoes what building changed on the model (checkpointing).
+        predicted_bytes: the configuration's own prediction of the activation
+            peak (a plan's), shown instead of the recorded graphs' one.
     """
 
     forward: Callable[[], torch.Tensor]
     graphs: GraphLog | None = None
     close: Callable[[], None] = lambda: None
+    predicted_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,6 +332,50 @@ def memory_budget(fraction: float) -> Config:
                   f"partitioner recompute, activation_memory_budget={fraction:g}")
 
 
+def planner_for(workload: Workload, backend: str) -> sh.planner.Planner:
+    """A planner for the module the workload compiles (its model, or model and loss with ``compiled_loss``).
+
+    Args:
+        workload: the workload.
+        backend: ``"inductor"`` or ``"aot_eager"``.
+
+    Returns:
+        A :class:`sh.planner.Planner` (nothing surveyed yet).
+
+    Raises:
+        ValueError: another backend.
+    """
+    if workload.compiled_loss:
+        return sh.planner.Planner(workload.with_loss(), workload.inputs, backend=backend)
+    return sh.planner.Planner(workload.model, workload.inputs, loss_fn=workload.loss_of, backend=backend)
+
+
+def _run_plan(workload: Workload, backend: str, plan: sh.Plan) -> Step:
+    """The plan's recompute applied, compiled inside ``sh.saved_tensors_hooks(plan.hooks)``; ``close`` reverts it.
+
+    Under aot_eager the compile takes ``sh.backend("aot_eager")``: the plan's
+    prediction assumes the placement that plain ``torch.compile`` gets under inductor.
+    """
+    module = workload.with_loss() if workload.compiled_loss else workload.model
+    plan.apply(module)  # the blocks are shared with workload.model: the compiled module sees them
+    try:
+        step = _compiled(workload, backend, lambda: sh.saved_tensors_hooks(plan.hooks), placed=backend == "aot_eager")
+    except BaseException:
+        plan.revert(module)
+        raise
+    step.close = lambda: plan.revert(module)
+    return step
+
+
+def _savedhooks_plan(workload: Workload, backend: str) -> Step:
+    """``sh.plan`` halfway between its modelled no-hook peak and its floor, compiled (see :func:`_run_plan`)."""
+    planner = planner_for(workload, backend)
+    plan = planner.plan((planner.baseline_bytes + planner.floor_bytes) // 2)
+    step = _run_plan(workload, backend, plan)
+    step.predicted_bytes = plan.predicted_peak_bytes
+    return step
+
+
 def planned(label: str, plan: sh.Plan) -> Config:
     """A configuration: the plan's recompute applied, plain ``torch.compile`` inside ``sh.saved_tensors_hooks(plan.hooks)``.
 
@@ -343,18 +390,9 @@ def planned(label: str, plan: sh.Plan) -> Config:
     Raises:
         Nothing.
     """
-    hooks = plan.hooks
 
     def build(workload: Workload, backend: str) -> Step:
-        module = workload.with_loss() if workload.compiled_loss else workload.model
-        plan.apply(module)  # the blocks are shared with workload.model: the compiled module sees them
-        try:
-            step = _compiled(workload, backend, lambda: sh.saved_tensors_hooks(hooks))
-        except BaseException:
-            plan.revert(module)
-            raise
-        step.close = lambda: plan.revert(module)
-        return step
+        return _run_plan(workload, backend, plan)
 
     how = " selectively" if plan.recompute_mode == "selective" else ""
     recompute = f", recompute {len(plan.recompute)} blocks{how}" if plan.recompute else ""
@@ -404,6 +442,8 @@ CONFIGS: dict[str, Config] = {
         Config("sh policy centered", _savedhooks_policy_centered, True, False,
                "sh.policy(centered=sh.Centered()): batch norm inputs centered under inductor", in_default=False),
         Config("sh + reorder", _savedhooks_reorder, True, False, "savedhooks' codec inlined, sh.backend(...)"),
+        Config("sh plan", _savedhooks_plan, True, False,
+               "sh.plan halfway between its modelled no-hook peak and its floor (recompute and codecs)"),
         Config("checkpoint", _checkpointing, True, False, "torch.utils.checkpoint per block"),
         Config("sh + checkpoint", _savedhooks_checkpointing, True, False,
                "checkpoint per block, sh.policy() on what is still saved"),

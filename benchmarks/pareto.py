@@ -31,20 +31,13 @@ import dataclasses
 import pathlib
 import time
 
-import savedhooks as sh
 from benchmarks.__main__ import RESULTS
-from benchmarks.configs import CONFIGS, Config, memory_budget, planned
+from benchmarks.configs import CONFIGS, Config, memory_budget, planned, planner_for
 from benchmarks.models import MODELS, Workload, make_workload
 from benchmarks.report import plot_pareto, table, write_csv
 from benchmarks.run import MIB, Row, measure, reference_grads, with_baselines
 
 __all__ = ["main", "run_model"]
-
-
-def _planner(workload: Workload) -> sh.planner.Planner:
-    if workload.compiled_loss:
-        return sh.planner.Planner(workload.with_loss(), workload.inputs, backend="inductor")
-    return sh.planner.Planner(workload.model, workload.inputs, loss_fn=workload.loss_of, backend="inductor")
 
 
 def _measured(workload: Workload, config: Config, repeats: int, reference, predicted: int | None = None) -> Row:
@@ -76,7 +69,7 @@ def run_model(
     reference = reference_grads(workload)
     rows = [_measured(workload, CONFIGS[c], repeats, reference) for c in ("compiled", "checkpoint", "sh")]
     rows += [_measured(workload, memory_budget(f), repeats, reference) for f in memory_budgets]
-    planner = _planner(workload)
+    planner = planner_for(workload, "inductor")
     checkpoint = next(r for r in rows if r.config == "checkpoint")
     budgets = {"checkpoint": int(checkpoint.activation_mib * MIB)}
     budgets |= {f"{f:g}": int(f * planner.baseline_bytes) for f in fractions}

@@ -278,6 +278,8 @@ def measure(
         step_s = statistics.median(times)
         sqnr = _grad_sqnr(model, reference)
         predicted, timeline = _predict(step.graphs)
+        if step.predicted_bytes is not None:  # the configuration's own model (a plan's)
+            predicted = step.predicted_bytes
     finally:
         step.close()
         model.zero_grad(set_to_none=True)

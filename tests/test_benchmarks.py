@@ -84,9 +84,18 @@ def test_saved_bytes_match_the_analytic_count(quick_run):
     # placement lowers the step's peak; the model predicts what is measured (within 5 %, plus the fp8
     # aten reference's workspace: a few float32 copies of a 2^18-element chunk, which no graph shows)
     assert rows["sh + reorder/aot_eager"].activation_mib < rows["sh/aot_eager"].activation_mib
+    # sh.plan, halfway between its modelled no-hook peak and its floor: its own prediction, below no hooks,
+    # and what it packs lowers the saved bytes
+    plan = rows["sh plan/aot_eager"]
+    assert plan.activation_mib < rows["compiled/aot_eager"].activation_mib
+    assert rows["sh policy/aot_eager"].saved_mib < plan.saved_mib < rows["compiled/aot_eager"].saved_mib
+    # it recomputes blocks here, which the model over-predicts (the strict xfail in test_planner.py): at most its
+    # prediction, at least the prediction less one block's input
+    block_input = 1024 * 512 * 4 / MIB
+    assert plan.predicted_mib - block_input <= plan.activation_mib <= 1.05 * plan.predicted_mib
     workspace = 2.0
     for r in rows.values():
-        if r.predicted_mib is not None:
+        if r.predicted_mib is not None and r.config != "sh plan":
             excess = r.activation_mib - r.predicted_mib
             assert -0.05 * r.activation_mib <= excess <= 0.05 * r.activation_mib + workspace, r.config
 

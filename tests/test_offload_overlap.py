@@ -8,6 +8,7 @@ copies for real.
 from __future__ import annotations
 
 import functools
+import logging
 import random
 
 import expecttest
@@ -346,15 +347,20 @@ def test_transfer_model_refuses_bad_settings(kwargs, error):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_async_offload_is_bit_exact_over_many_steps_of_changing_sizes(backend):
+def test_async_offload_is_bit_exact_over_many_steps_of_changing_sizes(backend, caplog):
     """Stress: many steps, batch sizes drawn at random, the copies' host buffers reused by torch's
-    host allocator: gradients must equal those without hooks bit for bit on every step."""
+    host allocator: gradients must equal those without hooks bit for bit on every step, and the
+    compiled graphs must use the asynchronous copies (the pass logs each graph it rewrote)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(256, 256), torch.nn.GELU())]).cuda()
     compiled = torch.compile(model, backend=sh.backend(backend), dynamic=True)
     rng = random.Random(0)
-    for _ in range(30):
-        x = torch.randn(rng.choice([8, 64, 200, 512]), 256, device="cuda")
-        want = train_step_grads(model, compiled, x)
-        got = train_step_grads(model, compiled, x, sh.offload(keep_needed_soon=False))
-        assert all(torch.equal(w, g) for w, g in zip(want, got))
+    with caplog.at_level(logging.INFO, logger="savedhooks.hostmem.overlap"):
+        for _ in range(30):
+            x = torch.randn(rng.choice([8, 64, 200, 512]), 256, device="cuda")
+            want = train_step_grads(model, compiled, x)
+            got = train_step_grads(model, compiled, x, sh.offload(keep_needed_soon=False))
+            assert all(torch.equal(w, g) for w, g in zip(want, got))
+    rewrites = [r.getMessage() for r in caplog.records if "async copies" in r.getMessage()]
+    assert any(m.startswith("savedhooks overlap (forward)") for m in rewrites), rewrites
+    assert any(m.startswith("savedhooks overlap (backward)") for m in rewrites), rewrites

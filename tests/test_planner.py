@@ -8,7 +8,7 @@ import torch
 import savedhooks as sh
 from savedhooks.fidelity.select import SavedTensor
 from savedhooks.planner.census import GraphTimeline, step_timeline, timeline_of
-from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search, search_floor
+from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search
 
 
 def _units():
@@ -36,22 +36,6 @@ def test_search_stops_at_the_floor_when_the_budget_is_below_it():
     assert floor == 55  # point 2: 100 - (60 - 15)
     result = search(live, units, budget=50)
     assert result.peak == floor > 50
-
-
-def test_at_the_floor_every_unit_stays_packed_and_only_widens_where_the_floor_holds():
-    live = [0, 100, 100, 10]
-    c = Unit("c", 20, ((1, 2, 20),), (Option("keep", 20, 0.0), Option("bf16", 10, 0.2), Option("fp8", 5, 0.4)))
-    units = [*_units(), c]
-    floor = peak_of(live, units, floor_of(units))
-    assert floor == 55  # point 2: a's fp8 alone; point 1 has room to spare
-    # the budget search gives back what the model finds irrelevant at the floor: b and c are kept
-    assert search(live, units, budget=floor).choice == (2, 0, 0)
-    # the floor plan keeps nothing: c widens to bf16 (point 1 holds), b has no wider packing option
-    result = search_floor(live, units)
-    assert result.choice == (2, 1, 1) and result.peak == floor
-    assert result.log[0] == "every unit at its smallest payload: peak 55" and result.log[1].startswith(
-        "relax c: fp8 -> bf16"
-    )
 
 
 def test_a_unit_of_several_tensors_frees_each_tensor_s_share_on_its_own_span():

@@ -18,11 +18,6 @@ Design notes
   list order (keep, then the wider ones) up to its choice and takes the first
   that keeps the peak within budget: moves that later moves made unnecessary go,
   and wider (more accurate) options replace narrower ones where the budget allows.
-* At the floor (:func:`search_floor`) every unit is packed and only steps back
-  to a wider codec: which tensors the model finds irrelevant there depends on
-  the order the reorder pass makes, which depends on what is packed (gpt2-big:
-  a floor plan that kept 28 of 39 candidates measured 143.0 MiB, predicted
-  130.4, where packing all of them measures 128.7).
 * Deterministic; the log lists each move and the peak after it.
 """
 
@@ -33,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Option", "SearchResult", "Unit", "floor_of", "peak_of", "search", "search_floor"]
+__all__ = ["Option", "SearchResult", "Unit", "floor_of", "peak_of", "search"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +95,7 @@ def _mask(unit: Unit, points: int) -> torch.Tensor:
     return mask
 
 
-def _live(
-    live: torch.Tensor, units: Sequence[Unit], masks: Sequence[torch.Tensor], choice: Sequence[int]
-) -> torch.Tensor:
+def _live(live: torch.Tensor, units: Sequence[Unit], masks: Sequence[torch.Tensor], choice: Sequence[int]) -> torch.Tensor:
     out = live.clone()
     for unit, mask, o in zip(units, masks, choice):
         out -= (unit.bytes - unit.options[o].payload) * mask
@@ -189,61 +182,19 @@ def search(live: Sequence[int], units: Sequence[Unit], budget: int) -> SearchRes
             break
         _, u, o = best
         current -= (units[u].options[choice[u]].payload - units[u].options[o].payload) * masks[u]
-        log.append(
-            f"{units[u].key}: {units[u].options[choice[u]].name} -> {units[u].options[o].name}, peak {_peak(current)}"
-        )
+        log.append(f"{units[u].key}: {units[u].options[choice[u]].name} -> {units[u].options[o].name}, "
+                   f"peak {_peak(current)}")
         choice[u] = o
     if _peak(current) <= budget:
-        current = _relax(current, units, masks, choice, budget, log, first=0)
-    return _result(units, choice, current, log)
-
-
-def search_floor(live: Sequence[int], units: Sequence[Unit]) -> SearchResult:
-    """The plan for the floor: every unit packed, each at the widest option that keeps the floor.
-
-    At the floor the model is at its least certain (which tensors it finds
-    irrelevant depends on the order the pass makes, which depends on what is
-    packed), and packing never raises a point: so nothing goes back to kept.
-    Units are relaxed from their smallest payload to a wider packing option
-    (bf16 instead of fp8) where the modelled peak stays at the floor.
-
-    Args:
-        live: the timeline's bytes with nothing packed.
-        units: the units.
-
-    Returns:
-        A :class:`SearchResult` at the floor.
-
-    Raises:
-        Nothing.
-    """
-    if not live:
-        return SearchResult(tuple(0 for _ in units), 0, 0, 0.0, ())
-    masks = [_mask(u, len(live)) for u in units]
-    choice = list(floor_of(units))
-    current = _live(torch.tensor(live, dtype=torch.float64), units, masks, choice)
-    log = [f"every unit at its smallest payload: peak {_peak(current)}"]
-    current = _relax(current, units, masks, choice, _peak(current), log, first=1)
-    return _result(units, choice, current, log)
-
-
-def _relax(current, units, masks, choice, budget, log, first: int) -> torch.Tensor:
-    """Step each unit (most time first) back to the first option from ``first`` on that keeps ``budget``."""
-    order = sorted(range(len(units)), key=lambda u: (-units[u].options[choice[u]].seconds, units[u].key))
-    for u in order:
-        for o in range(first, choice[u]):
-            delta = (units[u].options[o].payload - units[u].options[choice[u]].payload) * masks[u]
-            if _peak(current + delta) <= budget:
-                current = current + delta
-                log.append(
-                    f"relax {units[u].key}: {units[u].options[choice[u]].name} -> "
-                    f"{units[u].options[o].name}, peak {_peak(current)}"
-                )
-                choice[u] = o
-                break
-    return current
-
-
-def _result(units, choice, current, log) -> SearchResult:
+        order = sorted(range(len(units)), key=lambda u: (-units[u].options[choice[u]].seconds, units[u].key))
+        for u in order:
+            for o in range(choice[u]):
+                delta = (units[u].options[o].payload - units[u].options[choice[u]].payload) * masks[u]
+                if _peak(current + delta) <= budget:
+                    current += delta
+                    log.append(f"relax {units[u].key}: {units[u].options[choice[u]].name} -> "
+                               f"{units[u].options[o].name}, peak {_peak(current)}")
+                    choice[u] = o
+                    break
     seconds = sum(unit.options[o].seconds for unit, o in zip(units, choice))
     return SearchResult(tuple(choice), _peak(current), int(current.argmax()), seconds, tuple(log))

@@ -62,7 +62,7 @@ from savedhooks.planner.census import (
 from savedhooks.planner.costs import seconds_per_byte
 from savedhooks.planner.recompute import FULL, block_seconds, checkpointed
 from savedhooks.planner.result import CODECS, Plan, PlannedTensor, check_budget
-from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search, search_floor
+from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search
 
 __all__ = ["NotCompiledError", "Survey", "survey"]
 
@@ -178,11 +178,7 @@ class Survey:
         """
         floor = self.floor_bytes
         check_budget(budget_bytes, floor, self.baseline_bytes)
-        result = (
-            search_floor(self.live, self.units)
-            if budget_bytes < floor + 1
-            else search(self.live, self.units, budget_bytes)
-        )
+        result = search(self.live, self.units, budget_bytes)
         tensors = []
         for unit, o in sorted(zip(self.units, result.choice), key=lambda uo: (-uo[0].bytes, uo[0].key)):
             first, option = self.saved[unit.key][0], unit.options[o]
