@@ -48,6 +48,45 @@ def test_a_unit_of_several_tensors_frees_each_tensor_s_share_on_its_own_span():
     assert peak_of(live[:2], [unit], (1,)) == 76  # points 0-1: all three packed
 
 
+def test_fused_options_also_free_the_reread_spans_and_offload_frees_only_the_spans():
+    fp8 = Option("fp8", 25, 1.0, fused=True)
+    offload = Option("offload", 0, 2.0)
+    unit = Unit("u", 100, ((1, 3, 100),), (Option("keep", 100, 0.0), fp8, offload), reread=((3, 5, 100),))
+    live = [0, 200, 200, 150, 150, 0]
+    assert peak_of(live, [unit], (1,)) == 125  # fp8: spans and reread spans lowered by 75
+    assert peak_of(live, [unit], (2,)) == 150  # offload: the spans lowered by 100, the reread spans not
+    # the greedy frees the most at the peak per second: fp8 (75 B/s) before offload (50 B/s)
+    assert search(live, [unit], budget=130).choice == (1,)
+    # below fp8's 125 no move helps: offload would free the spans (100) but raise the reread spans to 150
+    result = search(live, [unit], budget=100)
+    assert result.choice == (1,) and result.peak == 125
+    assert result.log[-1] == "no move frees bytes at point 1: the floor is 125 bytes"
+    # where the reread spans are low, offload is the floor
+    assert search([0, 200, 200, 50, 50, 0], [unit], budget=100).choice == (2,)
+
+
+def _survey_module():
+    import sys
+
+    return sys.modules["savedhooks.planner.survey"]  # savedhooks.planner.survey is also the function
+
+
+def test_offload_is_a_choice_for_accelerator_tensors_with_no_device_payload(monkeypatch):
+    survey_module = _survey_module()
+    monkeypatch.setattr(survey_module, "seconds_per_byte", lambda codec, dtype, device, backend: 1e-9)
+    saved = SavedTensor("g0:mm", "mm", (64, 64), torch.float32, 64 * 64 * 4)
+    on_cuda = {o.name: o for o in survey_module._options([saved], torch.device("cuda"), "inductor")}
+    assert list(on_cuda) == ["keep", "bf16", "fp8", "offload"]
+    assert on_cuda["offload"].payload == 0 and not on_cuda["offload"].fused
+    assert on_cuda["fp8"].fused and on_cuda["bf16"].fused and 0 < on_cuda["fp8"].payload < on_cuda["bf16"].payload
+    on_cpu = [o.name for o in survey_module._options([saved], torch.device("cpu"), "inductor")]
+    assert on_cpu == ["keep", "bf16", "fp8"]
+    # under offload's min_bytes (1 KiB) a tensor stays where it is: no saving, no choice worth making
+    small = SavedTensor("g0:b", "mm", (8, 8), torch.float32, 256)
+    offload = survey_module._options([small], torch.device("cuda"), "inductor")
+    assert all(o.name != "offload" for o in offload)
+
+
 def test_unit_options_must_start_with_keep():
     with pytest.raises(ValueError, match="start with 'keep'"):
         Unit("a", 8, (), (Option("fp8", 2, 1.0),))

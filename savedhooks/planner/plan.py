@@ -172,14 +172,15 @@ class Planner:
                 log.append(f"{name}: floor {found.floor_bytes / _MiB:.2f} MiB is above the budget")
                 continue
             candidate = found.plan(budget_bytes)
-            log.append(f"{name}: peak {candidate.predicted_peak_bytes / _MiB:.2f} MiB, "
-                       f"{candidate.seconds * 1e3:.2f} ms (recompute {candidate.recompute_seconds * 1e3:.2f})")
+            log.append(
+                f"{name}: peak {candidate.predicted_peak_bytes / _MiB:.2f} MiB, "
+                f"{candidate.seconds * 1e3:.2f} ms (recompute {candidate.recompute_seconds * 1e3:.2f})"
+            )
             if best is None or candidate.seconds < best.seconds:
                 best = candidate
         assert best is not None  # the budget meets the least floor
         log.append(f"kept: {_name(len(best.recompute), best.recompute_mode)}, the least modelled time")
-        chosen = dataclasses.replace(best, baseline_peak_bytes=baseline, floor_bytes=floor,
-                                     log=(*best.log, *log))
+        chosen = dataclasses.replace(best, baseline_peak_bytes=baseline, floor_bytes=floor, log=(*best.log, *log))
         if verbose:
             print(chosen.report())
         return chosen

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from savedhooks.codecs import Bitmask, Downcast, Float8, Policy
+from savedhooks.codecs import Bitmask, Downcast, Float8, Offload, Policy
 from savedhooks.codecs.base import Codec
 from savedhooks.hooks import HookPair
 from savedhooks.planner.census import plan_key
@@ -19,7 +19,13 @@ __all__ = ["CODECS", "InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor"
 _MiB = 1 << 20
 _JSON_VERSION = 3  # 2: recompute, recompute_seconds; 3: recompute_mode
 # the codecs a plan chooses among, by the names its JSON uses
-CODECS: dict[str, Codec] = {"bf16": Downcast(torch.bfloat16), "fp8": Float8(), "bitmask": Bitmask()}
+# (offload: only tensors on an accelerator; every one the plan chooses moves, needed soon or not)
+CODECS: dict[str, Codec] = {
+    "bf16": Downcast(torch.bfloat16),
+    "fp8": Float8(),
+    "bitmask": Bitmask(),
+    "offload": Offload(keep_needed_soon=False),
+}
 
 
 class InfeasibleBudgetError(ValueError):

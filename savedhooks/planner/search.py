@@ -8,12 +8,17 @@ Design notes
   tensor it belongs to, and the options, ``options[0]`` being to keep them as
   they are (no time, no saving). Choosing option ``o`` lowers each point of a
   tensor's span by that tensor's share of ``bytes - o.payload`` (payloads are
-  taken as proportional to bytes). The modelled peak is the largest point.
+  taken as proportional to bytes). An option whose decode inductor fuses into
+  the readers (``Option.fused``: bf16, fp8) also lowers the unit's ``reread``
+  spans, where the others (offload's copy back) hold the whole tensor again.
+  The modelled peak is the largest point.
 * Greedy: while the peak is above the budget, take the move (a unit covering the
   peak point, to an option with a smaller payload) that frees the most bytes at
   that point per second it adds; ties go to more bytes, then to the lower key.
-  Packing never raises a point in this model, so the greedy reaches the budget
-  whenever the floor (every unit at its smallest payload) does.
+  Payloads only shrink from move to move, and no move may raise the peak (an
+  unfused option, offload, that replaces a fused one raises the reread spans).
+  The floor is where the greedy stops with a budget of 0; with fused options
+  only, that is every unit at its smallest payload (:func:`floor_of`).
 * Relax: then, the units in order of decreasing time, each tries its options in
   list order (keep, then the wider ones) up to its choice and takes the first
   that keeps the peak within budget: moves that later moves made unnecessary go,
@@ -36,14 +41,17 @@ class Option:
     """One way to hold a unit's tensors.
 
     Attributes:
-        name: ``"keep"`` or a codec name (``"bf16"``, ``"fp8"``, ``"bitmask"``).
-        payload: bytes held while packed.
+        name: ``"keep"`` or a codec name (``"bf16"``, ``"fp8"``, ``"bitmask"``, ``"offload"``).
+        payload: device bytes held while packed.
         seconds: modelled time added per step (pack and unpack).
+        fused: its decode runs inside the readers' kernels (it frees the unit's
+            ``reread`` spans too).
     """
 
     name: str
     payload: int
     seconds: float
+    fused: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +64,15 @@ class Unit:
         spans: ``(start, end, tensor_bytes)``: the points of the timeline where
             packing one of its tensors frees bytes, and that tensor's bytes.
         options: ``options[0]`` keeps; the others pack.
+        reread: spans as above that only a fused option frees (from a tensor's
+            first use in the backward to its last).
     """
 
     key: str
     bytes: int
     spans: tuple[tuple[int, int, int], ...]
     options: tuple[Option, ...]
+    reread: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.options or self.options[0].name != "keep":
@@ -87,18 +98,36 @@ class SearchResult:
     log: tuple[str, ...]
 
 
-def _mask(unit: Unit, points: int) -> torch.Tensor:
-    """Per point, the share of the unit's saving freed there (its tensors' bytes over the unit's)."""
+def _share(spans: Sequence[tuple[int, int, int]], total: int, points: int) -> torch.Tensor:
+    """Per point, the share of a unit's saving freed there (its tensors' bytes over the unit's)."""
     mask = torch.zeros(points, dtype=torch.float64)
-    for start, end, nbytes in unit.spans:
-        mask[start:end] += nbytes / max(unit.bytes, 1)
+    for start, end, nbytes in spans:
+        mask[start:end] += nbytes / max(total, 1)
     return mask
 
 
-def _live(live: torch.Tensor, units: Sequence[Unit], masks: Sequence[torch.Tensor], choice: Sequence[int]) -> torch.Tensor:
+def _mask(unit: Unit, points: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unit's shares: on its spans, and on its reread spans (fused options only)."""
+    return _share(unit.spans, unit.bytes, points), _share(unit.reread, unit.bytes, points)
+
+
+def _saving(unit: Unit, o: int, mask: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Bytes that option ``o`` frees at each point."""
+    option = unit.options[o]
+    return (unit.bytes - option.payload) * (mask[0] + mask[1] if option.fused else mask[0])
+
+
+def _saving_at(unit: Unit, o: int, mask: tuple[torch.Tensor, torch.Tensor], at: int) -> float:
+    """Bytes that option ``o`` frees at point ``at``."""
+    option = unit.options[o]
+    share = float(mask[0][at]) + (float(mask[1][at]) if option.fused else 0.0)
+    return (unit.bytes - option.payload) * share
+
+
+def _live(live: torch.Tensor, units: Sequence[Unit], masks: Sequence, choice: Sequence[int]) -> torch.Tensor:
     out = live.clone()
     for unit, mask, o in zip(units, masks, choice):
-        out -= (unit.bytes - unit.options[o].payload) * mask
+        out -= _saving(unit, o, mask)
     return out
 
 
@@ -165,14 +194,21 @@ def search(live: Sequence[int], units: Sequence[Unit], budget: int) -> SearchRes
     while _peak(current) > budget:
         at = int(current.argmax())
         best: tuple[tuple[float, int], int, int] | None = None  # units are in key order: the first wins ties
+        peak = _peak(current)
         for u, (unit, mask) in enumerate(zip(units, masks)):
-            if not mask[at]:
+            if not (mask[0][at] or mask[1][at]):
                 continue
             here = unit.options[choice[u]]
             for o, option in enumerate(unit.options):
-                freed = here.payload - option.payload
+                if option.payload >= here.payload:  # payloads only shrink: no move is undone
+                    continue
+                freed = _saving_at(unit, o, mask, at) - _saving_at(unit, choice[u], mask, at)
                 if freed <= 0:
                     continue
+                if not option.fused and here.fused and mask[1].any():  # it may raise the reread spans
+                    delta = _saving(unit, o, mask) - _saving(unit, choice[u], mask)
+                    if _peak(current - delta) > peak:
+                        continue
                 rate = freed / max(option.seconds - here.seconds, 1e-12)
                 score = (rate, freed)
                 if best is None or score > best[0]:
@@ -181,19 +217,22 @@ def search(live: Sequence[int], units: Sequence[Unit], budget: int) -> SearchRes
             log.append(f"no move frees bytes at point {at}: the floor is {_peak(current)} bytes")
             break
         _, u, o = best
-        current -= (units[u].options[choice[u]].payload - units[u].options[o].payload) * masks[u]
-        log.append(f"{units[u].key}: {units[u].options[choice[u]].name} -> {units[u].options[o].name}, "
-                   f"peak {_peak(current)}")
+        current -= _saving(units[u], o, masks[u]) - _saving(units[u], choice[u], masks[u])
+        log.append(
+            f"{units[u].key}: {units[u].options[choice[u]].name} -> {units[u].options[o].name}, peak {_peak(current)}"
+        )
         choice[u] = o
     if _peak(current) <= budget:
         order = sorted(range(len(units)), key=lambda u: (-units[u].options[choice[u]].seconds, units[u].key))
         for u in order:
             for o in range(choice[u]):
-                delta = (units[u].options[o].payload - units[u].options[choice[u]].payload) * masks[u]
+                delta = _saving(units[u], choice[u], masks[u]) - _saving(units[u], o, masks[u])
                 if _peak(current + delta) <= budget:
                     current += delta
-                    log.append(f"relax {units[u].key}: {units[u].options[choice[u]].name} -> "
-                               f"{units[u].options[o].name}, peak {_peak(current)}")
+                    log.append(
+                        f"relax {units[u].key}: {units[u].options[choice[u]].name} -> "
+                        f"{units[u].options[o].name}, peak {_peak(current)}"
+                    )
                     choice[u] = o
                     break
     seconds = sum(unit.options[o].seconds for unit, o in zip(units, choice))

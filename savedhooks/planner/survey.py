@@ -25,9 +25,11 @@ Design notes
 * Units: the census entries of one plan key, or of several whose tensors are
   views of one storage (they free it together, so they get one choice).
 * Options per candidate: keep; bf16 (float32 and float64 tensors); fp8 (the
-  policy's codec, e4m3 blocks of 128); a bitmask for bool tensors. Payload bytes
-  come from encoding a fake tensor of the candidate's shape; time from
-  :func:`savedhooks.planner.costs.seconds_per_byte` on the inputs' device.
+  policy's codec, e4m3 blocks of 128); a bitmask for bool tensors; offload to
+  pinned host memory for tensors on an accelerator (no device payload). Payload
+  bytes (device bytes) come from encoding a fake tensor of the candidate's
+  shape; time from :func:`savedhooks.planner.costs.seconds_per_byte` on the
+  inputs' device (for offload: the copies there and back, as if unhidden).
 * What the prediction covers: the compiled graphs and the tensors an eager loss
   saves, with placement (the reorder pass, which plain ``torch.compile`` gets
   inside :class:`savedhooks.saved_tensors_hooks`, ``sh.backend("aot_eager")``
@@ -37,6 +39,7 @@ Design notes
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -50,6 +53,7 @@ from savedhooks.fidelity.select import Census, SavedTensor, keyed_run
 from savedhooks.fidelity.sensitivity import call_model, default_loss
 from savedhooks.hooks import saved_tensors_hooks
 from savedhooks.memory.measure import measure_peak
+from savedhooks.memory.sizes import tensor_nbytes
 from savedhooks.planner.census import (
     GraphTimeline,
     StepTimeline,
@@ -62,9 +66,12 @@ from savedhooks.planner.census import (
 from savedhooks.planner.costs import seconds_per_byte
 from savedhooks.planner.recompute import FULL, block_seconds, checkpointed
 from savedhooks.planner.result import CODECS, Plan, PlannedTensor, check_budget
-from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search
+from savedhooks.planner.search import Option, Unit, search
 
 __all__ = ["NotCompiledError", "Survey", "survey"]
+
+# the codecs whose decode inductor fuses into the readers (decomposed forms): they hold only the payload to the last read
+_FUSED_DECODES = ("bf16", "fp8")
 
 
 class NotCompiledError(RuntimeError):
@@ -72,14 +79,20 @@ class NotCompiledError(RuntimeError):
 
 
 def _options(tensors: list[SavedTensor], device: torch.device, backend: str) -> tuple[Option, ...]:
-    """Keep, and each codec that accepts the tensors, with payload bytes (fake encode) and time."""
+    """Keep, and each codec that accepts the tensors, with device payload bytes (fake encode) and time.
+
+    Offload is a choice for tensors on an accelerator (its payload on the device
+    is 0 bytes; host bytes are not counted); its time is the copies' round trip,
+    measured once per device like the codecs' (:func:`seconds_per_byte`), as if
+    no copy overlapped compute.
+    """
     first = tensors[0]
     total = sum(t.bytes for t in tensors)
     options = [Option("keep", total, 0.0)]
     if not all(isinstance(s, int) for s in first.shape):
         return tuple(options)  # symbolic sizes: kept (the payload is not known)
     names = ("bitmask",) if first.dtype == torch.bool else ("bf16", "fp8") if first.dtype.is_floating_point else ()
-    for name in names:
+    for name in (*names, "offload"):
         codec = CODECS[name]
         if name == "bf16" and first.dtype not in (torch.float32, torch.float64):
             continue
@@ -88,9 +101,9 @@ def _options(tensors: list[SavedTensor], device: torch.device, backend: str) -> 
             if not codec.accepts(x):
                 continue
             leaves = pytree.tree_leaves(codec.encode(x))
-            payload = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+            payload = sum(tensor_nbytes(t) for t in leaves if isinstance(t, torch.Tensor) and t.device == x.device)
         seconds = seconds_per_byte(codec, first.dtype, device, backend) * total
-        options.append(Option(name, payload * len(tensors), seconds))
+        options.append(Option(name, payload * len(tensors), seconds, fused=name in _FUSED_DECODES))
     return tuple(options)
 
 
@@ -156,10 +169,10 @@ class Survey:
         """The modelled peak with nothing packed."""
         return max(self.live, default=0)
 
-    @property
+    @functools.cached_property
     def floor_bytes(self) -> int:
-        """The lowest modelled peak: every candidate at its smallest payload."""
-        return peak_of(self.live, self.units, floor_of(self.units))
+        """The lowest modelled peak: where the search stops with a budget of 0 (see :mod:`~savedhooks.planner.search`)."""
+        return search(self.live, self.units, 0).peak
 
     def plan(self, budget_bytes: int, verbose: bool = False) -> Plan:
         """The plan for one budget (no compile, no step: the search alone).
@@ -182,7 +195,8 @@ class Survey:
         tensors = []
         for unit, o in sorted(zip(self.units, result.choice), key=lambda uo: (-uo[0].bytes, uo[0].key)):
             first, option = self.saved[unit.key][0], unit.options[o]
-            at_peak = any(start <= result.at < end for start, end, _ in unit.spans)
+            held = (*unit.spans, *unit.reread) if option.fused else unit.spans
+            at_peak = any(start <= result.at < end for start, end, _ in held)
             dtype = str(first.dtype).removeprefix("torch.")
             tensors.append(
                 PlannedTensor(
@@ -298,28 +312,28 @@ def survey(
         Unit(
             key,
             sum(t.bytes for t in ts),
-            tuple(span for t in ts if t.key not in blocked for span in _spans(t, timeline, device, fused)),
+            tuple((*timeline.spans[t.key], t.bytes) for t in ts if t.key in timeline.spans and t.key not in blocked),
             _merged_options([_options(same, device, backend) for same in _by_plan_key(ts)]),
+            tuple(span for t in ts if t.key not in blocked for span in _reread(t, timeline, device, fused)),
         )
         for key, ts in sorted(groups.items())
     )
     return Survey(units, groups, timeline.live, backend, recompute, recompute_seconds, recompute_mode)
 
 
-def _spans(saved: SavedTensor, timeline: StepTimeline, device: torch.device, fused: bool) -> list[tuple[int, int, int]]:
-    """Where packing ``saved`` frees its bytes: its span, and under inductor the points after its first
-    use where its fused decode holds only the payload (floating tensors; the 16-bit ones on the CPU
-    are decoded by the materializing op, :func:`savedhooks.codecs.base.uses_fused`)."""
-    if saved.key not in timeline.spans:
+def _reread(
+    saved: SavedTensor, timeline: StepTimeline, device: torch.device, fused: bool
+) -> list[tuple[int, int, int]]:
+    """Under inductor, the points after the first use of ``saved`` where a fused decode holds only the payload.
+
+    Floating tensors only, and not the 16-bit ones on the CPU, which the codecs
+    decode with their materializing ops (:func:`savedhooks.codecs.base.uses_fused`).
+    """
+    if not fused or saved.key not in timeline.spans or not saved.dtype.is_floating_point:
         return []
-    spans = [(*timeline.spans[saved.key], saved.bytes)]
-    if (
-        fused
-        and saved.dtype.is_floating_point
-        and not materializes_better(torch.empty(0, dtype=saved.dtype, device=device))
-    ):
-        spans += [(start, end, saved.bytes) for start, end in timeline.reread.get(saved.key, ())]
-    return spans
+    if materializes_better(torch.empty(0, dtype=saved.dtype, device=device)):
+        return []
+    return [(start, end, saved.bytes) for start, end in timeline.reread.get(saved.key, ())]
 
 
 def _by_plan_key(tensors: tuple[SavedTensor, ...]) -> list[list[SavedTensor]]:
