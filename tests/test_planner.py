@@ -306,7 +306,7 @@ def _names(gm):
 
 
 def test_run_in_kernel_order_follows_the_kernels_and_makes_a_node_wait_for_its_inputs():
-    from savedhooks.planner.census import run_in_kernel_order
+    from savedhooks.planner.recording import run_in_kernel_order
 
     gm = _two_branches()
     assert _names(gm) == ["mm", "relu", "mm_1", "sum_1"]

@@ -17,12 +17,12 @@ Design notes
   payload from the point after its producer up to its first use: its *span*.
   Packing it lowers every point of its span by ``bytes - payload``.
 * Under inductor a codec's decomposed decode (fp8 and bf16 of float32 tensors)
-  is fused into each kernel that reads the unpacked tensor, so the payload, not
-  the full tensor, stays alive from the first use to the last: packing also
-  lowers those points (the *reread* intervals), except where the reader is an
-  extern kernel (a matrix product, a convolution), which needs the full tensor
-  made just before it. Without this, the model of a step with everything
-  packed over-predicted gpt2's measured peak by 24 % at size 1.
+  is fused into each kernel that reads the unpacked tensor. A saved tensor whose
+  backward readers are all pointwise or reduction kernels then holds only its
+  payload from its first use to its last: packing it with such a codec also
+  lowers those points (the *reread* intervals). One read by an extern kernel (a
+  matrix product, a convolution) is materialized whole, possibly in an earlier
+  kernel, and gets none.
 * Under inductor the graphs are modelled as inductor runs them: in the order
   its scheduler chose for its kernels (kept by wrapping inductor's
   ``reorder_for_peak_memory`` while the survey compiles; measured exact on the
@@ -38,18 +38,13 @@ Design notes
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-import functools
-import heapq
 import operator
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch._dynamo.backends.debugging import aot_eager, boxed_nop
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from savedhooks.codecs.base import producing_op
@@ -58,17 +53,13 @@ from savedhooks.hooks import hook_context
 from savedhooks.memory import build_graph_memory, saved_activations, simulate
 from savedhooks.memory.estimate import _input_bytes, _report_device
 from savedhooks.memory.fusion import inlined_nodes, is_view
-from savedhooks.passes import ReorderPass, is_backward_graph
+from savedhooks.planner.recording import REALIZED, run_in_kernel_order
 
 __all__ = [
-    "GraphRecorder",
     "GraphTimeline",
     "StepTimeline",
-    "fresh_backend",
     "key_of_saved",
     "plan_key",
-    "recording_backend",
-    "run_in_kernel_order",
     "step_timeline",
     "timeline_of",
 ]
@@ -201,7 +192,7 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
         fused: model the graph as inductor runs it: in its kernels' order where
             it was kept (:func:`run_in_kernel_order`; the graph is reordered in
             place), with its fusion (see :func:`savedhooks.memory.build_graph_memory`;
-            what inductor stored where :meth:`GraphRecorder.kernel_order` saw it)
+            what inductor stored where :meth:`savedhooks.planner.recording.GraphRecorder.kernel_order` saw it)
             and its in-place reuse (a pointwise kernel writes into a same-size
             buffer that dies with it).
 
@@ -215,7 +206,7 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
     if fused:
         run_in_kernel_order(gm)
     donated = saved_activations(gm) if backward else ()
-    memory = build_graph_memory(gm, donated=donated, fused=fused, realized=gm.meta.get(_REALIZED, ()))
+    memory = build_graph_memory(gm, donated=donated, fused=fused, realized=gm.meta.get(REALIZED, ()))
     device = _report_device(memory)
     during, after, _ = simulate(memory, device)
     if fused:
@@ -266,7 +257,7 @@ def _reread_intervals(
 ) -> dict[str, tuple[tuple[int, int], ...]]:
     """Per saved input, the points from its first use to its last whose reader does not need it whole (see the notes)."""
     nodes = {n.name: n for n in gm.graph.nodes}
-    inlined = inlined_nodes(gm.graph, gm.meta.get(_REALIZED, ()))
+    inlined = inlined_nodes(gm.graph, gm.meta.get(REALIZED, ()))
     buffer_of = {memory.buffers[b].name: b for b in range(len(memory.buffers)) if memory.buffers[b].is_input}
     found = {}
     for name in saved:
@@ -352,198 +343,3 @@ def step_timeline(
                 if name in bw.reread:
                     reread[f"g{g}:{name}"] = tuple((offset + a, offset + b) for a, b in bw.reread[name])
     return StepTimeline(tuple(live), spans, reread)
-
-
-class GraphRecorder(CustomGraphPass):
-    """A post-grad pass that keeps inductor's forward and backward graphs (never cached: it must see every compile).
-
-    ``before``, if given, is a post-grad pass run on each graph first (the reorder pass).
-
-    Inside :meth:`kernel_order` it also keeps the order inductor's scheduler
-    runs each graph's kernels in (see :func:`run_in_kernel_order`).
-    """
-
-    def __init__(self, before: Callable[[torch.fx.Graph], None] | None = None) -> None:
-        self.forwards: list[torch.fx.GraphModule] = []
-        self.backwards: list[torch.fx.GraphModule] = []
-        self._last: torch.fx.GraphModule | None = None
-        self._before = before
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        if self._before is not None:
-            self._before(graph)
-        gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-        (self.backwards if is_backward_graph(graph) else self.forwards).append(gm)
-        self._last = gm
-
-    def uuid(self) -> None:
-        return None
-
-    @contextlib.contextmanager
-    def kernel_order(self) -> Iterator[None]:
-        """Keep, per recorded graph, the FX nodes of each kernel in the order inductor's scheduler chose.
-
-        Wraps ``torch._inductor.memory.reorder_for_peak_memory`` (inductor's
-        last reordering of its kernels, which the scheduler imports when it runs)
-        for the duration: there is no hook after it. The order lands in the
-        graph's ``meta["savedhooks_kernel_order"]``, the FX nodes whose values
-        inductor stored (its buffers' origin nodes) in ``meta["savedhooks_realized"]``.
-
-        Args:
-            None.
-
-        Returns:
-            A context manager.
-
-        Raises:
-            Nothing.
-        """
-        import torch._inductor.memory as inductor_memory
-
-        original = inductor_memory.reorder_for_peak_memory
-
-        def reorder(nodes: Any, *args: Any, **kwargs: Any) -> Any:
-            ordered = original(nodes, *args, **kwargs)
-            if self._last is not None:
-                subs = [sub for snode in ordered for sub in snode.get_nodes()]
-                self._last.meta[_KERNEL_ORDER] = [
-                    [o.name for o in (sub.node.get_origins() if getattr(sub, "node", None) is not None else ())]
-                    for sub in subs
-                ]
-                self._last.meta[_REALIZED] = sorted(
-                    origin.name
-                    for sub in subs
-                    for buffer in sub.get_outputs()
-                    if (origin := getattr(buffer.node, "origin_node", None)) is not None
-                )
-            return ordered
-
-        inductor_memory.reorder_for_peak_memory = reorder
-        try:
-            yield
-        finally:
-            inductor_memory.reorder_for_peak_memory = original
-
-
-_KERNEL_ORDER = "savedhooks_kernel_order"
-_REALIZED = "savedhooks_realized"
-
-
-def run_in_kernel_order(gm: torch.fx.GraphModule) -> bool:
-    """Reorder ``gm``'s nodes as inductor ran its kernels (:meth:`GraphRecorder.kernel_order`), where it knows.
-
-    A node runs with the first kernel made from it; a node no kernel came from
-    (views, placeholders) runs right before its first user that has a position.
-    Placeholders stay first. Where that order is not topological (an op split into
-    several kernels, a fill then a scatter, is placed with its first), a node
-    waits for its inputs. If no kernel order was kept, the graph is left as it is.
-
-    Args:
-        gm: a graph recorded by a :class:`GraphRecorder`.
-
-    Returns:
-        Whether the graph was reordered.
-
-    Raises:
-        Nothing.
-    """
-    kernels = gm.meta.get(_KERNEL_ORDER)
-    if not kernels:
-        return False
-    first: dict[str, int] = {}
-    for i, names in enumerate(kernels):
-        for name in names:
-            first.setdefault(name, i)
-    nodes = [n for n in gm.graph.nodes if n.op != "output"]
-    index = {n: i for i, n in enumerate(nodes)}
-    key: dict[torch.fx.Node, tuple[int, int]] = {}
-    for node in reversed(nodes):  # users first
-        if node.op == "placeholder":
-            key[node] = (-1, index[node])
-        elif node.name in first:
-            key[node] = (first[node.name], index[node])
-        else:
-            later = [key[u][0] for u in node.users if u in key]
-            key[node] = (min(later, default=len(kernels)), index[node])
-    # kernel order where it is topological; a node whose inputs come later (an op split into several kernels,
-    # e.g. a fill then a scatter) waits for them
-    waiting = {n: sum(1 for a in n.all_input_nodes if a in index) for n in nodes}
-    ready = [(key[n], n.name) for n in nodes if not waiting[n]]
-    by_name = {n.name: n for n in nodes}
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        node = by_name[heapq.heappop(ready)[1]]
-        order.append(node)
-        for user in node.users:
-            if user in waiting:
-                waiting[user] -= 1
-                if not waiting[user]:
-                    heapq.heappush(ready, (key[user], user.name))
-    if len(order) != len(nodes):
-        return False
-    output = gm.graph.output_node()
-    for node in order:
-        output.prepend(node)
-    return True
-
-
-def fresh_backend(backend: str, **keywords: Any) -> Callable[..., Any]:
-    """``backend`` as a new object, so that dynamo compiles afresh instead of reusing an earlier compile.
-
-    Args:
-        backend: ``"aot_eager"`` or ``"inductor"``.
-        **keywords: passed on to torch's ``aot_eager`` or inductor's ``compile_fx``.
-
-    Returns:
-        A ``torch.compile`` backend that compiles as ``backend`` does.
-
-    Raises:
-        ValueError: another backend.
-    """
-    if backend == "aot_eager":
-        return functools.partial(aot_eager, **keywords)
-    if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return functools.partial(compile_fx, **keywords)
-    raise ValueError(f"plan: backend must be 'inductor' or 'aot_eager', got {backend!r}")
-
-
-def _keeping(graphs: list[torch.fx.GraphModule]) -> Callable[..., Any]:
-    """An aot_eager graph compiler that appends each graph to ``graphs`` and runs it as aot_eager does."""
-
-    def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        graphs.append(gm)
-        return boxed_nop(gm, example_inputs)
-
-    return compiler
-
-
-def recording_backend(backend: str) -> tuple[Callable[..., Any], GraphRecorder, bool]:
-    """A ``torch.compile`` backend that compiles as ``backend`` does and keeps its AOTAutograd graphs.
-
-    A new backend object each call, so that dynamo compiles afresh instead of
-    reusing what an earlier compile of the model cached.
-
-    Args:
-        backend: ``"aot_eager"``, or ``"inductor"`` (graphs after its post-grad passes).
-
-    Returns:
-        ``(backend, recorder, fused)``: ``recorder`` fills as graphs compile;
-        ``fused`` says whether to model them as inductor runs them.
-
-    Raises:
-        ValueError: another backend.
-    """
-    if backend == "inductor":
-        # the backward as the hooks' placement orders it: the reorder pass also runs the loss head's
-        # weight-gradient matmul early (its input, the logits' gradient, then dies); torch's order held
-        # it to the end (gpt2: 15.3 of the 14.9 MiB modelled floor at size 1, where 13.1 was measured)
-        recorder = GraphRecorder(before=ReorderPass())
-        return fresh_backend(backend, config_patches={"post_grad_custom_post_pass": recorder}), recorder, True
-    recorder = GraphRecorder()
-    if backend == "aot_eager":
-        compilers = {"fw_compiler": _keeping(recorder.forwards), "bw_compiler": _keeping(recorder.backwards)}
-        return fresh_backend(backend, **compilers), recorder, False
-    raise ValueError(f"plan: backend must be 'inductor' or 'aot_eager', got {backend!r}")

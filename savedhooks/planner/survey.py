@@ -8,7 +8,7 @@ Design notes
      ``Census(Policy())`` hooks lists the saved tensors the policy would pack
      (the candidates; what the policy keeps stays kept) with their keys;
   2. the timeline: the model compiled again without hooks, its AOTAutograd
-     graphs kept (:func:`savedhooks.planner.census.recording_backend`) and laid
+     graphs kept (:func:`savedhooks.planner.recording.recording_backend`) and laid
      end to end by the memory model (:func:`~savedhooks.planner.census.step_timeline`).
   Planning a budget is then the search alone (:mod:`savedhooks.planner.search`):
   the choice is modelled, not measured.
@@ -54,17 +54,10 @@ from savedhooks.fidelity.sensitivity import call_model, default_loss
 from savedhooks.hooks import saved_tensors_hooks
 from savedhooks.memory.measure import measure_peak
 from savedhooks.memory.sizes import tensor_nbytes
-from savedhooks.planner.census import (
-    GraphTimeline,
-    StepTimeline,
-    fresh_backend,
-    key_of_saved,
-    recording_backend,
-    step_timeline,
-    timeline_of,
-)
+from savedhooks.planner.census import GraphTimeline, StepTimeline, key_of_saved, step_timeline, timeline_of
 from savedhooks.planner.costs import seconds_per_byte
 from savedhooks.planner.recompute import FULL, block_seconds, checkpointed
+from savedhooks.planner.recording import fresh_backend, recording_backend
 from savedhooks.planner.result import CODECS, Plan, PlannedTensor, check_budget
 from savedhooks.planner.search import Option, Unit, search
 
