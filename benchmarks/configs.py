@@ -272,16 +272,23 @@ def _savedhooks_reorder(workload: Workload, backend: str) -> Step:
     return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(CODEC), placed=True)
 
 
+def _compiled_changed(
+    undo: Callable[[], None], workload: Workload, backend: str, *contexts: Callable[[], Any], placed: bool = False
+) -> Step:
+    """Compile a model that building changed; ``undo`` reverts the change if compiling fails, and when the step closes."""
+    try:
+        step = _compiled(workload, backend, *contexts, placed=placed)
+    except BaseException:
+        undo()
+        raise
+    step.close = undo
+    return step
+
+
 def _checkpointed(workload: Workload, backend: str, *contexts: Callable[[], Any]) -> Step:
     """The workload compiled with checkpointing per block on (``close`` turns it off again)."""
     workload.set_checkpointing(True)
-    try:
-        step = _compiled(workload, backend, *contexts)
-    except BaseException:
-        workload.set_checkpointing(False)
-        raise
-    step.close = lambda: workload.set_checkpointing(False)
-    return step
+    return _compiled_changed(lambda: workload.set_checkpointing(False), workload, backend, *contexts)
 
 
 def _checkpointing(workload: Workload, backend: str) -> Step:
@@ -359,13 +366,10 @@ def _run_plan(workload: Workload, backend: str, plan: sh.Plan) -> Step:
     """
     module = workload.with_loss() if workload.compiled_loss else workload.model
     plan.apply(module)  # the blocks are shared with workload.model: the compiled module sees them
-    try:
-        step = _compiled(workload, backend, lambda: sh.saved_tensors_hooks(plan.hooks), placed=backend == "aot_eager")
-    except BaseException:
-        plan.revert(module)
-        raise
-    step.close = lambda: plan.revert(module)
-    return step
+    hooks = plan.hooks
+    return _compiled_changed(
+        lambda: plan.revert(module), workload, backend, lambda: sh.saved_tensors_hooks(hooks), placed=backend == "aot_eager"
+    )
 
 
 def _savedhooks_plan(workload: Workload, backend: str) -> Step:
