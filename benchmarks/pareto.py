@@ -31,22 +31,37 @@ import dataclasses
 import pathlib
 import time
 
+import torch
+
 from benchmarks.__main__ import RESULTS
 from benchmarks.configs import CONFIGS, Config, memory_budget, planned, planner_for
 from benchmarks.models import MODELS, Workload, make_workload
 from benchmarks.report import plot_pareto, table, write_csv
 from benchmarks.run import MIB, Row, measure, reference_grads, with_baselines
 
-__all__ = ["main", "run_model"]
+__all__ = ["ALTERNATIVES", "CUDA_ALTERNATIVES", "main", "run_model"]
 
 
-def _measured(workload: Workload, config: Config, repeats: int, reference, predicted: int | None = None) -> Row:
-    row, _ = measure(workload, config, "inductor", "cpu", repeats, reference)
+# the alternatives measured next to the plans; on CUDA also host offload, torch's and ours
+ALTERNATIVES = ("compiled", "checkpoint", "sh")
+CUDA_ALTERNATIVES = ("save_on_cpu", "sh offload")
+
+
+def _measured(
+    workload: Workload, config: Config, device: str, repeats: int, reference, predicted: int | None = None
+) -> Row:
+    row, _ = measure(workload, config, "inductor", device, repeats, reference)
     return row if predicted is None else dataclasses.replace(row, predicted_mib=predicted / MIB)
 
 
 def run_model(
-    name: str, size: float, fractions: list[float], memory_budgets: list[float], repeats: int, eager_loss: bool
+    name: str,
+    size: float,
+    fractions: list[float],
+    memory_budgets: list[float],
+    repeats: int,
+    eager_loss: bool,
+    device: str = "cpu",
 ) -> list[Row]:
     """Measure one model's rows (see the module docstring).
 
@@ -57,6 +72,8 @@ def run_model(
         memory_budgets: torch's ``activation_memory_budget`` values.
         repeats: timed steps per row.
         eager_loss: run the loss eagerly instead of compiling it with the model.
+        device: ``"cpu"``, or ``"cuda"`` (adds :data:`CUDA_ALTERNATIVES`; the
+            plans may then offload).
 
     Returns:
         The rows, with ratios filled in.
@@ -64,11 +81,12 @@ def run_model(
     Raises:
         Whatever building or running a configuration raises.
     """
-    workload = make_workload(name, size, "cpu")
+    workload = make_workload(name, size, device)
     workload.compiled_loss = not eager_loss
     reference = reference_grads(workload)
-    rows = [_measured(workload, CONFIGS[c], repeats, reference) for c in ("compiled", "checkpoint", "sh")]
-    rows += [_measured(workload, memory_budget(f), repeats, reference) for f in memory_budgets]
+    alternatives = ALTERNATIVES + (CUDA_ALTERNATIVES if device == "cuda" else ())
+    rows = [_measured(workload, CONFIGS[c], device, repeats, reference) for c in alternatives]
+    rows += [_measured(workload, memory_budget(f), device, repeats, reference) for f in memory_budgets]
     planner = planner_for(workload, "inductor")
     checkpoint = next(r for r in rows if r.config == "checkpoint")
     budgets = {"checkpoint": int(checkpoint.activation_mib * MIB)}
@@ -80,7 +98,7 @@ def run_model(
             continue
         plan = planner.plan(budget)
         print(f"{name}: plan {label}: " + "; ".join(line for line in plan.log if line.startswith(("recompute", "kept"))))
-        rows.append(_measured(workload, planned(label, plan), repeats, reference, plan.predicted_peak_bytes))
+        rows.append(_measured(workload, planned(label, plan), device, repeats, reference, plan.predicted_peak_bytes))
     return with_baselines(rows)
 
 
@@ -105,15 +123,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch activation_memory_budget values (default 0.3 0.6)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per row (default 3)")
     parser.add_argument("--eager-loss", action="store_true", help="run the loss eagerly (default: compiled with it)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where to run (cuda adds save_on_cpu and sh offload rows; default cpu)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for pareto.csv and pareto.png")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
     start = time.perf_counter()
     rows = []
     for name in args.models:
-        rows += run_model(name, args.size, args.fractions, args.memory_budgets, args.repeats, args.eager_loss)
+        rows += run_model(
+            name, args.size, args.fractions, args.memory_budgets, args.repeats, args.eager_loss, args.device
+        )
     print(table(rows))
     csv = write_csv(rows, args.out / "pareto.csv")
-    png = plot_pareto(rows, args.out / "pareto.png", title=f"CPU, inductor, --size {args.size:g}")
+    png = plot_pareto(rows, args.out / "pareto.png", title=f"{args.device.upper()}, inductor, --size {args.size:g}")
     print(f"\n{len(rows)} rows, {time.perf_counter() - start:.0f} s; wrote {csv}, {png}")
     return 0
 

@@ -366,6 +366,18 @@ def test_pareto_plot_joins_the_plans_and_marks_the_others(tmp_path):
     assert png.exists() and png.stat().st_size > 10_000
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_pareto_on_cuda_needs_a_cuda_device(capsys):
+    from benchmarks import pareto
+
+    with pytest.raises(SystemExit) as exit_info:
+        pareto.main(["--device", "cuda", "--models", "mlp"])
+    assert exit_info.value.code == 2 and "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
+    # on CUDA the plans are measured next to host offload too, torch's and ours, both CUDA-only configurations
+    assert pareto.CUDA_ALTERNATIVES == ("save_on_cpu", "sh offload")
+    assert all(CONFIGS[name].cuda_only for name in pareto.CUDA_ALTERNATIVES)
+
+
 def test_a_planned_configuration_recomputes_the_plan_s_blocks_and_close_reverts_them():
     import savedhooks as sh
     from benchmarks.configs import planned
