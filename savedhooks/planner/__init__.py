@@ -3,7 +3,7 @@
 Reads :mod:`savedhooks.memory` (the step's timeline) and produces checkpoint
 choices (:meth:`Plan.apply`: ``torch.utils.checkpoint`` per block) and codec
 choices (:class:`Plan`, run with ``sh.saved_tensors_hooks(plan.hooks)``).
-Offload is not chosen yet.
+Offload (to pinned host memory) is a choice for tensors on a GPU.
 """
 
 from savedhooks.planner.plan import Planner, plan

@@ -22,7 +22,7 @@ Design notes
   without a fake value), or that leaves nothing compiled (below DDP or FSDP2,
   dynamo compiles only user-code frames, and a checkpointed block's frames run
   eagerly), is skipped with a warning and a log line.
-* Not chosen yet: offload, recompute policies other than "save matrix
+* Not chosen yet: recompute policies other than "save matrix
   products and attention", and a fidelity cost for lossy codecs (the policy's
   keeps are respected instead).
 """
@@ -201,14 +201,15 @@ def plan(
     verbose: bool = False,
     blocks: Sequence[str] | None = None,
 ) -> Plan:
-    """Choose which blocks to recompute (whole or selectively) and, per saved tensor, keep / bf16 / fp8 / bitmask.
+    """Choose which blocks to recompute (whole or selectively) and, per saved tensor, keep / bf16 / fp8 / bitmask / offload.
 
     The choice meets ``budget_bytes``. A :class:`Planner`'s
     :meth:`~Planner.plan`: per recompute setting two
     compiles and two training steps (gradients cleared, parameters unchanged),
     then the search. The choice minimizes the modelled time (codecs and
     recompute); what the policy keeps for fidelity (``sh.policy()``'s rules)
-    stays kept. Not chosen yet: offload. To plan several budgets, keep a
+    stays kept. Offload (to pinned host memory) is a choice for tensors on a
+    GPU only (not yet run on one). To plan several budgets, keep a
     :class:`Planner`. Each survey ends with ``torch._dynamo.reset()`` (see
     :mod:`savedhooks.planner.survey`): plan before compiling anything else.
 
