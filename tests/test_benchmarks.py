@@ -89,8 +89,8 @@ def test_saved_bytes_match_the_analytic_count(quick_run):
     plan = rows["sh plan/aot_eager"]
     assert plan.activation_mib < rows["compiled/aot_eager"].activation_mib
     assert rows["sh policy/aot_eager"].saved_mib < plan.saved_mib < rows["compiled/aot_eager"].saved_mib
-    # it recomputes blocks here, which the model over-predicts (the strict xfail in test_planner.py): at most its
-    # prediction, at least the prediction less one block's input
+    # it may recompute blocks here (the choice hangs on measured times), which the model over-predicts (the strict
+    # xfail in test_planner.py): at most its prediction, at least the prediction less one block's input
     block_input = 1024 * 512 * 4 / MIB
     assert plan.predicted_mib - block_input <= plan.activation_mib <= 1.05 * plan.predicted_mib
     workspace = 2.0
