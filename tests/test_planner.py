@@ -71,6 +71,16 @@ def _survey_module():
     return sys.modules["savedhooks.planner.survey"]  # savedhooks.planner.survey is also the function
 
 
+def test_a_unit_of_several_plan_keys_keeps_its_options_fused_flags():
+    merged = _survey_module()._merged_options(
+        [
+            (Option("keep", 10, 0.0), Option("fp8", 3, 1.0, fused=True), Option("offload", 0, 2.0)),
+            (Option("keep", 20, 0.0), Option("fp8", 6, 1.0, fused=True), Option("offload", 0, 2.0)),
+        ]
+    )
+    assert merged == (Option("keep", 30, 0.0), Option("fp8", 9, 2.0, fused=True), Option("offload", 0, 4.0))
+
+
 def test_offload_is_a_choice_for_accelerator_tensors_with_no_device_payload(monkeypatch):
     survey_module = _survey_module()
     monkeypatch.setattr(survey_module, "seconds_per_byte", lambda codec, dtype, device, backend: 1e-9)
@@ -200,6 +210,9 @@ def test_plan_meets_its_budget_and_the_measured_peak_is_the_predicted_one():
 def test_plan_under_plain_torch_compile_predicts_the_measured_peak():
     model, x = _mlp()
     survey = sh.planner.survey(model, (x,), loss_fn=_loss, backend="inductor")
+    # under inductor the codecs' decodes are fused into their readers (the search credits their reread spans)
+    codecs = [o for u in survey.units for o in u.options if o.name in ("bf16", "fp8")]
+    assert codecs and all(o.fused for o in codecs)
     planned = survey.plan((survey.baseline_bytes + survey.floor_bytes) // 2)
     assert {t.choice for t in planned.tensors} - {"keep"}
     measured, _ = _measured_peak(model, x, planned.hooks, backend="inductor")

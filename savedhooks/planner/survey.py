@@ -372,13 +372,14 @@ def _choice_groups(
 
 
 def _merged_options(per_key: list[tuple[Option, ...]]) -> tuple[Option, ...]:
-    """The options every plan key of a unit has, payloads and times summed."""
+    """The options every plan key of a unit has, payloads and times summed (fused where every key's is)."""
     names = [o.name for o in per_key[0] if all(any(p.name == o.name for p in opts) for opts in per_key)]
     return tuple(
         Option(
             name,
             sum(o.payload for opts in per_key for o in opts if o.name == name),
             sum(o.seconds for opts in per_key for o in opts if o.name == name),
+            all(o.fused for opts in per_key for o in opts if o.name == name),
         )
         for name in names
     )
