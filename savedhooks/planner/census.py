@@ -124,9 +124,9 @@ class GraphTimeline:
             (views of one buffer, such as attention's q, k and v): packing frees
             it only when all are packed, so they get one choice.
         reread: backward only, modelled as inductor runs it: saved input ->
-            ``(start, end)`` intervals from its first use to its last where a
-            fused decode would hold only the payload (every reading point but
-            those of extern kernels, which need the full tensor).
+            the ``(start, end)`` interval from its first use to its last, where
+            a fused decode holds only the payload; only for inputs that no
+            extern kernel reads (those need the full tensor).
     """
 
     live: tuple[int, ...]
@@ -255,7 +255,7 @@ def _maker(node: torch.fx.Node) -> torch.fx.Node:
 def _reread_intervals(
     gm: torch.fx.GraphModule, memory: Any, saved: Mapping[str, int]
 ) -> dict[str, tuple[tuple[int, int], ...]]:
-    """Per saved input, the points from its first use to its last whose reader does not need it whole (see the notes)."""
+    """Per saved input that no extern kernel reads, the points from its first use to its last (see the notes)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     inlined = inlined_nodes(gm.graph, gm.meta.get(REALIZED, ()))
     buffer_of = {memory.buffers[b].name: b for b in range(len(memory.buffers)) if memory.buffers[b].is_input}
