@@ -11,15 +11,5 @@ from savedhooks.planner.recompute import find_blocks
 from savedhooks.planner.result import InfeasibleBudgetError, Plan, Planned, PlannedTensor
 from savedhooks.planner.survey import NotCompiledError, Survey, survey
 
-__all__ = [
-    "InfeasibleBudgetError",
-    "NotCompiledError",
-    "Plan",
-    "Planned",
-    "PlannedTensor",
-    "Planner",
-    "Survey",
-    "find_blocks",
-    "plan",
-    "survey",
-]
+__all__ = ["InfeasibleBudgetError", "NotCompiledError", "Plan", "Planned", "PlannedTensor", "Planner", "Survey",
+           "find_blocks", "plan", "survey"]

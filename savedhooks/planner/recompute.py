@@ -44,39 +44,19 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from savedhooks.fidelity.sensitivity import call_model
 
-__all__ = [
-    "FULL",
-    "MODES",
-    "SAVED_OPS",
-    "SELECTIVE",
-    "block_seconds",
-    "check_mode",
-    "checkpoint_blocks",
-    "checkpointed",
-    "find_blocks",
-    "resolve_blocks",
-    "restore_blocks",
-    "save_products",
-]
+__all__ = ["FULL", "MODES", "SAVED_OPS", "SELECTIVE", "block_seconds", "check_mode", "checkpoint_blocks", "checkpointed",
+           "find_blocks", "resolve_blocks", "restore_blocks", "save_products"]
 
 _ORIGINAL = "_savedhooks_forward"  # attribute of a checkpointed block: its forward before
 FULL, SELECTIVE = "full", "selective"
 MODES = (FULL, SELECTIVE)
 _aten = torch.ops.aten
 # Ops whose outputs selective recompute saves: matrix products and attention (one packet per op family).
-SAVED_OPS = frozenset(
-    {
-        _aten.mm,
-        _aten.addmm,
-        _aten.bmm,
-        _aten.baddbmm,
-        _aten.convolution,
-        _aten._scaled_dot_product_flash_attention,
-        _aten._scaled_dot_product_flash_attention_for_cpu,
-        _aten._scaled_dot_product_efficient_attention,
-        _aten._scaled_dot_product_cudnn_attention,
-    }
-)
+SAVED_OPS = frozenset({
+    _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.convolution,
+    _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_flash_attention_for_cpu,
+    _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_cudnn_attention,
+})
 
 
 def save_products(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -285,9 +265,8 @@ def block_seconds(
     # the saved ops' share of each block's op time, both timed op by op in the same forwards
     timer = _OpTimer(now)
     shares = _block_deltas(model, example_inputs, blocks, repeats, lambda: (timer.saved, timer.all), timer)
-    return tuple(
-        total * (1 - sum(s for s, _ in d) / max(sum(a for _, a in d), 1e-12)) for total, d in zip(seconds, shares)
-    )
+    return tuple(total * (1 - sum(s for s, _ in d) / max(sum(a for _, a in d), 1e-12))
+                 for total, d in zip(seconds, shares))
 
 
 class _OpTimer(TorchDispatchMode):
@@ -308,12 +287,8 @@ class _OpTimer(TorchDispatchMode):
 
 
 def _block_deltas(
-    model: torch.nn.Module,
-    example_inputs: Any,
-    blocks: list[torch.nn.Module],
-    repeats: int,
-    clock: Callable[[], tuple[float, ...]],
-    mode: contextlib.AbstractContextManager[Any],
+    model: torch.nn.Module, example_inputs: Any, blocks: list[torch.nn.Module], repeats: int,
+    clock: Callable[[], tuple[float, ...]], mode: contextlib.AbstractContextManager[Any],
 ) -> list[list[tuple[float, ...]]]:
     """Per block, ``clock``'s advance across its forward in each of ``repeats`` no-grad forwards of the model."""
     deltas: list[list[tuple[float, ...]]] = [[] for _ in blocks]
@@ -325,9 +300,8 @@ def _block_deltas(
     def post(i: int) -> Callable[..., None]:
         return lambda *_: deltas[i].append(tuple(b - a for a, b in zip(starts.pop(i), clock())))
 
-    handles = [
-        h for i, b in enumerate(blocks) for h in (b.register_forward_pre_hook(pre(i)), b.register_forward_hook(post(i)))
-    ]
+    handles = [h for i, b in enumerate(blocks) for h in (b.register_forward_pre_hook(pre(i)),
+                                                          b.register_forward_hook(post(i)))]
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), mode:
             for _ in range(repeats):

@@ -25,7 +25,7 @@ import torch
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from savedhooks.passes import ReorderPass, is_backward_graph
+from savedhooks.passes import is_backward_graph, reorder_pass
 
 __all__ = ["REALIZED", "GraphRecorder", "fresh_backend", "recording_backend", "run_in_kernel_order"]
 
@@ -212,14 +212,11 @@ def recording_backend(backend: str) -> tuple[Callable[..., Any], GraphRecorder, 
     Raises:
         ValueError: another backend.
     """
-    if backend == "inductor":
-        # the backward as the hooks' placement orders it: the reorder pass also runs the loss head's
-        # weight-gradient matmul early (its input, the logits' gradient, then dies); torch's order held
-        # it to the end (gpt2: 15.3 of the 14.9 MiB modelled floor at size 1, where 13.1 was measured)
-        recorder = GraphRecorder(before=ReorderPass())
-        return fresh_backend(backend, config_patches={"post_grad_custom_post_pass": recorder}), recorder, True
-    recorder = GraphRecorder()
     if backend == "aot_eager":
+        recorder = GraphRecorder()
         compilers = {"fw_compiler": _keeping(recorder.forwards), "bw_compiler": _keeping(recorder.backwards)}
         return fresh_backend(backend, **compilers), recorder, False
-    raise ValueError(f"plan: backend must be 'inductor' or 'aot_eager', got {backend!r}")
+    # inductor: the backward as the plan's hooks will have it, ordered by the reorder pass (in torch's order
+    # gpt2's tied loss head ran its weight-gradient matmul last and held the logits' gradient to the end)
+    recorder = GraphRecorder(before=reorder_pass())
+    return fresh_backend(backend, config_patches={"post_grad_custom_post_pass": recorder}), recorder, True
