@@ -281,7 +281,12 @@ def fused_fp8_quantize(
 
 
 def fused_fp8_dequantize(
-    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype, block_size: int
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    block_size: int,
+    shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`fused_fp8_quantize`, in aten ops inductor fuses into the consumer.
 
@@ -294,9 +299,20 @@ def fused_fp8_dequantize(
         dtype: the float8 dtype of the codes.
         out_dtype: dtype of the result (the original tensor's).
         block_size: the block size used to quantize (only read for block scales).
+        shape: the contiguous shape the caller views the result as (the saved
+            tensor's, in memory order), or None. Where the scales tile the codes
+            evenly, the values are then computed in that shape, the codes and scales
+            viewed into it: inductor indexes a view of a graph input affinely, but
+            a view of a computed ``(blocks, block_size)`` result through
+            ``(i // block) * block + i % block``, which its C++ backend does not
+            simplify and leaves the consuming kernel scalar (the cnn's
+            ``(32, 128, 8, 8)`` convolution outputs, blocked across rows of 8: 2.7x
+            slower per decode, ``tests/test_fused_codec.py``). In eager mode the
+            expanded scales are a full-size copy: pass a shape only while tracing
+            for inductor.
 
     Returns:
-        ``(rows, cols)`` contiguous tensor of ``out_dtype``.
+        ``(rows, cols)`` contiguous tensor of ``out_dtype`` (``shape`` when given).
 
     Raises:
         ValueError: shapes or dtypes of codes and scale do not fit together, or
@@ -306,9 +322,12 @@ def fused_fp8_dequantize(
     if dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_dequantize: dtype must be one of {FP8_DTYPES}, got {dtype}")
     rows, cols = codes.shape
-    qf, inf = fp8_value(codes, dtype), _inf_code(codes.int(), dtype)
+    if shape is not None and _tiles(scale, cols, block_size):
+        expanded = scale.view(scale.shape[0], -1, 1).expand(rows, -1, cols // scale.shape[1])
+        return _dequantize(codes.view(shape), expanded.reshape(shape), dtype, out_dtype)
     if scale.shape[1] == 1:  # row or tensor scales broadcast as they are
-        return _rescale(qf, scale, out_dtype, inf).to(out_dtype)
+        return _dequantize(codes, scale, dtype, out_dtype)
+    qf, inf = fp8_value(codes, dtype), _inf_code(codes.int(), dtype)
     parts, start = [], 0  # block scales: one row of them for all rows, or one row per row
     for c0, c1, size in _segments(cols, "block", block_size):
         part, part_inf = (t[:, c0:c1].reshape(rows, -1, size) for t in (qf, inf))
@@ -317,4 +336,15 @@ def fused_fp8_dequantize(
         # cast each part: a join of float32 parts made inductor store them before the cast
         parts.append(_rescale(part, s, out_dtype, part_inf).to(out_dtype))
         start += groups
-    return _join(parts)
+    out = _join(parts)
+    return out if shape is None else out.view(shape)
+
+
+def _tiles(scale: torch.Tensor, cols: int, block_size: int) -> bool:
+    """Whether each scale covers whole, equal column ranges of every row (no short last block)."""
+    return scale.shape[1] == 1 or cols == scale.shape[1] * block_size
+
+
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
+    """``codes``' values times ``scale`` (broadcast against them), cast to ``out_dtype``."""
+    return _rescale(fp8_value(codes, dtype), scale, out_dtype, _inf_code(codes.int(), dtype)).to(out_dtype)

@@ -88,12 +88,12 @@ def test_fused_is_bit_exact_with_the_reference_under_inductor(case):
     q, scale = torch_fp8_quantize(x, dtype, granularity, block, pow2, seed)
 
     def roundtrip(x, codes, scale, seed):
-        return fused_fp8_quantize(x, dtype, granularity, block, pow2, seed), fused_fp8_dequantize(
-            codes, scale, dtype, in_dtype, block
-        )
+        # the decode in the codes' own shape and computed in a flat one (scales expanded when they tile)
+        decoded = [fused_fp8_dequantize(codes, scale, dtype, in_dtype, block, shape) for shape in (None, (x.numel(),))]
+        return fused_fp8_quantize(x, dtype, granularity, block, pow2, seed), *decoded
 
     compiled = torch.compile(roundtrip, backend="inductor", fullgraph=True)
-    ((got_q, got_scale), got), codes = run_and_get_code(compiled, x, q.view(torch.uint8), scale, seed)
+    ((got_q, got_scale), got, flat), codes = run_and_get_code(compiled, x, q.view(torch.uint8), scale, seed)
     if seed is not None and _hash_vectorizes(in_dtype):
         # the hash vectorizes too (a transformer step, as below, takes ~85 s to compile with it)
         quantizing = _quantize_kernels(codes[0])
@@ -104,6 +104,7 @@ def test_fused_is_bit_exact_with_the_reference_under_inductor(case):
         ik._same_bits("q", q.view(torch.uint8), got_q)
         or ik._same_bits("scale", scale, got_scale)
         or ik._same_bits("dequantized", want, got, nan_payloads=False)
+        or ik._same_bits("dequantized in a flat shape", want.view(-1), flat, nan_payloads=False)
     )
     assert problem is None, problem
 
@@ -310,3 +311,43 @@ def test_inductor_vectorizes_the_quantize_it_fuses():
     quantizing = _quantize_kernels(_step_code(transformer(1, 128), torch.randn(4, 96, 128), "fused")[0])
     assert quantizing, "no kernel writes fp8 codes"
     assert not _scalar(quantizing), f"quantize kernels not vectorized: {_scalar(quantizing)}"
+
+
+@pytest.mark.parametrize(
+    "shape, granularity, block, view",
+    [((6, 256), "block", 64, (3, 2, 16, 16)), ((5, 40), "row", 128, (200,)), ((16, 128), "block", 128, (4, 4, 128))],
+)
+def test_the_dequantize_in_the_saved_tensors_shape_is_bit_exact_under_inductor(shape, granularity, block, view):
+    """Scales that tile the codes (several rows, whole blocks) are expanded into ``view``: same bits as the reference."""
+    torch.manual_seed(0)
+    x = torch.randn(shape) * torch.logspace(-3, 3, shape[0]).unsqueeze(1)  # rows of different scales
+    q, scale = torch_fp8_quantize(x, E4M3, granularity, block, False)
+    decode = torch.compile(
+        lambda c, s: fused_fp8_dequantize(c, s, E4M3, torch.float32, block, view), backend="inductor"
+    )
+    got = decode(q.view(torch.uint8), scale)
+    assert got.shape == view
+    assert torch.equal(got, torch_fp8_dequantize(q, scale, torch.float32, block).view(view))
+
+
+def _dequantize_kernels(code: str) -> dict[str, str]:
+    """Inductor's C++ kernels that read fp8 codes (a ``const uint8_t*`` argument): name -> body."""
+    kernels = re.findall(
+        r"\n(cpp_fused\w*) = async_compile.cpp_pybinding\(\[([^\]]*)\], r?'''(.*?)'''", code, re.DOTALL
+    )
+    return {name: body for name, types, body in kernels if "'const uint8_t*'" in types}
+
+
+def test_inductor_vectorizes_the_dequantize_of_rows_blocked_across_rows():
+    """Rows of 8 values are quantized in blocks of 128 that span 16 rows.
+
+    Dequantized as ``(blocks, 128)`` and viewed back, inductor indexed the codes
+    through ``128 * (i // 128) + i % 128`` and left the consuming GELU-backward
+    kernel scalar; computed in the saved tensor's own shape it stays vectorized
+    (the benchmark's cnn: its ``(32, 128, 8, 8)`` convolution outputs).
+    """
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    decoding = _dequantize_kernels(_step_code(net, torch.randn(4, 32, 8, 8), "fused")[-1])
+    assert any("gelu" in name for name in decoding), f"no GELU-backward kernel reads codes: {list(decoding)}"
+    assert not _scalar(decoding), f"dequantize kernels not vectorized: {_scalar(decoding)}"

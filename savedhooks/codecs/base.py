@@ -263,9 +263,22 @@ def uses_fused(backend: str, x: torch.Tensor | None = None) -> bool:
     """
     if backend == FUSED:
         return True
-    if backend != "auto" or hook_context() is None or not _inductor_compiling():
+    if backend != "auto" or not inductor_traces():
         return False
     return x is None or not materializes_better(x)
+
+
+def inductor_traces() -> bool:
+    """Whether a hook runs while AOTAutograd traces it into a graph that inductor compiles.
+
+    Returns:
+        True when :func:`savedhooks.hook_context` is set and inductor's compile
+        is on the call stack.
+
+    Raises:
+        Nothing.
+    """
+    return hook_context() is not None and _inductor_compiling()
 
 
 def materializes_better(x: torch.Tensor) -> bool:

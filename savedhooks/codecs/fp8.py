@@ -28,6 +28,7 @@ from savedhooks.codecs.base import (
     Layout,
     check_backend,
     from_rows,
+    inductor_traces,
     innermost_size,
     to_rows,
     uses_fused,
@@ -104,11 +105,13 @@ class Float8(Codec):
     def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
         """Dequantize to the saved tensor's dtype, shape and strides, in the form that made the payload."""
         q, scale, dtype, layout, fused = payload
-        if fused:
-            rows = fused_fp8_dequantize(q, scale, self.dtype, dtype, self.block_size)
+        layout = Layout.from_constants(layout)
+        if fused:  # for inductor, computed in the saved tensor's shape: see fused_fp8_dequantize
+            shape = layout.shape if layout.shape and inductor_traces() else None
+            rows = fused_fp8_dequantize(q, scale, self.dtype, dtype, self.block_size, shape)
         else:
             rows = kernel_op("fp8_dequantize", uses_triton(self.backend, q))(q, scale, dtype, self.block_size)
-        return from_rows(rows, Layout.from_constants(layout))
+        return from_rows(rows, layout)
 
     def _groups_view(self, rows: torch.Tensor) -> torch.Tensor:
         """The 2-D view the kernel quantizes; same values, blocks laid out for fewer scales and chunking."""
