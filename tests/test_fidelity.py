@@ -58,6 +58,18 @@ def test_sensitivity_keys_name_compiled_nodes_and_groups_stay_within_individuall
     assert all(20 < g.only_db < 80 for g in report.groups)  # packed lossily, not broken
 
 
+def test_a_model_compiles_again_after_sensitivity():
+    """Its compiles would leave the model's code past dynamo's recompile limit: the next compile would run eagerly."""
+    blocks = [nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)) for _ in range(3)]
+    model, x = nn.Sequential(*blocks), torch.randn(256, 64)
+    report = sh.sensitivity(model, x, backend="aot_eager", individually=8, verbose=False)
+    assert report.backward_passes > torch._dynamo.config.recompile_limit
+    captured = torch._dynamo.utils.counters["stats"]["calls_captured"]
+    with sh.saved_tensors_hooks(sh.fp8()):
+        torch.compile(model, backend=sh.backend("aot_eager"))(x).sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["calls_captured"] > captured
+
+
 def test_sensitivity_rejects_bad_arguments():
     model, x, _ = _classifier(8)
     with pytest.raises(ValueError, match="individually"):

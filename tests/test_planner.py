@@ -7,6 +7,7 @@ import torch
 
 import savedhooks as sh
 from savedhooks.fidelity.select import SavedTensor
+from savedhooks.metrics import worst_sqnr
 from savedhooks.planner.census import GraphTimeline, step_timeline, timeline_of
 from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search
 
@@ -279,6 +280,57 @@ def test_plan_leaves_what_the_policy_keeps_out_of_its_choices():
     assert any(t.choice == "fp8" for t in planned.tensors)
 
 
+class _Cancels(torch.autograd.Function):
+    """Saves its input and subtracts 100 from it in the backward: fp8's error on values near 100 swamps the difference."""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return (h - 100.0).square()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        return grad * 2.0 * (h - 100.0)
+
+
+class _Offset(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.out = torch.nn.Linear(64, 96), torch.nn.Linear(96, 64)
+        with torch.no_grad():
+            self.inner.bias.add_(100.0)  # a parameter: the partitioner cannot recompute the offset
+
+    def forward(self, x):
+        return self.out(_Cancels.apply(self.inner(x)))
+
+
+def test_plan_with_min_sqnr_keeps_a_planted_sensitive_tensor_exact():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_mlp()[0][0], _Offset(), _mlp()[0][1])
+    x = torch.randn(512, 64)
+    _loss(model(x)).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    sqnr = {}
+    for limit in (None, 25.0):
+        torch._dynamo.reset()
+        planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager", blocks=(), min_sqnr_db=limit)
+        planned = planner.plan(planner.floor_bytes)
+        planted = [t for t in planned.tensors if t.shape == (512, 96) and t.op == "addmm"]
+        assert len(planted) == 1
+        _, grads = _measured_peak(model, x, planned.hooks)
+        sqnr[limit] = worst_sqnr(reference, dict(zip(reference, grads)))[0]
+        if limit is None:
+            assert planted[0].choice == "fp8"
+        else:
+            assert planted[0].choice == "keep"
+            assert any("lost fp8 or bf16" in line for line in planned.log)
+            assert any(t.choice == "fp8" for t in planned.tensors), "the rest is still packed"
+    assert sqnr[None] < 10
+    assert sqnr[25.0] >= 25
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
@@ -287,6 +339,9 @@ def test_plan_leaves_what_the_policy_keeps_out_of_its_choices():
         ({"budget_bytes": True}, TypeError, "must be an int"),
         ({"budget_bytes": 0}, ValueError, "must be positive"),
         ({"backend": "eager"}, ValueError, "'inductor' or 'aot_eager'"),
+        ({"min_sqnr_db": "25"}, TypeError, "min_sqnr_db must be a number"),
+        ({"min_sqnr_db": True}, TypeError, "min_sqnr_db must be a number"),
+        ({"min_sqnr_db": float("nan")}, ValueError, "min_sqnr_db must be finite"),
     ],
 )
 def test_plan_rejects_bad_input(kwargs, error, match):

@@ -194,7 +194,11 @@ def sensitivity(
             it is a scalar, else the mean square of its floating tensors.
         backend: a ``torch.compile`` backend (``"aot_eager"``: the saved tensors
             are those of the compiled graphs; ``"inductor"`` recompiles slowly),
-            or None for eager mode.
+            or None for eager mode. Under compile it ends with
+            ``torch._dynamo.reset()``: its compiles, one per selection of packed
+            tensors, would leave the model's code past dynamo's recompile
+            limit, and a later ``torch.compile`` of it would run eagerly.
+            Compile the model for training after it.
         individually: how many of the largest saved tensors are measured alone;
             the rest are grouped by producing op.
         seed: ``torch.manual_seed`` before every step (dropout draws the same).
@@ -237,6 +241,9 @@ def sensitivity(
             all_but_db, _ = worst_sqnr(reference, step(Selected(codec, keys, invert=True))[0])
             groups.append(SavedGroup(group, only_db, all_but_db, only_worst))
     model.zero_grad(set_to_none=True)
+    if backend is not None:
+        # its compiles fill dynamo's cache for the model's code past the recompile limit: a later compile would run eagerly
+        torch._dynamo.reset()
     groups.sort(key=lambda g: -math.inf if math.isnan(g.only_db) else g.only_db)
     report = Sensitivity(tuple(groups), all_db, all_worst, 2 + 2 * len(groups), codec)
     if verbose:

@@ -22,9 +22,12 @@ Design notes
   without a fake value), or that leaves nothing compiled (below DDP or FSDP2,
   dynamo compiles only user-code frames, and a checkpointed block's frames run
   eagerly), is skipped with a warning and a log line.
-* Not chosen yet: recompute policies other than "save matrix
-  products and attention", and a fidelity cost for lossy codecs (the policy's
-  keeps are respected instead).
+* Fidelity: the policy's keeps are never candidates. With ``min_sqnr_db``,
+  :mod:`savedhooks.planner.fidelity` also takes fp8 (and bf16, by an estimate)
+  away from the saved tensors that :func:`savedhooks.sensitivity` finds too
+  harmful packed alone; a limit, not a cost traded against time.
+* Not chosen yet: recompute policies other than "save matrix products and
+  attention".
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 
 import torch
 
+from savedhooks.planner.fidelity import FidelityLimit, check_min_sqnr, measure_limit
 from savedhooks.planner.recompute import FULL, SELECTIVE, block_seconds, check_mode, find_blocks, resolve_blocks
 from savedhooks.planner.result import Plan, check_budget
 from savedhooks.planner.survey import NotCompiledError, Survey, survey
@@ -63,6 +67,7 @@ class Planner:
         backend: str = "inductor",
         seed: int = 0,
         blocks: Sequence[str] | None = None,
+        min_sqnr_db: float | None = None,
     ) -> None:
         """Set up the planner; nothing is compiled until a survey is needed.
 
@@ -73,10 +78,13 @@ class Planner:
             backend: as for :func:`plan`.
             seed: as for :func:`plan`.
             blocks: as for :func:`plan`.
+            min_sqnr_db: as for :func:`plan`.
 
         Raises:
-            TypeError: ``model`` is not a module, or ``blocks`` is a string.
-            ValueError: ``backend`` is unknown or a block path names no submodule.
+            TypeError: ``model`` is not a module, ``blocks`` is a string, or
+                ``min_sqnr_db`` is not a number.
+            ValueError: ``backend`` is unknown, a block path names no submodule,
+                or ``min_sqnr_db`` is not finite.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -84,6 +92,10 @@ class Planner:
             raise ValueError(f"plan: backend must be 'inductor' or 'aot_eager', got {backend!r}")
         if isinstance(blocks, str):
             raise TypeError(f"plan: blocks must be a sequence of module paths, got the string {blocks!r}")
+        check_min_sqnr(min_sqnr_db)
+        self.min_sqnr_db = min_sqnr_db
+        self._limit: FidelityLimit | None = None
+        self._limited: dict[tuple[int, str], int] = {}  # units that lost a lossy option, per setting
         self.blocks = find_blocks(model) if blocks is None else tuple(blocks)
         resolve_blocks(model, self.blocks)  # a bad path fails here, before any compile
         self._args = (model, example_inputs, loss_fn, backend, seed)
@@ -120,8 +132,28 @@ class Planner:
             if k and mode not in self._block_seconds:
                 self._block_seconds[mode] = block_seconds(model, inputs, self.blocks, mode=mode)
             seconds = sum(self._block_seconds[mode][:k]) if k else 0.0
-            self._surveys[k, mode] = survey(model, inputs, loss_fn, backend, seed, self.blocks[:k], seconds, mode)
+            limit = None if self.min_sqnr_db is None else self.limit()  # first: its compiles end before the survey's
+            found = survey(model, inputs, loss_fn, backend, seed, self.blocks[:k], seconds, mode)
+            if limit is not None:
+                found, self._limited[k, mode] = limit.restrict(found)
+            self._surveys[k, mode] = found
         return self._surveys[k, mode]
+
+    def limit(self) -> FidelityLimit:
+        """The fidelity limit (:mod:`savedhooks.planner.fidelity`), measured once on the first call.
+
+        Returns:
+            A :class:`~savedhooks.planner.fidelity.FidelityLimit`.
+
+        Raises:
+            ValueError: the planner has no ``min_sqnr_db``.
+        """
+        if self.min_sqnr_db is None:
+            raise ValueError("Planner.limit: the planner was made without min_sqnr_db")
+        if self._limit is None:
+            model, inputs, loss_fn, backend, seed = self._args
+            self._limit = measure_limit(model, inputs, loss_fn, backend, seed, self.min_sqnr_db)
+        return self._limit
 
     def _usable(self) -> list[tuple[str, Survey]]:
         """The strategies' surveys by name; a setting that leaves no graphs, or unreadable ones, is skipped."""
@@ -179,6 +211,12 @@ class Planner:
             if best is None or candidate.seconds < best.seconds:
                 best = candidate
         assert best is not None  # the budget meets the least floor
+        setting = (len(best.recompute), best.recompute_mode if best.recompute else FULL)
+        if self.min_sqnr_db is not None:
+            log.append(
+                f"fidelity: {self._limited.get(setting, 0)} saved tensors lost fp8 or bf16 "
+                f"(packed alone below {self.min_sqnr_db:g} dB, measured by sh.sensitivity)"
+            )
         log.append(f"kept: {_name(len(best.recompute), best.recompute_mode)}, the least modelled time")
         chosen = dataclasses.replace(best, baseline_peak_bytes=baseline, floor_bytes=floor, log=(*best.log, *log))
         if verbose:
@@ -200,6 +238,7 @@ def plan(
     seed: int = 0,
     verbose: bool = False,
     blocks: Sequence[str] | None = None,
+    min_sqnr_db: float | None = None,
 ) -> Plan:
     """Choose which blocks to recompute (whole or selectively) and, per saved tensor, keep / bf16 / fp8 / bitmask / offload.
 
@@ -208,7 +247,8 @@ def plan(
     compiles and two training steps (gradients cleared, parameters unchanged),
     then the search. The choice minimizes the modelled time (codecs and
     recompute); what the policy keeps for fidelity (``sh.policy()``'s rules)
-    stays kept. Offload (to pinned host memory) is a choice for tensors on a
+    stays kept, and with ``min_sqnr_db`` what :func:`savedhooks.sensitivity`
+    finds too harmful in fp8 (or bf16) is not packed that way. Offload (to pinned host memory) is a choice for tensors on a
     GPU only (not yet run on one). To plan several budgets, keep a
     :class:`Planner`. Each survey ends with ``torch._dynamo.reset()`` (see
     :mod:`savedhooks.planner.survey`): plan before compiling anything else.
@@ -232,20 +272,26 @@ def plan(
             order; default: the children of the model's largest
             ``nn.ModuleList`` of one class (:func:`~savedhooks.planner.recompute.find_blocks`);
             ``()``: codecs only.
+        min_sqnr_db: None, or the least worst-parameter gradient SQNR (dB) that
+            packing one saved tensor lossily may cost: runs
+            :func:`savedhooks.sensitivity` (fp8) once first (``2 + 2 * groups``
+            compiled steps; :mod:`savedhooks.planner.fidelity`) and takes fp8
+            away where a tensor's is below it (bf16 where it is more than 24 dB
+            below). The limit is per tensor: errors of many packed tensors add.
 
     Returns:
         A :class:`Plan`: run it with ``plan.apply(model)`` (the recompute),
         then ``torch.compile`` inside ``sh.saved_tensors_hooks(plan.hooks)``.
 
     Raises:
-        TypeError: ``model`` is not a module, ``budget_bytes`` not an int, or
-            ``blocks`` a string.
+        TypeError: ``model`` is not a module, ``budget_bytes`` not an int,
+            ``blocks`` a string, or ``min_sqnr_db`` not a number.
         ValueError: ``budget_bytes`` is not positive, ``backend`` is unknown, a
-            block path names no submodule, or the output has no floating tensor
-            and no ``loss_fn``.
+            block path names no submodule, ``min_sqnr_db`` is not finite, or the
+            output has no floating tensor and no ``loss_fn``.
         NotCompiledError: the model did not compile (dynamo ran it eagerly).
         InfeasibleBudgetError: the budget is below the lowest peak reachable
             (the error names it).
     """
     check_budget(budget_bytes)
-    return Planner(model, example_inputs, loss_fn, backend, seed, blocks).plan(budget_bytes, verbose)
+    return Planner(model, example_inputs, loss_fn, backend, seed, blocks, min_sqnr_db).plan(budget_bytes, verbose)
