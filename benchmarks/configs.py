@@ -340,22 +340,24 @@ def memory_budget(fraction: float) -> Config:
                   f"partitioner recompute, activation_memory_budget={fraction:g}")
 
 
-def planner_for(workload: Workload, backend: str) -> sh.planner.Planner:
+def planner_for(workload: Workload, backend: str, min_sqnr_db: float | None = None) -> sh.planner.Planner:
     """A planner for the module the workload compiles (its model, or model and loss with ``compiled_loss``).
 
     Args:
         workload: the workload.
         backend: ``"inductor"`` or ``"aot_eager"``.
+        min_sqnr_db: the planner's fidelity limit (see :func:`savedhooks.plan`), or None.
 
     Returns:
         A :class:`sh.planner.Planner` (nothing surveyed yet).
 
     Raises:
-        ValueError: another backend.
+        ValueError: another backend, or a limit that is not finite.
     """
     if workload.compiled_loss:
-        return sh.planner.Planner(workload.with_loss(), workload.inputs, backend=backend)
-    return sh.planner.Planner(workload.model, workload.inputs, loss_fn=workload.loss_of, backend=backend)
+        return sh.planner.Planner(workload.with_loss(), workload.inputs, backend=backend, min_sqnr_db=min_sqnr_db)
+    model, inputs, loss_fn = workload.model, workload.inputs, workload.loss_of
+    return sh.planner.Planner(model, inputs, loss_fn=loss_fn, backend=backend, min_sqnr_db=min_sqnr_db)
 
 
 def _run_plan(workload: Workload, backend: str, plan: sh.Plan) -> Step:

@@ -12,7 +12,8 @@ under inductor (plain ``torch.compile``), with the loss compiled with the model
   measured activation peak (the issue's acceptance budget); a plan recomputes
   the blocks it chose (``plan.apply``) and packs with ``plan.hooks``;
 * ``plan <f>``: ``sh.plan`` at ``f`` of its modelled no-hook peak, and
-  ``plan floor`` at the lowest peak it can reach.
+  ``plan floor`` at the lowest peak it can reach; with ``--min-sqnr-db``, every
+  plan under that fidelity limit (``sh.plan(..., min_sqnr_db=...)``).
 
 Each row is measured as the main job measures (``benchmarks.run.measure``: one
 warm-up step, the peak of one step, the median of ``--repeats`` steps, the
@@ -62,6 +63,7 @@ def run_model(
     repeats: int,
     eager_loss: bool,
     device: str = "cpu",
+    min_sqnr_db: float | None = None,
 ) -> list[Row]:
     """Measure one model's rows (see the module docstring).
 
@@ -74,6 +76,7 @@ def run_model(
         eager_loss: run the loss eagerly instead of compiling it with the model.
         device: ``"cpu"``, or ``"cuda"`` (adds :data:`CUDA_ALTERNATIVES`; the
             plans may then offload).
+        min_sqnr_db: the plans' fidelity limit (``sh.plan(..., min_sqnr_db=...)``), or None.
 
     Returns:
         The rows, with ratios filled in.
@@ -87,7 +90,7 @@ def run_model(
     alternatives = ALTERNATIVES + (CUDA_ALTERNATIVES if device == "cuda" else ())
     rows = [_measured(workload, CONFIGS[c], device, repeats, reference) for c in alternatives]
     rows += [_measured(workload, memory_budget(f), device, repeats, reference) for f in memory_budgets]
-    planner = planner_for(workload, "inductor")
+    planner = planner_for(workload, "inductor", min_sqnr_db)
     checkpoint = next(r for r in rows if r.config == "checkpoint")
     budgets = {"checkpoint": int(checkpoint.activation_mib * MIB)}
     budgets |= {f"{f:g}": int(f * planner.baseline_bytes) for f in fractions}
@@ -97,7 +100,8 @@ def run_model(
             print(f"{name}: plan {label}: {budget / MIB:.1f} MiB is below the floor {planner.floor_bytes / MIB:.1f}")
             continue
         plan = planner.plan(budget)
-        print(f"{name}: plan {label}: " + "; ".join(line for line in plan.log if line.startswith(("recompute", "kept"))))
+        chosen = "; ".join(line for line in plan.log if line.startswith(("recompute", "kept", "fidelity")))
+        print(f"{name}: plan {label}: {chosen}")
         rows.append(_measured(workload, planned(label, plan), device, repeats, reference, plan.predicted_peak_bytes))
     return with_baselines(rows)
 
@@ -125,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eager-loss", action="store_true", help="run the loss eagerly (default: compiled with it)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where to run (cuda adds save_on_cpu and sh offload rows; default cpu)")
+    parser.add_argument("--min-sqnr-db", type=float, default=None,
+                        help="the plans' fidelity limit: sh.plan(..., min_sqnr_db=...) (default none)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for pareto.csv and pareto.png")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -133,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.models:
         rows += run_model(
-            name, args.size, args.fractions, args.memory_budgets, args.repeats, args.eager_loss, args.device
+            name, args.size, args.fractions, args.memory_budgets, args.repeats, args.eager_loss, args.device,
+            args.min_sqnr_db,
         )
     print(table(rows))
     csv = write_csv(rows, args.out / "pareto.csv")
