@@ -396,3 +396,18 @@ def test_a_planned_configuration_recomputes_the_plan_s_blocks_and_close_reverts_
     finally:
         step.close()
     assert not any("forward" in vars(workload.model.get_submodule(p)) for p in paths)
+
+
+def test_pareto_passes_its_fidelity_limit_to_the_planner(monkeypatch, tmp_path):
+    from benchmarks import pareto
+    from benchmarks.configs import planner_for
+
+    seen = []
+    monkeypatch.setattr(pareto, "run_model", lambda *args: seen.append(args[-1]) or [])
+    monkeypatch.setattr(pareto, "table", lambda rows: "")
+    monkeypatch.setattr(pareto, "write_csv", lambda rows, path: path)
+    monkeypatch.setattr(pareto, "plot_pareto", lambda rows, path, title: path)
+    assert pareto.main(["--models", "mlp", "--min-sqnr-db", "25", "--out", str(tmp_path)]) == 0
+    assert pareto.main(["--models", "mlp", "--out", str(tmp_path)]) == 0
+    assert seen == [25.0, None]
+    assert planner_for(make_workload("mlp", 0.25), "aot_eager", 25.0).min_sqnr_db == 25.0
