@@ -300,16 +300,19 @@ def fused_fp8_dequantize(
         out_dtype: dtype of the result (the original tensor's).
         block_size: the block size used to quantize (only read for block scales).
         shape: the contiguous shape the caller views the result as (the saved
-            tensor's, in memory order), or None. Where the scales tile the codes
-            evenly, the values are then computed in that shape, the codes and scales
-            viewed into it: inductor indexes a view of a graph input affinely, but
-            a view of a computed ``(blocks, block_size)`` result through
+            tensor's, in memory order), or None. Where a row of codes spans rows
+            of ``shape`` (its innermost size is not a multiple of ``cols``: rows
+            of 8 in blocks of 128) and the scales tile the codes evenly, the
+            values are computed in that shape, the codes and the expanded scales
+            viewed into it. Inductor indexes a view of a graph input affinely, but
+            such a view of a computed ``(blocks, block_size)`` result through
             ``(i // block) * block + i % block``, which its C++ backend does not
             simplify and leaves the consuming kernel scalar (the cnn's
-            ``(32, 128, 8, 8)`` convolution outputs, blocked across rows of 8: 2.7x
-            slower per decode, ``tests/test_fused_codec.py``). In eager mode the
-            expanded scales are a full-size copy: pass a shape only while tracing
-            for inductor.
+            ``(32, 128, 8, 8)`` convolution outputs, ``tests/test_fused_codec.py``).
+            Where the blocks align with the rows the view is affine already, and
+            the expanded scales measured a higher backward peak (a 4-layer MLP:
+            ``tests/test_passes.py``). In eager mode the expanded scales are a
+            full-size copy: pass a shape only while tracing for inductor.
 
     Returns:
         ``(rows, cols)`` contiguous tensor of ``out_dtype`` (``shape`` when given).
@@ -322,13 +325,23 @@ def fused_fp8_dequantize(
     if dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_dequantize: dtype must be one of {FP8_DTYPES}, got {dtype}")
     rows, cols = codes.shape
-    if shape is not None and _tiles(scale, cols, block_size):
+    if shape is not None and shape[-1] % cols and _tiles(scale, cols, block_size):
         expanded = scale.view(scale.shape[0], -1, 1).expand(rows, -1, cols // scale.shape[1])
         return _dequantize(codes.view(shape), expanded.reshape(shape), dtype, out_dtype)
     if scale.shape[1] == 1:  # row or tensor scales broadcast as they are
-        return _dequantize(codes, scale, dtype, out_dtype)
+        out = _dequantize(codes, scale, dtype, out_dtype)
+    else:
+        out = _dequantize_blocks(codes, scale, dtype, out_dtype, block_size)
+    return out if shape is None else out.view(shape)
+
+
+def _dequantize_blocks(
+    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype, block_size: int
+) -> torch.Tensor:
+    """Block scales (one row of them for all rows, or one row per row): each column segment rescaled, then joined."""
+    rows, cols = codes.shape
     qf, inf = fp8_value(codes, dtype), _inf_code(codes.int(), dtype)
-    parts, start = [], 0  # block scales: one row of them for all rows, or one row per row
+    parts, start = [], 0
     for c0, c1, size in _segments(cols, "block", block_size):
         part, part_inf = (t[:, c0:c1].reshape(rows, -1, size) for t in (qf, inf))
         groups = part.shape[1]
@@ -336,8 +349,7 @@ def fused_fp8_dequantize(
         # cast each part: a join of float32 parts made inductor store them before the cast
         parts.append(_rescale(part, s, out_dtype, part_inf).to(out_dtype))
         start += groups
-    out = _join(parts)
-    return out if shape is None else out.view(shape)
+    return _join(parts)
 
 
 def _tiles(scale: torch.Tensor, cols: int, block_size: int) -> bool:
