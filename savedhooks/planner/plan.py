@@ -57,6 +57,7 @@ class Planner:
         blocks: the module paths of the blocks a plan may recompute.
         strategies: the recompute settings tried, ``(k, mode)``: the first ``k``
             blocks, recomputed ``"selective"`` or ``"full"`` (``(0, "full")`` first).
+        min_sqnr_db: the fidelity limit (:mod:`savedhooks.planner.fidelity`), or None.
     """
 
     def __init__(
