@@ -96,7 +96,7 @@ class Planner:
         check_min_sqnr(min_sqnr_db)
         self.min_sqnr_db = min_sqnr_db
         self._limit: FidelityLimit | None = None
-        self._limited: dict[tuple[int, str], int] = {}  # units that lost a lossy option, per setting
+        self._limited: dict[tuple[int, str], int] = {}  # choices (units) that lost a lossy option, per setting
         self.blocks = find_blocks(model) if blocks is None else tuple(blocks)
         resolve_blocks(model, self.blocks)  # a bad path fails here, before any compile
         self._args = (model, example_inputs, loss_fn, backend, seed)
@@ -215,7 +215,7 @@ class Planner:
         setting = (len(best.recompute), best.recompute_mode if best.recompute else FULL)
         if self.min_sqnr_db is not None:
             log.append(
-                f"fidelity: {self._limited.get(setting, 0)} saved tensors lost fp8 or bf16 "
+                f"fidelity: {self._limited.get(setting, 0)} choices (plan keys) lost fp8 or bf16 "
                 f"(packed alone below {self.min_sqnr_db:g} dB, measured by sh.sensitivity)"
             )
         log.append(f"kept: {_name(len(best.recompute), best.recompute_mode)}, the least modelled time")
@@ -249,8 +249,8 @@ def plan(
     then the search. The choice minimizes the modelled time (codecs and
     recompute); what the policy keeps for fidelity (``sh.policy()``'s rules)
     stays kept, and with ``min_sqnr_db`` what :func:`savedhooks.sensitivity`
-    finds too harmful in fp8 (or bf16) is not packed that way. Offload (to pinned host memory) is a choice for tensors on a
-    GPU only (not yet run on one). To plan several budgets, keep a
+    finds too harmful in fp8 (or bf16) is not packed that way. Offload (to
+    pinned host memory) is a choice for tensors on a GPU only (not yet run on one). To plan several budgets, keep a
     :class:`Planner`. Each survey ends with ``torch._dynamo.reset()`` (see
     :mod:`savedhooks.planner.survey`): plan before compiling anything else.
 
