@@ -1,5 +1,6 @@
 """sh.plan: the search on hand-made timelines, the timeline of a step, and plans measured against the model."""
 
+import math
 import operator
 
 import pytest
@@ -278,6 +279,35 @@ def test_plan_leaves_what_the_policy_keeps_out_of_its_choices():
     assert "native_layer_norm" in {t.op for t in planned.tensors}
     assert all(t.shape[-1] != 1 for t in planned.tensors)
     assert any(t.choice == "fp8" for t in planned.tensors)
+
+
+def test_a_fidelity_limit_takes_lossy_options_away_by_signature_with_bf16_s_margin():
+    from savedhooks.planner.fidelity import BF16_MARGIN_DB, FidelityLimit
+    from savedhooks.planner.survey import Survey
+
+    def saved(key, op):
+        return SavedTensor(f"g0:{key}", op, (8, 8), torch.float32, 256)
+
+    options = (Option("keep", 256, 0.0), Option("bf16", 128, 1.0), Option("fp8", 72, 2.0), Option("offload", 0, 3.0))
+    ops = {"near": 25.0 - BF16_MARGIN_DB + 1, "far": 25.0 - BF16_MARGIN_DB - 1, "broken": math.nan, "fine": 30.0}
+    keys = [*ops, "unmeasured"]
+    found = Survey(
+        units=tuple(Unit(k, 256, ((0, 1, 256),), options) for k in keys),
+        saved={k: (saved(k, k),) for k in keys},
+        live=(256,),
+        backend="aot_eager",
+    )
+    limit = FidelityLimit(25.0, {(op, (8, 8), torch.float32): db for op, db in ops.items()})
+    restricted, lost = limit.restrict(found)
+    kept = {u.key: [o.name for o in u.options] for u in restricted.units}
+    assert kept == {
+        "near": ["keep", "bf16", "offload"],  # fp8 too harmful, bf16 within its margin
+        "far": ["keep", "offload"],
+        "broken": ["keep", "offload"],  # NaN gradients: nothing lossy
+        "fine": ["keep", "bf16", "fp8", "offload"],
+        "unmeasured": ["keep", "bf16", "fp8", "offload"],
+    }
+    assert lost == 3 and found.units[0].options == options  # the survey itself is unchanged
 
 
 class _Cancels(torch.autograd.Function):
