@@ -40,6 +40,7 @@ __all__ = [
     "backward_uses",
     "check_backend",
     "from_rows",
+    "inductor_traces",
     "innermost_size",
     "is_broadcast",
     "materializes_better",

@@ -6,8 +6,8 @@ Design notes
   :func:`savedhooks.sensitivity` once per planner, with fp8, on the model as it
   is (nothing recomputed), under the plan's backend: ``2 + 2 * groups``
   training steps, each a compile (the ``individually`` largest tensors alone,
-  the rest grouped by producing op), before any survey; it ends with
-  ``torch._dynamo.reset()``, as a survey does.
+  the rest grouped by producing op). Like a survey, it ends with
+  ``torch._dynamo.reset()``, so the order of the two does not matter.
 * A survey's saved tensor is matched to the report by its producing op, shape
   and dtype, not by its node name: a recompute setting renames the graphs'
   nodes, not these. A signature takes the worst "only this packed" SQNR of the

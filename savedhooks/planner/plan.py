@@ -133,10 +133,9 @@ class Planner:
             if k and mode not in self._block_seconds:
                 self._block_seconds[mode] = block_seconds(model, inputs, self.blocks, mode=mode)
             seconds = sum(self._block_seconds[mode][:k]) if k else 0.0
-            limit = None if self.min_sqnr_db is None else self.limit()  # first: its compiles end before the survey's
             found = survey(model, inputs, loss_fn, backend, seed, self.blocks[:k], seconds, mode)
-            if limit is not None:
-                found, self._limited[k, mode] = limit.restrict(found)
+            if self.min_sqnr_db is not None:
+                found, self._limited[k, mode] = self.limit().restrict(found)
             self._surveys[k, mode] = found
         return self._surveys[k, mode]
 
