@@ -113,6 +113,22 @@ def test_donated_inputs_are_freed_after_last_use():
     assert list(donated.live_after) == measured
 
 
+def test_a_device_named_without_index_is_the_graphs_device():
+    """Traced values say ``cuda:0``, and ``torch.device("cuda") != torch.device("cuda:0")``: "cuda" must
+    still count them (it counted nothing, a predicted peak of 0, until an H100 showed it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        gm = make_fx(lambda x, c: (torch.relu(x @ x.t()), c * 2))(torch.empty(32, 16, device="cuda"), torch.empty(8))
+    on_cuda = sh.memory.estimate_peak(gm, device="cuda:0")
+    assert on_cuda.peak_bytes == 32 * 16 * 4 + 2 * 32 * 32 * 4
+    for named in ("cuda", torch.device("cuda"), None):
+        estimate = sh.memory.estimate_peak(gm, device=named)
+        assert (estimate.device, estimate.peak_bytes) == (torch.device("cuda:0"), on_cuda.peak_bytes)
+    assert sh.memory.estimate_peak(gm, device="cpu").peak_bytes == 2 * 8 * 4
+    assert sh.memory.estimate_peak(gm, device="cuda:1").peak_bytes == 0
+
+
 def test_estimate_with_example_inputs_fills_fake_values():
     gm = torch.fx.symbolic_trace(lambda x: torch.relu(x @ x.t()))  # no meta["val"]
     with pytest.raises(ValueError, match="pass example inputs"):

@@ -215,7 +215,7 @@ def estimate_peak(
     if example_inputs:
         _propagate_fake_values(gm, example_inputs)
     memory = build_graph_memory(gm, donated)
-    device = _report_device(memory) if device is None else torch.device(device)
+    device = _report_device(memory) if device is None else _resolve_device(memory, device)
     during, after, sets = simulate(memory, device)
     step = max(range(len(during)), key=during.__getitem__) if during else 0
     at_peak = sorted((memory.buffers[b] for b in (sets[step] if sets else ())), key=lambda b: -b.nbytes)
@@ -303,6 +303,18 @@ def _report_device(memory: GraphMemory) -> torch.device:
     """The first non-CPU device holding a buffer, else CPU."""
     devices = {b.device for b in memory.buffers}
     return next((d for d in sorted(devices, key=str) if d.type != "cpu"), torch.device("cpu"))
+
+
+def _resolve_device(memory: GraphMemory, device: Any) -> torch.device:
+    """``device`` as the graph's buffers name it: ``"cuda"`` (no index) is the graph's first CUDA device.
+
+    ``torch.device("cuda") != torch.device("cuda:0")``, and traced values carry the index.
+    """
+    device = torch.device(device)
+    if device.index is not None:
+        return device
+    indexed = sorted({b.device for b in memory.buffers if b.device.type == device.type}, key=str)
+    return indexed[0] if indexed else device
 
 
 def _input_bytes(memory: GraphMemory, device: torch.device) -> int:

@@ -226,6 +226,6 @@ def _run_node(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[torch.fx.
 def _live_bytes(values: list[Any], device: torch.device) -> int:
     seen: dict[StorageWeakRef, int] = {}
     for t in tensor_storages(values):
-        if t.device == device:
+        if t.device == device or (device.index is None and t.device.type == device.type):  # "cuda" is any CUDA
             seen[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
     return sum(seen.values())
