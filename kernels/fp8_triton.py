@@ -153,8 +153,9 @@ def _fp8_code_stochastic(y, r, IS_E4M3: tl.constexpr):
 
 @triton.jit
 def _fp8_value(code, IS_E4M3: tl.constexpr):
-    """fp8 code -> float32, exact."""
-    negative = (code & 0x80) != 0
+    """fp8 code -> float32, exact; the sign is set as a bit (``-0.0`` stays negative: compiled Triton writes
+    ``-x`` as ``0 - x``, which is ``+0.0`` for ``x = 0``, as seen on an H100)."""
+    sign = (code & 0x80) << 24
     if IS_E4M3:
         e = (code >> 3) & 0xF
         m = code & 0x7
@@ -171,7 +172,7 @@ def _fp8_value(code, IS_E4M3: tl.constexpr):
         special_value = tl.where(m == 0, float("inf"), float("nan"))
     magnitude = tl.where(e == 0, tiny, bits.to(tl.float32, bitcast=True))
     magnitude = tl.where(special, special_value, magnitude)
-    return tl.where(negative, -magnitude, magnitude)
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
