@@ -295,10 +295,12 @@ def test_offload_on_cuda_gradients(inner):
         plain = train_step_grads(model, fn, x)
         off = train_step_grads(model, fn, x, sh.offload(inner, keep_needed_soon=False))
         for p, q in zip(plain, off):
-            if inner is None:
-                assert torch.equal(p, q)
-            else:
+            if inner is not None:
                 assert sh.sqnr(p, q) >= 25.0
+            elif backend == "inductor":  # the copies split inductor's fusions: float32 sums in another order
+                assert sh.sqnr(p, q) >= 100.0  # an H100 (torch 2.11) showed 6e-8 on one bias gradient
+            else:
+                assert torch.equal(p, q)
 
 
 # --- regressions from review ----------------------------------------------------------------
