@@ -209,7 +209,7 @@ def fp8_value(code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         magnitude = torch.where((code & 0x7F) == 0x7F, float("inf"), magnitude)  # the NaN codes carry +-inf
     else:
         magnitude = torch.where(e == exp_mask, torch.where(m == 0, float("inf"), float("nan")), magnitude)
-    return (magnitude.view(torch.int32) | ((code & 0x80) << 24)).view(torch.float32)  # -0.0 too (Triton's -x is 0 - x)
+    return torch.where((code & 0x80) != 0, -magnitude, magnitude)
 
 
 def _finite_amax_of_bits(x3: torch.Tensor) -> torch.Tensor:
