@@ -216,10 +216,43 @@ def _bf16_step_peak(hooks: sh.HookPair | None) -> int:
 def test_bf16_conv_batch_norm_step_peaks_no_higher_than_without_hooks():
     """The decomposed decode of a bf16 conv output, fused by inductor into the kernels that recompute
     batch norm in the backward, held float32 intermediates of the full shape there (measured 1.5x
-    of no hooks); the opaque op, which "auto" keeps for 16-bit tensors on the CPU, does not."""
+    of no hooks, 1.18x since the decode has fewer ops); the opaque op, which "auto" keeps for 16-bit
+    tensors on the CPU, does not."""
     plain = _bf16_step_peak(None)
     assert _bf16_step_peak(sh.policy()) <= plain
-    assert _bf16_step_peak(sh.policy(floating=sh.fp8(backend="fused"))) > 1.2 * plain  # why the rule exists
+    assert _bf16_step_peak(sh.policy(floating=sh.fp8(backend="fused"))) > 1.1 * plain  # why the rule exists
+
+
+def _code_reads(code: str) -> dict[str, int]:
+    """How many kernel calls of inductor's (CPU) code read each ``uint8`` buffer (the fp8 codes): name -> calls."""
+    reads: dict[str, int] = {}
+    for name, types in re.findall(r"\n(cpp_fused\w*) = async_compile.cpp_pybinding\(\[([^\]]*)\]", code):
+        types = [t.strip().strip("'") for t in types.split(",")]
+        for call in re.findall(rf"\n\s*{name}\(([^)]*)\)", code):
+            for arg, kind in zip(call.split(","), types):
+                if kind == "const uint8_t*":
+                    reads[arg.strip()] = reads.get(arg.strip(), 0) + 1
+    return reads
+
+
+@pytest.mark.parametrize(
+    "hooks", [sh.fp8(), sh.policy(), sh.policy(centered=sh.Centered())], ids=["fp8", "policy", "centered"]
+)
+def test_each_convolution_outputs_codes_are_read_by_one_backward_kernel(hooks):
+    """The decode is inlined into each backward kernel that reads the value, and inductor realizes
+    (CPU) a pointwise node of over 50 ops that has several readers. A heavier decode (centered: two
+    more ops) computed the ReLU masks (decode, batch norm, compare) up front in kernels of their
+    own, and each convolution output's codes were read twice: +8 MiB and about 2x the step on the
+    benchmark cnn at ``--size 8``."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model, x = _conv_bn_net(), torch.randn(32, 3, 16, 16)
+    fn = torch.compile(model, backend="inductor")
+    reads = _code_reads(run_and_get_code(lambda: train_step(model, fn, x, hooks))[1][-1])
+    convolutions = {name: n for name, n in reads.items() if name.startswith("convolution")}
+    assert len(convolutions) == 2, reads
+    assert all(n == 1 for n in convolutions.values()), reads
 
 
 def _gelu_mlp() -> torch.nn.Module:
@@ -264,8 +297,10 @@ def test_inductor_fuses_the_dequantize_into_the_gelu_backward_kernel():
     assert _gelu_backward_reads_codes(fused), fused
     assert not _gelu_backward_reads_codes(opaque)  # the check can fail: the op materializes a float tensor first
     assert "fp8_dequantize" not in fused and "fp8_dequantize" in opaque
-    # GELU's input is dequantized inside the kernel: one full-size float buffer fewer
-    assert _full_size_float_buffers(fused) == _full_size_float_buffers(opaque) - 1
+    # GELU's input is dequantized inside the kernel: one full-size float buffer fewer; and GELU's
+    # output, decoded for the weight's gradient in the kernel that sums the bias's, one more (a
+    # heavier decode was computed in a kernel of its own into a buffer of its own)
+    assert _full_size_float_buffers(fused) == _full_size_float_buffers(opaque) - 2
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
