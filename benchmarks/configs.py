@@ -20,9 +20,9 @@ given. ``sh policy``, ``sh + checkpoint`` and ``bf16 sh policy`` run
 codec for floating tensors, bitmasks for bool ones, and what its rules keep
 (normalization statistics, a narrow loss head, small tensors) as it is. The
 ``bf16*`` configurations run under bf16 autocast and are compared with the
-``bf16`` row; they and ``sh policy centered`` (the policy with
-``centered=sh.Centered()``, which differs from ``sh policy`` only under
-inductor: name ``--backends inductor`` too) run only when named with
+``bf16`` row; they and ``sh policy uncentered`` (the policy with
+``centered=None``, which differs from ``sh policy`` only under inductor, on
+batch norm inputs: name ``--backends inductor`` too) run only when named with
 ``--configs``.
 """
 
@@ -41,12 +41,12 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 import savedhooks as sh
 from benchmarks.models import Workload
 
-__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FLOAT8", "POLICY", "POLICY_CENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "planner_for", "torch_fp8_hooks"]
+__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "planner_for", "torch_fp8_hooks"]
 
 FLOAT8 = sh.Float8()  # the codec's configuration: the library default, e4m3 with block scales (128)
 CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8() returns it
 POLICY = sh.policy()  # the library's default policy (fp8 as above, bitmasks, statistics kept)
-POLICY_CENTERED = sh.policy(centered=sh.Centered())  # the same, batch norm inputs centered under inductor
+POLICY_UNCENTERED = sh.policy(centered=None)  # the same, batch norm inputs not centered under inductor
 TORCH_PATH_FLOAT8 = sh.Float8(granularity="row")  # what torch's own path (make_fx'd hooks) computes
 MEMORY_BUDGET = 0.5  # torch._functorch.config.activation_memory_budget for the "memory budget" configuration
 
@@ -262,9 +262,9 @@ def _savedhooks_policy(workload: Workload, backend: str) -> Step:
     return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(POLICY))
 
 
-def _savedhooks_policy_centered(workload: Workload, backend: str) -> Step:
-    """``sh.policy(centered=sh.Centered())`` inlined by torch, with torch's backend as it is."""
-    return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(POLICY_CENTERED))
+def _savedhooks_policy_uncentered(workload: Workload, backend: str) -> Step:
+    """``sh.policy(centered=None)`` inlined by torch, with torch's backend as it is."""
+    return _compiled(workload, backend, lambda: sh.saved_tensors_hooks(POLICY_UNCENTERED))
 
 
 def _savedhooks_reorder(workload: Workload, backend: str) -> Step:
@@ -448,8 +448,8 @@ CONFIGS: dict[str, Config] = {
         Config("python hooks", _python_hooks, True, False, "the codec as plain Python hooks (not inlined)"),
         Config("sh", _savedhooks_compiled, True, False, "savedhooks' codec inlined, torch's backend as it is"),
         Config("sh policy", _savedhooks_policy, True, False, "sh.policy() inlined, torch's backend as it is"),
-        Config("sh policy centered", _savedhooks_policy_centered, True, False,
-               "sh.policy(centered=sh.Centered()): batch norm inputs centered under inductor", in_default=False),
+        Config("sh policy uncentered", _savedhooks_policy_uncentered, True, False,
+               "sh.policy(centered=None): batch norm inputs packed as they are under inductor", in_default=False),
         Config("sh + reorder", _savedhooks_reorder, True, False, "savedhooks' codec inlined, sh.backend(...)"),
         Config("sh plan", _savedhooks_plan, True, False,
                "sh.plan halfway between its modelled no-hook peak and its floor (recompute and codecs)"),

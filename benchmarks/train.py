@@ -22,7 +22,7 @@ eager to aot_eager (the same model, data and initialization, a different
 rounding order), so no codec comparison meant anything.
 
 Configurations (``CONFIGS``): no hooks, ``sh.policy()``, ``sh.fp8()`` and
-``sh.fp8(rounding="stochastic")`` (and, when named, ``sh.policy(centered=sh.Centered())``,
+``sh.fp8(rounding="stochastic")`` (and, when named, ``sh.policy(centered=None)``,
 which differs from the policy only with ``--backend inductor``);
 the model compiled with ``--backend``
 (default aot_eager, which saves the tensors that inductor would and compiles in
@@ -60,7 +60,7 @@ CONFIGS: dict[str, Callable[[], Any] | None] = {
     "sh.policy()": sh.policy,
     "sh.fp8()": sh.fp8,
     "fp8 stochastic": lambda: sh.fp8(rounding="stochastic"),
-    "sh.policy(centered)": lambda: sh.policy(centered=sh.Centered()),
+    "sh.policy(uncentered)": lambda: sh.policy(centered=None),
 }
 DEFAULT_CONFIGS = ("no hooks", "sh.policy()", "sh.fp8()", "fp8 stochastic")  # run without --configs
 

@@ -217,12 +217,21 @@ def test_no_freed_dequantized_buffer_is_held_for_reuse():
 
     With the pool, a dequantized activation freed after its matmul stays
     allocated until a later buffer of the same size takes it over (the next
-    layer's); freed at its last use, the backward peak is 0.57x.
+    layer's); freed at its last use, the backward peak is 0.90x with the opaque
+    op, which makes each dequantized activation a buffer of its own. The
+    decomposed decode is fused into the kernels that read it; since it has fewer
+    ops (kernels/fp8_fused.py) inductor no longer computes it into a buffer of
+    its own here, and the pool costs nothing (it cost 1.76x before).
     """
     x = torch.randn(16, 64, 64)
-    _, bw_pool = measured_peaks(transformer(2, 64), "inductor", {"allow_buffer_reuse": True}, x, reorder=True)
-    _, bw_default = measured_peaks(transformer(2, 64), "inductor", None, x, reorder=True)
-    assert bw_default < 0.75 * bw_pool
+    peaks = {}
+    for backend in ("aten", "fused"):
+        hooks = sh.fp8(backend=backend)
+        _, pool = measured_peaks(transformer(2, 64), "inductor", {"allow_buffer_reuse": True}, x, True, hooks)
+        _, default = measured_peaks(transformer(2, 64), "inductor", None, x, True, hooks)
+        peaks[backend] = (default, pool)
+    assert peaks["aten"][0] < 0.95 * peaks["aten"][1], peaks
+    assert peaks["fused"][0] <= peaks["fused"][1], peaks
 
 
 @pytest.mark.usefixtures("_results_cache")
