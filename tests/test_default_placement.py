@@ -227,8 +227,9 @@ def test_no_freed_dequantized_buffer_is_held_for_reuse():
     peaks = {}
     for backend in ("aten", "fused"):
         hooks = sh.fp8(backend=backend)
-        _, pool = measured_peaks(transformer(2, 64), "inductor", {"allow_buffer_reuse": True}, x, True, hooks)
-        _, default = measured_peaks(transformer(2, 64), "inductor", None, x, True, hooks)
+        pool_on = {"allow_buffer_reuse": True}
+        _, pool = measured_peaks(transformer(2, 64), "inductor", pool_on, x, reorder=True, hooks=hooks)
+        _, default = measured_peaks(transformer(2, 64), "inductor", None, x, reorder=True, hooks=hooks)
         peaks[backend] = (default, pool)
     assert peaks["aten"][0] < 0.95 * peaks["aten"][1], peaks
     assert peaks["fused"][0] <= peaks["fused"][1], peaks

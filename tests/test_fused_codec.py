@@ -241,9 +241,9 @@ def _code_reads(code: str) -> dict[str, int]:
 def test_each_convolution_outputs_codes_are_read_by_one_backward_kernel(hooks):
     """The decode is inlined into each backward kernel that reads the value, and inductor realizes
     (CPU) a pointwise node of over 50 ops that has several readers. A heavier decode (the policy's
-    centered one: two more ops) computed the ReLU masks (decode, batch norm, compare) up front in kernels of their
-    own, and each convolution output's codes were read twice: +8 MiB and about 2x the step on the
-    benchmark cnn at ``--size 8``."""
+    centered one: two more ops) computed the ReLU masks (decode, batch norm, compare) up front in
+    kernels of their own, and each convolution output's codes were read twice: on the benchmark
+    cnn at ``--size 8``, 116.4 against 108.4 MiB and 2.10x against 1.23x compiled's step."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
