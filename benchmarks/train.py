@@ -31,6 +31,13 @@ and the CSV, and a PNG of the loss curves. Losses are compared with no hooks as
 ratios: ``final`` is the mean of the last 5 steps' losses, ``held-out`` the
 trained model's loss on 16 batches that no run trained on (eager, no hooks,
 ``eval()``: it measures the weights, not the hooks).
+
+``--seeds N`` repeats every run with seeds 0 .. N-1 (seed ``s`` draws other
+initial weights and another training stream; the held-out batches stay the
+same) and compares each run with no hooks at the same seed; a second table
+gives each configuration's comparison as the mean over seeds, with the lowest
+and highest. One seed's final loss averages only 5 batches, so it moves by
+more than a codec does (README, "Training evidence").
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ __all__ = ["CONFIGS", "DEFAULT_CONFIGS", "DEFAULT_LR", "LR", "TrainRow", "main",
 _LAST = 5  # steps averaged into the final loss
 _HELD_OUT = 16  # batches of the held-out loss
 _HELD_OUT_STEP = 1_000_000  # task seeds of the held-out batches start here (training uses 0, 1, ...)
+_SEED_STRIDE = 100_000  # seed s trains on the task seeds from s * _SEED_STRIDE (below the held-out ones)
 LR: dict[str, float] = {"vit": 3e-4}  # learning rate per model; the others use DEFAULT_LR
 DEFAULT_LR = 1e-3
 CONFIGS: dict[str, Callable[[], Any] | None] = {
@@ -72,6 +80,7 @@ class TrainRow:
     Attributes:
         model: benchmark model name.
         config: a key of :data:`CONFIGS`.
+        seed: the seed of the initial weights and of the training stream.
         steps: optimizer steps taken.
         first_loss: the first step's loss.
         final_loss: mean loss of the last 5 steps.
@@ -85,6 +94,7 @@ class TrainRow:
 
     model: str
     config: str
+    seed: int
     steps: int
     first_loss: float
     final_loss: float
@@ -100,6 +110,7 @@ class TrainRow:
 COLUMNS = (
     ("model", "model", "{}"),
     ("config", "config", "{}"),
+    ("seed", "seed", "{}"),
     ("steps", "steps", "{}"),
     ("first_loss", "first loss", "{:.4f}"),
     ("final_loss", "final loss", "{:.4f}"),
@@ -111,9 +122,9 @@ COLUMNS = (
 )
 
 
-def _task(workload, step: int) -> tuple[dict[str, torch.Tensor], Callable[[Any], torch.Tensor]]:
-    """Inputs and loss of one step of the model's task (see the module docstring), seeded by the step."""
-    g = torch.Generator().manual_seed(1000 + step)
+def _task(workload, step: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], Callable[[Any], torch.Tensor]]:
+    """Inputs and loss of one step of the model's task (see the module docstring), seeded by the step and seed."""
+    g = torch.Generator().manual_seed(1000 + seed * _SEED_STRIDE + step)
     ((key, example),) = workload.inputs.items()
     if key == "input_ids":
         return _language(key, example, g)
@@ -175,6 +186,7 @@ def train(
     lr: float | None = None,
     warmup: int = 20,
     clip: float | None = 1.0,
+    seed: int = 0,
 ) -> TrainRow:
     """Train one model with one configuration; see the module docstring.
 
@@ -187,28 +199,32 @@ def train(
         lr: AdamW learning rate after warmup; None: the model's (:data:`LR`, else :data:`DEFAULT_LR`).
         warmup: steps over which the learning rate rises linearly to ``lr`` (0: none).
         clip: the gradient norm is clipped to this before each step (None: no clipping).
+        seed: the initial weights' seed and the training stream's (0 to 9).
 
     Returns:
         A :class:`TrainRow` without the comparison columns (see :func:`compare`).
 
     Raises:
         KeyError: unknown model or configuration.
-        ValueError: ``steps`` < 1, ``lr`` or ``clip`` not positive, ``warmup`` negative.
+        ValueError: ``steps`` < 1 or more than 100000, ``lr`` or ``clip`` not positive, ``warmup`` negative,
+            ``seed`` outside 0 to 9.
     """
-    if steps < 1:
-        raise ValueError(f"train: steps must be >= 1, got {steps}")
+    if not 1 <= steps <= _SEED_STRIDE:
+        raise ValueError(f"train: steps must be from 1 to {_SEED_STRIDE}, got {steps}")
+    if not 0 <= seed < _HELD_OUT_STEP // _SEED_STRIDE:
+        raise ValueError(f"train: seed must be from 0 to {_HELD_OUT_STEP // _SEED_STRIDE - 1}, got {seed}")
     if (lr is not None and lr <= 0) or (clip is not None and clip <= 0) or warmup < 0:
         raise ValueError(f"train: lr and clip must be positive and warmup >= 0, got {lr}, {clip}, {warmup}")
     make_hooks = CONFIGS[config]
     torch._dynamo.reset()  # each run compiles its own model: earlier runs' graphs count toward the recompile limit
-    workload = make_workload(name, size)
+    workload = make_workload(name, size, seed=seed)
     model = workload.model
     fn = model if backend is None else torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=LR.get(name, DEFAULT_LR) if lr is None else lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
     losses = []
     for step in range(steps):
-        inputs, loss_of = _task(workload, step)
+        inputs, loss_of = _task(workload, step, seed)
         context = sh.saved_tensors_hooks(make_hooks()) if make_hooks else contextlib.nullcontext()
         with context:
             loss = loss_of(fn(**inputs))
@@ -221,7 +237,7 @@ def train(
         losses.append(float(loss.detach()))
     held_out = _held_out_loss(workload)
     return TrainRow(
-        name, config, steps, losses[0], _mean(losses[-_LAST:]), _mean(losses), held_out, losses=tuple(losses)
+        name, config, seed, steps, losses[0], _mean(losses[-_LAST:]), _mean(losses), held_out, losses=tuple(losses)
     )
 
 
@@ -230,7 +246,7 @@ def _mean(values: list[float]) -> float:
 
 
 def compare(rows: list[TrainRow]) -> list[TrainRow]:
-    """Fill the ``*_vs_no_hooks`` columns from each model's no-hook row.
+    """Fill the ``*_vs_no_hooks`` columns from the no-hook row of the same model and seed.
 
     Args:
         rows: rows from :func:`train`.
@@ -239,11 +255,11 @@ def compare(rows: list[TrainRow]) -> list[TrainRow]:
         The same rows, changed in place.
 
     Raises:
-        Nothing (a model without a no-hook row keeps empty columns).
+        Nothing (a model and seed without a no-hook row keep empty columns).
     """
-    base = {r.model: r for r in rows if r.config == "no hooks"}
+    base = {(r.model, r.seed): r for r in rows if r.config == "no hooks"}
     for r in rows:
-        b = base.get(r.model)
+        b = base.get((r.model, r.seed))
         if b is not None:
             r.final_vs_no_hooks = 100 * (r.final_loss / b.final_loss - 1)
             r.mean_vs_no_hooks = 100 * (r.mean_loss / b.mean_loss - 1)
@@ -260,6 +276,38 @@ def table(rows: list[TrainRow]) -> str:
     for r in rows:
         cells = [_cell(getattr(r, c[0]), c[2]) for c in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+_COMPARED = (("final_vs_no_hooks", "final"), ("mean_vs_no_hooks", "mean"), ("held_out_vs_no_hooks", "held-out"))
+
+
+def summary(rows: list[TrainRow]) -> str:
+    """Markdown table of each model and configuration over its seeds: the comparisons' mean, lowest and highest.
+
+    Args:
+        rows: rows after :func:`compare`; rows without a comparison are left out.
+
+    Returns:
+        One line per model and configuration other than no hooks, in first-seen
+        order: for each ``*_vs_no_hooks`` column, ``mean (lowest .. highest)``
+        over the seeds, in percent.
+
+    Raises:
+        Nothing.
+    """
+    groups: dict[tuple[str, str], list[TrainRow]] = {}
+    for r in rows:
+        if r.config != "no hooks" and r.final_vs_no_hooks is not None:
+            groups.setdefault((r.model, r.config), []).append(r)
+    heads = [f"{label} vs no hooks %: mean (lowest .. highest)" for _, label in _COMPARED]
+    lines = ["| model | config | seeds | " + " | ".join(heads) + " |", "|---|---|---:|" + "---:|" * len(heads)]
+    for (model, config), group in groups.items():
+        cells = []
+        for field, _ in _COMPARED:
+            values = [getattr(r, field) for r in group]
+            cells.append(f"{_mean(values):+.2f} ({min(values):+.2f} .. {max(values):+.2f})")
+        lines.append(f"| {model} | {config} | {len(group)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -285,12 +333,13 @@ def write_csv(rows: list[TrainRow], path: pathlib.Path) -> pathlib.Path:
 
 
 def plot(rows: list[TrainRow], path: pathlib.Path) -> pathlib.Path:
-    """Loss curves, one panel per model, one line per configuration."""
+    """Loss curves, one panel per model, one line per configuration (of the lowest seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r.seed == min(r.seed for r in rows)]
     models = list(dict.fromkeys(r.model for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 3.2), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -319,22 +368,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default: {DEFAULT_LR}, {LR})")
     parser.add_argument("--warmup", type=int, default=20, help="steps of linear learning-rate warmup")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: none)")
+    parser.add_argument("--seeds", type=int, default=1, help="runs per model and configuration, seeds 0 .. N-1")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmark_results"))
     args = parser.parse_args(argv)
+    if not 1 <= args.seeds <= _HELD_OUT_STEP // _SEED_STRIDE:
+        parser.error(f"--seeds must be from 1 to {_HELD_OUT_STEP // _SEED_STRIDE}, got {args.seeds}")
     backend = None if args.backend == "eager" else args.backend
     rows = []
     for model in args.models:
-        for config in args.configs:
-            rows.append(train(model, config, args.steps, args.size, backend, args.lr, args.warmup, args.clip or None))
-            print(
-                f"{model:6s} {config:16s} first {rows[-1].first_loss:.4f} final {rows[-1].final_loss:.4f}", flush=True
-            )
+        for seed in range(args.seeds):
+            for config in args.configs:
+                row = train(
+                    model, config, args.steps, args.size, backend, args.lr, args.warmup, args.clip or None, seed
+                )
+                rows.append(row)
+                print(
+                    f"{model:6s} {config:16s} seed {seed} first {row.first_loss:.4f} final {row.final_loss:.4f}",
+                    flush=True,
+                )
     compare(rows)
     print(
         f"\ntorch {torch.__version__}, backend {args.backend}, size {args.size}, {args.steps} steps, "
         f"AdamW lr {args.lr or f'{DEFAULT_LR}, {LR}'}, warmup {args.warmup}, clip {args.clip or 'none'}\n"
     )
     print(table(rows))
+    if args.seeds > 1:
+        print(f"\nOver seeds 0 .. {args.seeds - 1}:\n\n{summary(rows)}")
     print(f"\n{write_csv(rows, args.out / 'train.csv')}\n{plot(rows, args.out / 'train_loss.png')}")
     return 0
 

@@ -257,7 +257,39 @@ def test_train_learns_and_reports_each_configuration_against_no_hooks(tmp_path, 
     assert float(rows[0]["final_vs_no_hooks"]) == 0.0 == float(rows[0]["held_out_vs_no_hooks"])
     # the same data and init: fp8 changes the curve a little, not at all would mean no packing
     assert rows[0]["losses"] != rows[1]["losses"] and abs(float(rows[1]["final_vs_no_hooks"])) < 10
-    assert "| mlp | sh.fp8() | 12 |" in out and (tmp_path / "train_loss.png").stat().st_size > 0
+    assert "| mlp | sh.fp8() | 0 | 12 |" in out and (tmp_path / "train_loss.png").stat().st_size > 0
+
+
+def test_train_seeds_compare_each_run_with_no_hooks_at_its_own_seed(tmp_path, capsys):
+    from benchmarks import train
+
+    assert train.main(["--models", "mlp", "--configs", "no hooks", "sh.fp8()", "--steps", "3", "--size", "0.25",
+                       "--backend", "eager", "--seeds", "2", "--out", str(tmp_path)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    rows = list(csv.DictReader((tmp_path / "train.csv").open()))
+    assert [(r["config"], r["seed"]) for r in rows] == [("no hooks", "0"), ("sh.fp8()", "0"), ("no hooks", "1"), ("sh.fp8()", "1")]
+    # another seed: other weights and batches, so another first loss; each config starts from its seed's weights
+    assert rows[0]["first_loss"] != rows[2]["first_loss"]
+    assert rows[0]["first_loss"] == rows[1]["first_loss"] and rows[2]["first_loss"] == rows[3]["first_loss"]
+    for base, packed in ((rows[0], rows[1]), (rows[2], rows[3])):
+        expected = 100 * (float(packed["final_loss"]) / float(base["final_loss"]) - 1)
+        assert float(packed["final_vs_no_hooks"]) == pytest.approx(expected, abs=1e-9)
+    deltas = [float(rows[i]["final_vs_no_hooks"]) for i in (1, 3)]
+    summary = f"| mlp | sh.fp8() | 2 | {sum(deltas) / 2:+.2f} ({min(deltas):+.2f} .. {max(deltas):+.2f}) |"
+    assert summary in out and "| mlp | no hooks | 2 |" not in out
+
+
+def test_train_seed_zero_is_the_default_stream_and_seeds_do_not_reach_the_held_out_batches():
+    from benchmarks import train
+    from benchmarks.models import make_workload
+
+    workload = make_workload("mlp", 0.25)
+    assert torch.equal(train._task(workload, 5)[0]["x"], train._task(workload, 5, 0)[0]["x"])
+    assert not torch.equal(train._task(workload, 5)[0]["x"], train._task(workload, 5, 1)[0]["x"])
+    last = 1000 + 9 * train._SEED_STRIDE + train._SEED_STRIDE - 1  # seed 9, the last step allowed
+    assert last < 1000 + train._HELD_OUT_STEP
+    with pytest.raises(ValueError, match="seed"):
+        train.train("mlp", "no hooks", steps=1, seed=10)
 
 
 @pytest.mark.parametrize("kwargs", [{"steps": 0}, {"lr": 0.0}, {"clip": -1.0}, {"warmup": -1}])
