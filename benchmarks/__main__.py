@@ -58,7 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="use torch's inductor cache (default: a fresh one, so compile times are cold)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--compiled-loss", action="store_true",
-                        help="compile the loss with the model (default: eager loss on the compiled model's output)")  # fmt: skip
+                        help="compile the loss with the model (default: eager loss on the compiled model's output)")
+    parser.add_argument("--no-layout-optimization", action="store_true",
+                        help="every configuration with torch._inductor.config.layout_optimization = False (inductor's "
+                             "channels_last copies of convolution inputs and weights, kept for backward, pass through "
+                             "no saved-tensor hook)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.device == "cuda":
         import torch
@@ -102,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     import torch
+    import torch._inductor.config
 
     from benchmarks import report
     from benchmarks.run import run
@@ -112,10 +117,13 @@ def _run(args: argparse.Namespace) -> int:
         machine += f", {torch.cuda.get_device_name()}"
     heading = f"torch {torch.__version__}, {args.device}, {machine}, size {args.size:g}, {args.repeats} timed steps"
     heading += ", loss compiled with the model" if args.compiled_loss else ""
+    heading += ", inductor layout optimization off" if args.no_layout_optimization else ""
     print(heading, flush=True)
     start = time.perf_counter()
-    result = run(args.models, args.configs, args.backends, args.size, args.device, args.repeats,
-                 progress=not args.no_progress, compiled_loss=args.compiled_loss)  # fmt: skip
+    layout = {"layout_optimization": False} if args.no_layout_optimization else {}
+    with torch._inductor.config.patch(layout):
+        result = run(args.models, args.configs, args.backends, args.size, args.device, args.repeats,
+                     progress=not args.no_progress, compiled_loss=args.compiled_loss)  # fmt: skip
     elapsed = time.perf_counter() - start
     print()
     for name, description in result.descriptions.items():
