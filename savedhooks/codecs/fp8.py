@@ -117,9 +117,11 @@ class Float8(Codec):
         """The 2-D view the kernel quantizes; same values, blocks laid out for fewer scales and chunking."""
         if self.granularity != "block":
             return rows
-        # A narrow inner dim (C=3 channels_last) would pay a scale per few values:
-        # blocks run across rows instead. Moderately short rows keep their own scale.
-        if 8 * rows.shape[1] < self.block_size:
+        # A narrow inner dim (C=3 channels_last) would pay a scale per few values: blocks run
+        # across rows instead, when a row has fewer bytes than half a block has values (float32
+        # rows under block_size / 8 values, 16-bit rows under block_size / 4: the 4-byte scale
+        # would cost more than 1/16 of the row). Moderately short rows keep their own scale.
+        if 2 * rows.shape[1] * rows.element_size() < self.block_size:
             rows = rows.reshape(1, -1)
         # A row wider than a block but not a multiple of it would end in a short block, which
         # the decomposed dequantize joins to the rest with a cat: inductor then stores the whole
@@ -148,10 +150,12 @@ def fp8(
             ``torch.float8_e5m2`` (more range, max 57344).
         granularity: ``"tensor"`` (one scale), ``"row"`` (one per row of the
             innermost dim in memory) or ``"block"`` (1 x ``block_size`` tiles
-            along it; rows narrower than ``block_size / 8`` are blocked as one
-            flat row, and rows wider than a block but not a multiple of it run
-            on across row ends when the tensor's size is a multiple of
-            ``block_size``; otherwise a last block may be shorter).
+            along it; rows of fewer bytes than ``block_size / 2`` (float32
+            rows under ``block_size / 8`` values, bf16 / fp16 rows under
+            ``block_size / 4``) are blocked as one flat row, and rows wider
+            than a block but not a multiple of it run on across row ends when
+            the tensor's size is a multiple of ``block_size``; otherwise a
+            last block may be shorter).
         block_size: elements per block for ``"block"``.
         pow2_scale: round scales up to powers of two (re-quantizing an unpacked
             tensor then gives it back exactly).
