@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compiled-loss", action="store_true",
                         help="compile the loss with the model (default: eager loss on the compiled model's output)")  # fmt: skip
     parser.add_argument("--no-layout-optimization", action="store_true",
-                        help="every configuration with torch._inductor.config.layout_optimization = False (inductor's "
+                        help="run every configuration with torch._inductor.config.layout_optimization = False (inductor's "
                              "channels_last copies of convolution inputs and weights, kept for backward, pass through "
                              "no saved-tensor hook)")  # fmt: skip
     args = parser.parse_args(argv)
