@@ -61,6 +61,7 @@ _LAST = 5  # steps averaged into the final loss
 _HELD_OUT = 16  # batches of the held-out loss
 _HELD_OUT_STEP = 1_000_000  # task seeds of the held-out batches start here (training uses 0, 1, ...)
 _SEED_STRIDE = 100_000  # seed s trains on the task seeds from s * _SEED_STRIDE (below the held-out ones)
+_SEEDS = _HELD_OUT_STEP // _SEED_STRIDE  # seeds 0 .. _SEEDS - 1 fit below the held-out task seeds
 LR: dict[str, float] = {"vit": 3e-4}  # learning rate per model; the others use DEFAULT_LR
 DEFAULT_LR = 1e-3
 CONFIGS: dict[str, Callable[[], Any] | None] = {
@@ -211,8 +212,8 @@ def train(
     """
     if not 1 <= steps <= _SEED_STRIDE:
         raise ValueError(f"train: steps must be from 1 to {_SEED_STRIDE}, got {steps}")
-    if not 0 <= seed < _HELD_OUT_STEP // _SEED_STRIDE:
-        raise ValueError(f"train: seed must be from 0 to {_HELD_OUT_STEP // _SEED_STRIDE - 1}, got {seed}")
+    if not 0 <= seed < _SEEDS:
+        raise ValueError(f"train: seed must be from 0 to {_SEEDS - 1}, got {seed}")
     if (lr is not None and lr <= 0) or (clip is not None and clip <= 0) or warmup < 0:
         raise ValueError(f"train: lr and clip must be positive and warmup >= 0, got {lr}, {clip}, {warmup}")
     make_hooks = CONFIGS[config]
@@ -339,7 +340,8 @@ def plot(rows: list[TrainRow], path: pathlib.Path) -> pathlib.Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if r.seed == min(r.seed for r in rows)]
+    first_seed = min(r.seed for r in rows)
+    rows = [r for r in rows if r.seed == first_seed]
     models = list(dict.fromkeys(r.model for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 3.2), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -371,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=1, help="runs per model and configuration, seeds 0 .. N-1")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmark_results"))
     args = parser.parse_args(argv)
-    if not 1 <= args.seeds <= _HELD_OUT_STEP // _SEED_STRIDE:
-        parser.error(f"--seeds must be from 1 to {_HELD_OUT_STEP // _SEED_STRIDE}, got {args.seeds}")
+    if not 1 <= args.seeds <= _SEEDS:
+        parser.error(f"--seeds must be from 1 to {_SEEDS}, got {args.seeds}")
     backend = None if args.backend == "eager" else args.backend
     rows = []
     for model in args.models:
