@@ -15,6 +15,7 @@ import torch
 
 from benchmarks.__main__ import main, parse_args
 from benchmarks.configs import CONFIGS
+from benchmarks.inductor_order import replay
 from benchmarks.models import BIG_MODEL_CONFIGS, MODELS, make_workload
 from benchmarks.report import ABOVE, COLUMNS, read_csv, table, write_csv
 from benchmarks.run import ABOVE_TOLERANCE_MIB, Row, jobs, with_baselines
@@ -443,3 +444,38 @@ def test_pareto_passes_its_fidelity_limit_to_the_planner(monkeypatch, tmp_path):
     assert pareto.main(["--models", "mlp", "--out", str(tmp_path)]) == 0
     assert seen == [25.0, None]
     assert planner_for(make_workload("mlp", 0.25), "aot_eager", 25.0).min_sqnr_db == 25.0
+
+
+_WRAPPER = '''
+def call(self, args):
+    arg0_1, tangents_1 = args
+    args.clear()
+    buf0 = empty_strided_cpu((4, 4), (4, 1), torch.float32)
+    cpp_fused_0(arg0_1, buf0)
+    del arg0_1
+    buf1 = empty_strided_cpu((2, 8), (1, 2), torch.float32)
+    buf2 = reinterpret_tensor(buf0, (16, ), (1, ), 0); del buf0  # reuse
+    del buf2
+    del tangents_1
+    buf3 = empty_strided_cpu((4, 4), (8, 1), torch.int8)
+    return (buf1, buf3, )
+
+
+def get_args():
+    from torch._dynamo.testing import rand_strided
+    arg0_1 = rand_strided((4, 4), (4, 1), device='cpu', dtype=torch.float32)
+    tangents_1 = rand_strided((2, ), (1, ), device='cpu', dtype=torch.int64)
+    return [arg0_1, tangents_1]
+'''
+
+
+def test_inductor_order_replays_a_wrappers_allocations_and_frees():
+    run = replay(_WRAPPER)
+    assert run.input_bytes == 64 + 16
+    # buf0 (64) on top of the inputs is the peak: arg0_1 is freed before buf1 (16 floats by its strides)
+    assert run.peak_bytes == 80 + 64 and run.peak_line.startswith("buf0 =")
+    assert replay(_WRAPPER.replace("    del arg0_1\n", "")).peak_bytes == 80 + 64 + 64
+    # a reuse renames a buffer (its del frees it once); buf3 spans 3 * 8 + 3 + 1 bytes
+    assert replay(_WRAPPER.replace("    del buf2\n", "")).peak_bytes == 80 + 64 + 64 + 28 - 64
+    with pytest.raises(ValueError, match="no 'def call"):
+        replay("print(1)")
