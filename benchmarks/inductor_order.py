@@ -139,18 +139,18 @@ def _forced(order: str | None) -> Iterator[None]:
     from torch._inductor.virtualized import V
 
     original = memory.reorder_for_peak_memory
-    sorts = {"lpmf": None, "bfs": memory.topological_sort_bfs, "dfs": memory.topological_sort_dfs}
 
     def reorder(nodes, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs, **kwargs):
         kept = original(nodes, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs, **kwargs)
         if order is None or not V.graph.is_backward:
             return kept
-        planning = memory.prepare_planning_info(nodes, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs)
+        # the sorts read what planning attaches to the nodes
+        _, freeable = memory.prepare_planning_info(nodes, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs)
         if order == "given":
             return nodes
         if order == "lpmf":
-            return memory.topological_sort_lpmf(nodes, planning[1], name_to_buf, graph_outputs)
-        return sorts[order](nodes)
+            return memory.topological_sort_lpmf(nodes, freeable, name_to_buf, graph_outputs)
+        return {"bfs": memory.topological_sort_bfs, "dfs": memory.topological_sort_dfs}[order](nodes)
 
     memory.reorder_for_peak_memory = reorder
     try:
@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         SystemExit: bad arguments.
     """
+    from torch._inductor import config as inductor_config
+    from torch._inductor.graph import GraphLowering
+
     from benchmarks.__main__ import main as benchmark_main
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.inductor_order", description=__doc__.splitlines()[0])
@@ -178,9 +181,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="the order inductor keeps for backward graphs (default: its lowest estimate)")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     rest = [a for a in rest if a != "--"]
-    from torch._inductor import config as inductor_config
-    from torch._inductor.graph import GraphLowering
-
     capture = _Capture()
     logger = logging.getLogger("torch._inductor.memory")
     saved = logger.level, logger.propagate, GraphLowering.save_output_code
