@@ -30,13 +30,11 @@ import re
 import sys
 from collections.abc import Iterator
 
+import torch
+
 __all__ = ["Replay", "main", "replay"]
 
 _ORDERS = ("given", "lpmf", "bfs", "dfs")
-_DTYPE_BYTES = {
-    "float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "int16": 2,
-    "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-}
 _ALLOC = re.compile(r"^(\w+) = empty_strided_cpu\((\([^)]*\)), (\([^)]*\)), torch\.(\w+)\)")
 _REUSE = re.compile(r"^(\w+) = (?:reinterpret_tensor\()?(\w+)\b[^;]*; del (\w+)\s+# reuse")
 _INPUT = re.compile(r"(\w+) = rand_strided\((\([^)]*\)), (\([^)]*\)), device='cpu', dtype=torch\.(\w+)\)")
@@ -61,11 +59,14 @@ class Replay:
 
 
 def _nbytes(shape: str, stride: str, dtype: str) -> int:
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"replay: unknown dtype {dtype!r}")  # noqa: TRY004 - a bad name in the code's text
     dims = [int(x) for x in shape.strip("()").split(",") if x.strip()]
     steps = [int(x) for x in stride.strip("()").split(",") if x.strip()]
     if any(d == 0 for d in dims):
         return 0
-    return (1 + sum((d - 1) * s for d, s in zip(dims, steps, strict=True))) * _DTYPE_BYTES[dtype]
+    return (1 + sum((d - 1) * s for d, s in zip(dims, steps, strict=True))) * torch_dtype.itemsize
 
 
 def replay(code: str) -> Replay:
@@ -85,17 +86,12 @@ def replay(code: str) -> Replay:
     if not found:
         raise ValueError("replay: no 'def call(' in the code")
     body, _, tail = body.partition("def get_args")
-    try:
-        alive = {name: _nbytes(shape, stride, dtype) for name, shape, stride, dtype in _INPUT.findall(tail)}
-    except KeyError as e:
-        raise ValueError(f"replay: unknown dtype {e}") from e
+    alive = {name: _nbytes(shape, stride, dtype) for name, shape, stride, dtype in _INPUT.findall(tail)}
     current = inputs = sum(alive.values())
     peak, where = current, "inputs"
     for raw in body.splitlines():
         line = raw.strip()
         if match := _ALLOC.match(line):
-            if match[4] not in _DTYPE_BYTES:
-                raise ValueError(f"replay: unknown dtype {match[4]}")
             alive[match[1]] = _nbytes(match[2], match[3], match[4])
             current += alive[match[1]]
             if current > peak:
@@ -114,7 +110,8 @@ class _Capture(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
-        self.estimates: list[dict[str, int]] = []
+        self.estimates: list[dict[str, int]] = []  # one per backward graph
+        self._backward = False  # whether the estimates being logged are a backward graph's
         self.code: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -122,8 +119,10 @@ class _Capture(logging.Handler):
         if message.startswith("Reordering for peak memory"):
             from torch._inductor.virtualized import V
 
-            self.estimates.append({} if V.graph.is_backward else {"forward": 1})
-        elif (match := _ESTIMATE.match(message)) and self.estimates:
+            self._backward = V.graph.is_backward
+            if self._backward:
+                self.estimates.append({})
+        elif (match := _ESTIMATE.match(message)) and self._backward:
             self.estimates[-1]["given" if match[1] == "Baseline" else match[2]] = int(match[3])
 
     def keep_code(self, code: str) -> None:
@@ -200,13 +199,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(capture: _Capture, order: str | None) -> None:
-    estimates = [e for e in capture.estimates if e and "forward" not in e]
     print(f"\ninductor's backward graphs, in compile order (order kept: {order or 'the lowest estimate'}); MiB:")
     for i, code in enumerate(capture.code):
         run = replay(code)
         print(f"- backward {i}: generated code peaks at {run.peak_bytes / 2**20:.1f} "
               f"({run.input_bytes / 2**20:.1f} of it inputs)")
-    for i, estimate in enumerate(estimates):
+    for i, estimate in enumerate(capture.estimates):
         lowest = min(estimate, key=estimate.get)
         print(f"- backward {i}: inductor's estimates " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in estimate.items())
               + f"; lowest: {lowest}")
