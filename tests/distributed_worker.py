@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -78,10 +79,13 @@ def _wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
         return torch.nn.parallel.DistributedDataParallel(model)
     from torch.distributed.fsdp import fully_shard
 
+    # parameters stay unsharded from the forward to the backward (ZeRO-2): with the default
+    # resharding, whether a block's all-gathered parameters (50 KB) were still alive when the
+    # forward returned depended on timing, and the saved bytes moved by that much under load
     for module in list(model.modules()):
         if isinstance(module, TransformerBlock):
-            fully_shard(module)
-    return fully_shard(model)
+            fully_shard(module, reshard_after_forward=False)
+    return fully_shard(model, reshard_after_forward=False)
 
 
 def planned_step(model: torch.nn.Module, x: torch.Tensor, how: str) -> tuple[int, sh.Plan]:
@@ -110,8 +114,9 @@ def run(rank: int, world: int, port: int, how: str, out: str, configs: tuple[str
         port: a free TCP port on 127.0.0.1 for the rendezvous.
         how: ``"fsdp2"`` (``fully_shard`` per block and at the root) or ``"ddp"``.
         out: where rank 0 writes ``{"grads": {config: [grad per parameter]}, "saved": {config: bytes},
-            "plans": [each rank's plan as JSON]}`` (``torch.save``; bytes: what rank 0's forward left
-            alive for backward; plans: with the ``"planned"`` configuration).
+            "plans": [each rank's plan as JSON], "cpu_s": [each rank's CPU seconds]}`` (``torch.save``;
+            bytes: what rank 0's forward left alive for backward; plans: with the ``"planned"``
+            configuration).
         configs: from :data:`CONFIGS`, and ``"planned"`` (:func:`planned_step`).
 
     Returns:
@@ -139,8 +144,10 @@ def run(rank: int, world: int, port: int, how: str, out: str, configs: tuple[str
                 saved[config] = step(model, local, hooks_for(config))
             full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
             grads[config] = [g.detach().clone() for g in full]
+        cpu_s = [None] * world
+        dist.all_gather_object(cpu_s, time.process_time())  # this process's CPU seconds, imports included
         if rank == 0:
-            torch.save({"grads": grads, "saved": saved, "plans": plans}, out)
+            torch.save({"grads": grads, "saved": saved, "plans": plans, "cpu_s": cpu_s}, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
