@@ -205,6 +205,8 @@ def _report(capture: _Capture, order: str | None) -> None:
         print(f"- backward {i}: generated code peaks at {run.peak_bytes / 2**20:.1f} "
               f"({run.input_bytes / 2**20:.1f} of it inputs)")
     for i, estimate in enumerate(capture.estimates):
+        if not estimate:  # a reorder that logged no estimate
+            continue
         lowest = min(estimate, key=estimate.get)
         print(f"- backward {i}: inductor's estimates " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in estimate.items())
               + f"; lowest: {lowest}")
