@@ -18,14 +18,21 @@ Design notes
   mode (fake modes) and outside FX tracing (``make_fx`` runs the op's body on real
   tensors with its mode popped). Below the threshold one chunk of the
   reference is cheaper than the compiled call's guards.
-* How: ``torch.compile(dynamic=True, fullgraph=True)`` of each function, called
-  under ``no_grad`` with CPU autocast off, so the global-state guards never change
-  (nothing is recorded for backward, and autocast touches none of these ops). The
-  guard on the active saved-tensor hooks is dropped (``guard_filter_fn``): with
-  grad off nothing is saved, and entering ``savedhooks.saved_tensors_hooks`` must
-  not recompile these kernels. One compile serves every size; the codec's
-  constants (dtype, granularity, block size, rounding, a last short block) are
-  guarded, each a cache entry.
+* How: ``torch.compile(dynamic=True, fullgraph=True)`` of each function,
+  precompiled with ``aot_compile`` (torch's precompile API), called under
+  ``no_grad`` with CPU autocast off, so the global-state guards never matter
+  (nothing is recorded for backward, and autocast touches none of these ops); they
+  are dropped, as is the guard on the active saved-tensor hooks (with grad off
+  nothing is saved, and entering ``savedhooks.saved_tensors_hooks`` must not
+  recompile these kernels). One compile serves every size; the codec's constants
+  (dtype, granularity, block size, rounding, a last short block) are guarded, each
+  a variant (:class:`_Variants`), checked in order with the variant's own guards.
+  Why precompiled: a compiled function's entries live in dynamo's per-code cache,
+  which ``torch._dynamo.reset()`` empties; tracing the codec again then cost 2 to
+  3 s per variant on 2 cores, and test suites and benchmarks reset between cases.
+  The precompiled variants are ours and survive the reset. With
+  ``torch._inductor.config.force_disable_caches`` set, ``aot_compile`` refuses,
+  and the plain compiled function serves (dynamo's cache, reset as before).
 * A last short block (block scales, columns not a multiple of the block size):
   under dynamic shapes inductor joins the two column segments' codes with an aten
   ``cat``, which copies them. Rows then go in chunks of at most
@@ -167,17 +174,43 @@ def inductor_scratch_bytes(
 
 
 def _keep_guard(entry) -> bool:
-    # nothing is saved under no_grad: the active saved-tensor hooks cannot change the kernel
-    return entry.guard_type != "AUTOGRAD_SAVED_TENSORS_HOOKS"
+    # nothing is saved under no_grad, and every call runs in _steady_state: global state cannot change the kernel
+    return not entry.is_global and entry.guard_type != "AUTOGRAD_SAVED_TENSORS_HOOKS"
 
 
-def _drop_hooks_guard(entries) -> list[bool]:
+def _drop_global_guards(entries) -> list[bool]:
     return [_keep_guard(e) for e in entries]
 
 
+class _Variants:
+    """One function's precompiled variants (see the design notes): the first whose guards pass runs."""
+
+    def __init__(self, fn):
+        self.compiled = torch.compile(
+            fn, dynamic=True, fullgraph=True, options={"guard_filter_fn": _drop_global_guards}
+        )
+        self.variants = []
+
+    def __call__(self, *args):
+        if torch._inductor.config.force_disable_caches:  # aot_compile needs the caches
+            return self.compiled(*args)
+        for variant in self.variants:
+            if variant.guard_check(*args):
+                return variant.fn(*args)
+        if len(self.variants) >= RECOMPILE_LIMIT:
+            raise RuntimeError(f"savedhooks: {RECOMPILE_LIMIT} compiled variants of the fp8 codec, none fits")
+        # constants stay constants (a float argument would otherwise restart the analysis, which
+        # aot_compile does not do); no duck sizing, so a square first tensor is not a variant of its own
+        with torch._dynamo.config.patch(specialize_float=True), \
+                torch.fx.experimental._config.patch(use_duck_shape=False):  # fmt: skip
+            variant = self.compiled.aot_compile((args, {}))
+        self.variants.append(variant)
+        return variant.fn(*args)
+
+
 @functools.cache
-def _compiled(fn):
-    return torch.compile(fn, dynamic=True, fullgraph=True, options={"guard_filter_fn": _drop_hooks_guard})
+def _compiled(fn) -> _Variants:
+    return _Variants(fn)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
 from savedhooks.kernels import fp8_inductor
+from savedhooks.kernels.fp8_fused import fused_fp8_dequantize, fused_fp8_quantize
 from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
 from savedhooks.memory.scratch import _scratch  # peak above the outputs, measured
 
@@ -113,17 +114,38 @@ def test_the_compiled_form_serves_only_large_real_cpu_tensors_outside_compiles()
     assert fp8_inductor.uses_inductor(large)  # not turned off by a failed compile
 
 
+def _variants() -> int:
+    """Compiled variants of the codec's two functions in this process."""
+    return sum(len(fp8_inductor._compiled(fn).variants) for fn in (fused_fp8_quantize, fused_fp8_dequantize))
+
+
 def test_entering_the_hooks_does_not_recompile_the_compiled_form(every_size):
-    torch._dynamo.reset()
     x = torch.randn(64, 128)
-    QUANTIZE(x, E4M3, "row", 128, False)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    q, scale = QUANTIZE(x, E4M3, "row", 128, False)
+    DEQUANTIZE(q, scale, torch.float32, 128)
+    before = _variants()
     with sh.saved_tensors_hooks(sh.fp8()), torch.enable_grad():
         q, scale = QUANTIZE(x, E4M3, "row", 128, False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        DEQUANTIZE(q, scale, torch.float32, 128)  # compiles the dequantize once
         DEQUANTIZE(q, scale, torch.float32, 128)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    assert _variants() == before
+    DEQUANTIZE(q, scale, torch.bfloat16, 128)  # another output dtype is another variant
+    assert _variants() == before + 1
+
+
+def test_the_compiled_variants_outlive_a_dynamo_reset(every_size):
+    """Dynamo's reset (tests, benchmark rows) must not trace the codec again; without caches dynamo serves."""
+    x = torch.randn(64, 256)
+    want = QUANTIZE(x, E4M3, "block", 128, False)
+    before, graphs = _variants(), torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    got = QUANTIZE(x * 1, E4M3, "block", 128, False)
+    assert _variants() == before and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(want, got))
+    with torch._inductor.config.patch(force_disable_caches=True):  # aot_compile refuses: dynamo's cache serves
+        got = QUANTIZE(x, E4M3, "block", 128, False)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1 and _variants() == before
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(want, got))
 
 
 def test_a_failing_compile_warns_once_and_the_reference_serves(monkeypatch, every_size):
