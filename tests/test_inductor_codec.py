@@ -20,8 +20,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
 from savedhooks.kernels import fp8_inductor
-from savedhooks.kernels.fp8_fused import fused_fp8_dequantize, fused_fp8_quantize
 from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
+from savedhooks.kernels.fp8_fused import fused_fp8_dequantize, fused_fp8_quantize
 from savedhooks.memory.scratch import _scratch  # peak above the outputs, measured
 
 E4M3 = ik.E4M3
