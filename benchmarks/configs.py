@@ -444,8 +444,11 @@ CONFIGS: dict[str, Config] = {
         Config("no hooks", _no_hooks, False, False, "eager model, no hooks: the reference for gradient SQNR"),
         Config("sh eager", _savedhooks_eager, False, False, "eager model, savedhooks' fp8 codec (Python hooks)"),
         Config("compiled", _no_hooks, True, False, "torch.compile, no hooks: the reference for step time"),
-        Config("torch hooks", _torch_hooks, True, False, "torch's own path: fp8 (row scales) as make_fx'd graphs"),
-        Config("python hooks", _python_hooks, True, False, "the codec as plain Python hooks (not inlined)"),
+        # the two hook paths without savedhooks: --configs adds them (out of the default run, which must stay short)
+        Config("torch hooks", _torch_hooks, True, False, "torch's own path: fp8 (row scales) as make_fx'd graphs",
+               in_default=False),
+        Config("python hooks", _python_hooks, True, False, "the codec as plain Python hooks (not inlined)",
+               in_default=False),
         Config("sh", _savedhooks_compiled, True, False, "savedhooks' codec inlined, torch's backend as it is"),
         Config("sh policy", _savedhooks_policy, True, False, "sh.policy() inlined, torch's backend as it is"),
         Config("sh policy uncentered", _savedhooks_policy_uncentered, True, False,
