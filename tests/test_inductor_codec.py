@@ -129,8 +129,6 @@ def test_entering_the_hooks_does_not_recompile_the_compiled_form(every_size):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         DEQUANTIZE(q, scale, torch.float32, 128)
     assert _variants() == before
-    DEQUANTIZE(q, scale, torch.bfloat16, 128)  # another output dtype is another variant
-    assert _variants() == before + 1
 
 
 def test_the_compiled_variants_outlive_a_dynamo_reset(every_size):
