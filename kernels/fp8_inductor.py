@@ -45,9 +45,10 @@ Design notes
   nothing beyond the outputs but the quantize's per-group amax when a row has
   several groups, and with a last short block two chunks of codes
   (:func:`inductor_scratch_bytes`, what the memory model counts).
-* Failure: a compile that fails (no C++ compiler, dynamo's recompile limit, which
-  raises here instead of running the frame eagerly) turns this path off for the
-  process with one warning; the reference serves from then on.
+* Failure: a compile that fails (no C++ compiler, more than :data:`RECOMPILE_LIMIT`
+  variants, or dynamo's recompile limit without caches, which raises here instead
+  of running the frame eagerly) turns this path off for the process with one
+  warning; the reference serves from then on.
 """
 
 from __future__ import annotations
@@ -80,9 +81,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Cache entries per function: each codec variant (dtype, granularity, block size,
-# rounding, input dtype, a last short block) is one; dynamo's default of 8 is
-# reached by a handful of codecs in one process.
+# Compiled variants per function: each codec variant (dtype, granularity, block size,
+# rounding, input dtype, a last short block) is one (dynamo's cache entries when the
+# caches are off, whose default limit of 8 a handful of codecs reach in one process).
 RECOMPILE_LIMIT = 64
 # Elements from which the compiled form runs: one chunk of the reference
 # (``fp8._CHUNK_ELEMS``), below which the reference is a single pass of a few
