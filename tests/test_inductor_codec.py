@@ -146,6 +146,18 @@ def test_the_compiled_variants_outlive_a_dynamo_reset(every_size):
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(want, got))
 
 
+def test_past_the_variant_limit_the_path_turns_off_and_the_reference_serves(monkeypatch, every_size):
+    monkeypatch.setattr(fp8_inductor, "RECOMPILE_LIMIT", 0)  # no variant may be compiled
+    monkeypatch.setattr(fp8_inductor, "_compiled", fp8_inductor._Variants)  # fresh, empty lists
+    monkeypatch.setitem(fp8_inductor._state, "enabled", True)
+    x = torch.randn(64, 256)
+    with pytest.warns(RuntimeWarning, match="0 compiled variants"):
+        q, scale = QUANTIZE(x, E4M3, "block", 128, False)
+    assert not fp8_inductor.uses_inductor(x)
+    want_q, want_scale = torch_fp8_quantize(x, E4M3, "block", 128, False)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+
+
 def test_a_failing_compile_warns_once_and_the_reference_serves(monkeypatch, every_size):
     def broken(fn):
         def run(*args):
