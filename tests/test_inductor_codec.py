@@ -119,6 +119,11 @@ def _variants() -> int:
     return sum(len(fp8_inductor._compiled(fn).variants) for fn in (fused_fp8_quantize, fused_fp8_dequantize))
 
 
+def _same_bytes(got, want) -> bool:
+    """Whether two ``(q, scale)`` pairs hold the same bytes."""
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
+
+
 def test_entering_the_hooks_does_not_recompile_the_compiled_form(every_size):
     x = torch.randn(64, 128)
     q, scale = QUANTIZE(x, E4M3, "row", 128, False)
@@ -139,11 +144,11 @@ def test_the_compiled_variants_outlive_a_dynamo_reset(every_size):
     torch._dynamo.reset()
     got = QUANTIZE(x * 1, E4M3, "block", 128, False)
     assert _variants() == before and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(want, got))
+    assert _same_bytes(got, want)
     with torch._inductor.config.patch(force_disable_caches=True):  # aot_compile refuses: dynamo's cache serves
         got = QUANTIZE(x, E4M3, "block", 128, False)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1 and _variants() == before
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(want, got))
+    assert _same_bytes(got, want)
 
 
 def test_past_the_variant_limit_the_path_turns_off_and_the_reference_serves(monkeypatch, every_size):
@@ -152,10 +157,9 @@ def test_past_the_variant_limit_the_path_turns_off_and_the_reference_serves(monk
     monkeypatch.setitem(fp8_inductor._state, "enabled", True)
     x = torch.randn(64, 256)
     with pytest.warns(RuntimeWarning, match="0 compiled variants"):
-        q, scale = QUANTIZE(x, E4M3, "block", 128, False)
+        got = QUANTIZE(x, E4M3, "block", 128, False)
     assert not fp8_inductor.uses_inductor(x)
-    want_q, want_scale = torch_fp8_quantize(x, E4M3, "block", 128, False)
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+    assert _same_bytes(got, torch_fp8_quantize(x, E4M3, "block", 128, False))
 
 
 def test_a_failing_compile_warns_once_and_the_reference_serves(monkeypatch, every_size):
