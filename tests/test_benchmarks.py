@@ -34,6 +34,7 @@ def quick_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("benchmark_quick_run")
 def test_quick_run_writes_one_row_per_configuration(quick_run, capsys):
     rows = read_csv(quick_run / "benchmarks.csv")  # raises unless the header is Row's fields
     expected = {(name, "aot_eager" if CONFIGS[name].compiled else "eager") for name in QUICK_CONFIGS}
@@ -54,6 +55,7 @@ def test_quick_run_writes_one_row_per_configuration(quick_run, capsys):
     assert (quick_run / "timeline_mlp.png").stat().st_size > 0
 
 
+@pytest.mark.xdist_group("benchmark_quick_run")
 def test_saved_bytes_match_the_analytic_count(quick_run):
     rows = {r.config + "/" + r.backend: r for r in read_csv(quick_run / "benchmarks.csv")}
     width, batch, blocks, classes = 512, 1024, 4, 10  # models.mlp at --quick (size 0.5)

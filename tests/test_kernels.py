@@ -80,6 +80,7 @@ COMPILE = list(ik.compile_cases())
 
 
 @needs_triton
+@pytest.mark.xdist_group("triton_interpreter")
 @pytest.mark.parametrize("case", NUMERICS)
 def test_triton_is_bit_exact_with_aten_under_the_interpreter(case, interpreted_numerics):
     assert case in interpreted_numerics, "the checker did not run this case"
@@ -87,6 +88,7 @@ def test_triton_is_bit_exact_with_aten_under_the_interpreter(case, interpreted_n
 
 
 @needs_triton
+@pytest.mark.xdist_group("triton_interpreter")
 @pytest.mark.parametrize("case", COMPILE)
 def test_compiled_gradients_triton_equal_aten_under_the_interpreter(case, interpreted_compile):
     assert case in interpreted_compile, "the checker did not run this case"
