@@ -34,6 +34,10 @@ from savedhooks.hooks import (
     saved_tensors_hooks,
 )
 
+from savedhooks.torchfixes import set_up_dtype_propagation_once
+
+set_up_dtype_propagation_once()  # torch 2.13's inductor re-ran it per op generated (savedhooks.torchfixes)
+
 __version__ = "0.1.0"
 
 __all__ = [

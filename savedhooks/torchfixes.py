@@ -16,10 +16,23 @@ Design notes
   state is renamed after the k-th backward placeholder before the hook is
   inlined. Names carry no meaning at run time (outputs and inputs are matched by
   position), so the rename changes nothing but the assertion.
+* **Inductor's dtype-propagation handler sets itself up on every construction.**
+  ``torch._inductor.dtype_propagation.DtypePropagationOpsHandler`` is a singleton
+  (``__new__`` returns the one instance), but Python still runs its ``__init__``
+  each time, and that ``__init__`` installs a ``functools.partial`` per op rule
+  (about 200 ``setattr`` calls and a ``dir``). Inductor constructs it once per op
+  it generates code for: about 20,000 times for a 1-block transformer under
+  ``sh.fp8()``, whose decomposed codec adds ops to every kernel it lands in. Fixed
+  upstream (pytorch/pytorch#192820); for torch 2.13 :func:`set_up_dtype_propagation_once`
+  runs the set-up again only when torch's table of op rules differs from the one
+  it last ran with (a rule registered later, such as a new pointwise lowering).
+  Same attributes, same code generated; installed when savedhooks is imported,
+  so every compile in the process, with hooks or without, gets it.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -27,7 +40,7 @@ import torch.fx
 
 from savedhooks.contract import HookContext
 
-__all__ = ["align_rng_state_names", "rng_state_outputs"]
+__all__ = ["align_rng_state_names", "rng_state_outputs", "set_up_dtype_propagation_once"]
 
 _BACKWARD_STATE_PREFIX = "rng_state_output_"  # torch/_functorch/partitioners.py: functionalize_rng_ops
 
@@ -80,3 +93,38 @@ def align_rng_state_names(ctx: HookContext) -> None:
         return
     for state, placeholder in zip(forward, backward):
         state._rename(placeholder.name)
+
+
+def set_up_dtype_propagation_once() -> bool:
+    """Have inductor's ``DtypePropagationOpsHandler`` run its set-up only when its op rules changed (see notes).
+
+    Idempotent. Only for torch 2.13 (the fix is upstream after it); elsewhere
+    nothing is changed.
+
+    Returns:
+        True if the handler's ``__init__`` is (now) the once-only one.
+
+    Raises:
+        Nothing.
+    """
+    if not torch.__version__.startswith("2.13."):
+        return False
+    from torch._inductor import dtype_propagation
+    from torch._inductor import utils as inductor_utils
+
+    handler = dtype_propagation.DtypePropagationOpsHandler
+    if getattr(handler.__init__, "_savedhooks_once", False):
+        return True
+    set_up = handler.__init__
+
+    @functools.wraps(set_up)
+    def __init__(self) -> None:
+        rules = inductor_utils.op_dtype_propagation_rules
+        if self.__dict__.get("_savedhooks_rules") == rules:
+            return
+        set_up(self)
+        self._savedhooks_rules = dict(rules)
+
+    __init__._savedhooks_once = True
+    handler.__init__ = __init__
+    return True
