@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from filelock import FileLock
 
 from benchmarks.__main__ import main, parse_args
 from benchmarks.configs import CONFIGS
@@ -27,14 +28,17 @@ QUICK_CONFIGS = [c.name for c in CONFIGS.values()
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
-    argv = ["--quick", "--models", "mlp", "--backends", "aot_eager", "--no-progress", "--out", str(out)]
-    assert main([*argv, "--configs", *QUICK_CONFIGS]) == 0
+def quick_run(tmp_path_factory, worker_id):
+    """One quick run for all pytest-xdist workers (their shared base directory, under a lock), about 60 s."""
+    base = tmp_path_factory.getbasetemp()
+    out = (base if worker_id == "master" else base.parent) / "benchmark_quick_run"
+    with FileLock(f"{out}.lock"):
+        if not (out / "benchmarks.csv").exists():  # written last: a failed run leaves none
+            argv = ["--quick", "--models", "mlp", "--backends", "aot_eager", "--no-progress", "--out", str(out)]
+            assert main([*argv, "--configs", *QUICK_CONFIGS]) == 0
     return out
 
 
-@pytest.mark.xdist_group("benchmark_quick_run")
 def test_quick_run_writes_one_row_per_configuration(quick_run, capsys):
     rows = read_csv(quick_run / "benchmarks.csv")  # raises unless the header is Row's fields
     expected = {(name, "aot_eager" if CONFIGS[name].compiled else "eager") for name in QUICK_CONFIGS}
@@ -55,7 +59,6 @@ def test_quick_run_writes_one_row_per_configuration(quick_run, capsys):
     assert (quick_run / "timeline_mlp.png").stat().st_size > 0
 
 
-@pytest.mark.xdist_group("benchmark_quick_run")
 def test_saved_bytes_match_the_analytic_count(quick_run):
     rows = {r.config + "/" + r.backend: r for r in read_csv(quick_run / "benchmarks.csv")}
     width, batch, blocks, classes = 512, 1024, 4, 10  # models.mlp at --quick (size 0.5)
