@@ -1,4 +1,5 @@
-"""Shared fixtures: seeds, a fresh dynamo state per test, the one GPU marker, codec costs kept per session."""
+"""Shared fixtures: seeds, a fresh dynamo state per test, the one GPU marker, codec costs kept per session,
+a directory all pytest-xdist workers share."""
 
 import pytest
 import torch
@@ -28,3 +29,13 @@ def _codec_costs_per_session(tmp_path_factory):
     patch.setenv("SAVEDHOOKS_CACHE_DIR", str(tmp_path_factory.mktemp("savedhooks_cache")))
     yield
     patch.undo()
+
+
+@pytest.fixture(scope="session")
+def shared_tmp_dir(tmp_path_factory, worker_id):
+    """A directory that every pytest-xdist worker of this run sees (their common base; without xdist, the base).
+
+    For work that several tests share and that should be done once per run, not once per worker.
+    """
+    base = tmp_path_factory.getbasetemp()
+    return base if worker_id == "master" else base.parent

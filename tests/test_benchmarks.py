@@ -28,10 +28,9 @@ QUICK_CONFIGS = [c.name for c in CONFIGS.values()
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory, worker_id):
-    """One quick run for all pytest-xdist workers (their shared base directory, under a lock), about 60 s."""
-    base = tmp_path_factory.getbasetemp()
-    out = (base if worker_id == "master" else base.parent) / "benchmark_quick_run"
+def quick_run(shared_tmp_dir):
+    """One quick run for all pytest-xdist workers (in their shared directory, under a lock), about 60 s."""
+    out = shared_tmp_dir / "benchmark_quick_run"
     with FileLock(f"{out}.lock"):
         if not (out / "benchmarks.csv").exists():  # written last: a failed run leaves none
             argv = ["--quick", "--models", "mlp", "--backends", "aot_eager", "--no-progress", "--out", str(out)]

@@ -17,15 +17,14 @@ from savedhooks.passes import ReorderPass, has_hook_chains, is_backward_graph
 
 
 @pytest.fixture(scope="module")
-def _results_cache(tmp_path_factory, worker_id):
+def _results_cache(shared_tmp_dir):
     """One inductor cache for the tests that only read what the compiled step computes or allocates.
 
     The graphs they have in common compile once (about 40 s of CI on 2 cores); a test
     opts in with ``@pytest.mark.usefixtures("_results_cache")``. The directory is shared
     by all pytest-xdist workers (inductor writes its cache entries atomically).
     """
-    base = tmp_path_factory.getbasetemp()
-    cache = (base if worker_id == "master" else base.parent) / "default_placement_inductor_cache"
+    cache = shared_tmp_dir / "default_placement_inductor_cache"
     cache.mkdir(exist_ok=True)
     return cache
 
