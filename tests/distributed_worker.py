@@ -69,7 +69,9 @@ def step(model: torch.nn.Module, x: torch.Tensor, hooks: sh.HookPair | None) -> 
     forward()  # compiles
     losses.pop().backward()
     model.zero_grad(set_to_none=True)
-    saved = sh.memory.cpu_memory_trace(forward)[-1]
+    # the main thread's bytes only: gloo's worker threads copy each all-gather through a buffer of
+    # their own, and under load one freed after the trace stopped counted as held (50 KB under FSDP2)
+    saved = sh.memory.cpu_memory_trace(forward, calling_thread_only=True)[-1]
     losses.pop().backward()
     return saved
 
@@ -79,13 +81,10 @@ def _wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
         return torch.nn.parallel.DistributedDataParallel(model)
     from torch.distributed.fsdp import fully_shard
 
-    # parameters stay unsharded from the forward to the backward (ZeRO-2): with the default
-    # resharding, whether a block's all-gathered parameters (50 KB) were still alive when the
-    # forward returned depended on timing, and the saved bytes moved by that much under load
     for module in list(model.modules()):
         if isinstance(module, TransformerBlock):
-            fully_shard(module, reshard_after_forward=False)
-    return fully_shard(model, reshard_after_forward=False)
+            fully_shard(module)
+    return fully_shard(model)
 
 
 def planned_step(model: torch.nn.Module, x: torch.Tensor, how: str) -> tuple[int, sh.Plan]:

@@ -293,6 +293,63 @@ def test_measuring_on_cpu_prints_no_profiler_markers_and_keeps_other_stderr(capf
     assert capfd.readouterr().err == "a warning that matters\n"
 
 
+class _MemoryEvent:
+    """A kineto ``[memory]`` event as ``live_bytes`` reads it."""
+
+    def __init__(self, start_ns: int, thread: int, nbytes: int) -> None:
+        self._start_ns, self._thread, self._nbytes = start_ns, thread, nbytes
+
+    def name(self) -> str:
+        return "[memory]"
+
+    def device_type(self):
+        return torch._C._autograd.DeviceType.CPU
+
+    def start_ns(self) -> int:
+        return self._start_ns
+
+    def start_thread_id(self) -> int:
+        return self._thread
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+def test_live_bytes_of_one_thread_leave_out_a_buffer_another_thread_frees_after_the_trace():
+    from savedhooks.memory.measure import live_bytes
+
+    # thread 1 keeps 400 bytes; thread 2 (a gloo worker) copies through 1000 bytes whose free was not traced
+    events = [_MemoryEvent(0, 1, 400), _MemoryEvent(1, 2, 1000), _MemoryEvent(2, 1, 100), _MemoryEvent(3, 1, -100)]
+    assert [live for _, live in live_bytes(events)] == [400, 1400, 1500, 1400]
+    assert [live for _, live in live_bytes(events, thread=1)] == [400, 500, 400]
+    assert [live for _, live in live_bytes(events, thread=2)] == [1000]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="gloo")
+def test_a_trace_of_the_calling_thread_leaves_out_gloo_worker_threads(tmp_path):
+    import torch.distributed as dist
+
+    from savedhooks.memory.measure import kineto_events
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        x, kept = torch.randn(4096), []
+
+        def gather() -> None:
+            kept.append(torch.empty(4096))
+            dist.all_gather_into_tensor(kept[-1], x, async_op=True).wait()
+
+        every = [(e.start_thread_id(), e.nbytes()) for e in kineto_events(gather) if e.name() == "[memory]"]
+        caller = sh.memory.cpu_memory_trace(gather, calling_thread_only=True)
+    finally:
+        dist.destroy_process_group()
+    threads = {thread for thread, _ in every}
+    assert len(threads) > 1  # gloo's worker allocated its own copy of the input, on its own thread
+    ours = [nbytes for thread, nbytes in every if thread == every[0][0]]  # the caller allocates first: the output
+    assert len(caller) == len(ours) < len(every)
+    assert caller[-1] == sum(ours) == 4096 * 4  # what the call keeps: its output
+
+
 @pytest.mark.parametrize("op", ["quantize", "dequantize", "stochastic quantize"])
 def test_the_fp8_references_scratch_stays_under_256_kib_per_call(op):
     """Measured on CPU: the aten reference's temporaries on a 16 MiB tensor (its work is chunked by rows).

@@ -30,7 +30,7 @@ from savedhooks.memory.graph import tensor_storages
 __all__ = ["cpu_memory_trace", "kineto_events", "live_bytes", "measure_peak", "profile_graph"]
 
 
-def cpu_memory_trace(fn: Callable[[], Any]) -> list[int]:
+def cpu_memory_trace(fn: Callable[[], Any], *, calling_thread_only: bool = False) -> list[int]:
     """Run ``fn`` under the profiler; return CPU live bytes after each allocation event, in time order.
 
     Reads the raw kineto events: ``prof.events()`` folds an op's allocations into
@@ -38,6 +38,11 @@ def cpu_memory_trace(fn: Callable[[], Any]) -> list[int]:
 
     Args:
         fn: the call to trace.
+        calling_thread_only: count only what the thread that calls ``fn`` allocates
+            and frees. Other threads' events are recorded too (gloo's workers copy
+            each all-gather through a buffer of their own), and one whose free falls
+            after the profiler stops would count as held: to measure what a call
+            leaves alive, pass ``True``.
 
     Returns:
         Live bytes relative to the start, one entry per allocation or free.
@@ -45,14 +50,27 @@ def cpu_memory_trace(fn: Callable[[], Any]) -> list[int]:
     Raises:
         Whatever ``fn`` raises.
     """
-    return [live for _, live in live_bytes(kineto_events(fn))]
+    if not calling_thread_only:
+        return [live for _, live in live_bytes(kineto_events(fn))]
+
+    def marked() -> None:
+        with torch.profiler.record_function(_CALL_MARK):
+            fn()
+
+    events = kineto_events(marked)
+    (thread,) = {e.start_thread_id() for e in events if e.name() == _CALL_MARK}
+    return [live for _, live in live_bytes(events, thread=thread)]
 
 
-def live_bytes(events: list[Any]) -> list[tuple[int, int]]:
+_CALL_MARK = "savedhooks::measured_call"
+
+
+def live_bytes(events: list[Any], *, thread: int | None = None) -> list[tuple[int, int]]:
     """CPU live bytes after each allocation or free among kineto ``events``, in time order.
 
     Args:
         events: raw kineto events, as :func:`kineto_events` returns them.
+        thread: count only this kineto thread id's events (``start_thread_id()``); default all.
 
     Returns:
         ``(start_ns, live bytes relative to the first event)`` per CPU ``[memory]`` event.
@@ -61,7 +79,8 @@ def live_bytes(events: list[Any]) -> list[tuple[int, int]]:
         Nothing.
     """
     cpu = torch._C._autograd.DeviceType.CPU
-    memory = [e for e in events if e.name() == "[memory]" and e.device_type() == cpu]
+    memory = [e for e in events if e.name() == "[memory]" and e.device_type() == cpu
+              and thread in (None, e.start_thread_id())]  # fmt: skip
     live, timeline = 0, []
     for event in sorted(memory, key=lambda e: e.start_ns()):
         live += event.nbytes()
