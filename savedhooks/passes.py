@@ -58,6 +58,7 @@ __all__ = [
     "reorder_for_memory",
     "reorder_graph",
     "reorder_pass",
+    "unhook_names",
 ]
 
 _OUTPUT = "output"
@@ -294,11 +295,37 @@ def has_hook_chains(graph: torch.fx.Graph) -> bool:
     Raises:
         Nothing.
     """
-    for node in graph.nodes:
-        if node.op == "placeholder" and _HOOK_VALUE.search(node.name):
-            return True
-    output = graph.output_node() if graph.nodes else None
-    return output is not None and any(_HOOK_VALUE.search(n.name) for n in output.all_input_nodes)
+    return bool(_hook_values(graph))
+
+
+def unhook_names(graph: torch.fx.Graph) -> None:
+    """Give the values AOTAutograd named ``<saved>_hook_<i>`` their saved tensors' names back.
+
+    Under hooks whose pack returns its input (a census) the graphs are those
+    compiled without hooks but for these names; renamed, their nodes carry the
+    names that the hook context gave the saved tensors, and :func:`has_hook_chains`
+    is False.
+
+    Args:
+        graph: a forward or backward graph from AOTAutograd (renamed in place).
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing.
+    """
+    for node in _hook_values(graph):
+        node.name = _HOOK_VALUE.sub("", node.name)
+        if node.op == "placeholder":
+            node.target = node.name  # a placeholder's argument name
+
+
+def _hook_values(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    values = [n for n in graph.nodes if n.op == "placeholder" and _HOOK_VALUE.search(n.name)]
+    if graph.nodes:
+        values += [n for n in graph.output_node().all_input_nodes if _HOOK_VALUE.search(n.name)]
+    return values
 
 
 class ReorderPass(CustomGraphPass):

@@ -1,5 +1,6 @@
 """sh.plan: the search on hand-made timelines, the timeline of a step, and plans measured against the model."""
 
+import contextlib
 import math
 import operator
 
@@ -190,6 +191,41 @@ def _measured_peak(model, x, hooks, backend="aot_eager"):
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return peak, grads
+
+
+def _recorded(backend, census, unhook, recompute=()):
+    """The graphs one step records (code and inductor's kernel order), and the census it takes."""
+    from savedhooks.codecs import Policy
+    from savedhooks.fidelity.select import Census, keyed_run
+    from savedhooks.planner.recompute import checkpointed
+    from savedhooks.planner.recording import recording_backend
+
+    model, x = _mlp()
+    torch._dynamo.reset()
+    compiler, recorder, _ = recording_backend(backend, unhook=unhook)
+    hooks = sh.saved_tensors_hooks(Census(Policy()).hooks(), reorder=False) if census else contextlib.nullcontext()
+    with checkpointed(model, recompute, "full"), keyed_run() as run, hooks, recorder.kernel_order():
+        _loss(torch.compile(model, backend=compiler)(x)).backward()
+    torch._dynamo.reset()
+    graphs = [
+        (gm.graph.python_code("self").src, gm.meta.get("savedhooks_kernel_order"))
+        for gm in (*recorder.forwards, *recorder.backwards)
+    ]
+    return graphs, [t.key for t in run.census], recorder.forwards
+
+
+@pytest.mark.parametrize(("backend", "recompute"), [("aot_eager", ()), ("aot_eager", ("1",)), ("inductor", ())])
+def test_the_census_compile_records_the_graphs_of_a_compile_without_hooks(backend, recompute):
+    """The survey compiles once: under the census's hooks (they pack nothing), with the saved values' names back."""
+    plain, _, _ = _recorded(backend, census=False, unhook=False, recompute=recompute)
+    renamed, keys, forwards = _recorded(backend, census=True, unhook=True, recompute=recompute)
+    assert renamed == plain
+    # the census keys name saved values of the recorded forward graphs ("g<i>:<node>"), as the timeline keys them
+    graph_keys = [k.split(":") for k in keys if not k.startswith("eager:")]
+    assert graph_keys and all(name in {n.name for n in forwards[int(g[1:])].graph.nodes} for g, name in graph_keys)
+    # without the names given back they differ: AOTAutograd renames each saved value "<name>_hook_<i>"
+    hooked, _, _ = _recorded(backend, census=True, unhook=False, recompute=recompute)
+    assert hooked != plain
 
 
 def test_plan_meets_its_budget_and_the_measured_peak_is_the_predicted_one():

@@ -25,7 +25,7 @@ import torch
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from savedhooks.passes import is_backward_graph, reorder_pass
+from savedhooks.passes import is_backward_graph, reorder_pass, unhook_names
 
 __all__ = ["REALIZED", "GraphRecorder", "fresh_backend", "recording_backend", "run_in_kernel_order"]
 
@@ -34,18 +34,25 @@ class GraphRecorder(CustomGraphPass):
     """A post-grad pass that keeps inductor's forward and backward graphs (never cached: it must see every compile).
 
     ``before``, if given, is a post-grad pass run on each graph first (the reorder pass).
+    With ``unhook``, graphs compiled under hooks whose pack returns its input (the
+    planner's census) get their saved values' names back first
+    (:func:`savedhooks.passes.unhook_names`): they are then the graphs compiled
+    without hooks, and ``before`` treats them as such.
 
     Inside :meth:`kernel_order` it also keeps the order inductor's scheduler
     runs each graph's kernels in (see :func:`run_in_kernel_order`).
     """
 
-    def __init__(self, before: Callable[[torch.fx.Graph], None] | None = None) -> None:
+    def __init__(self, before: Callable[[torch.fx.Graph], None] | None = None, unhook: bool = False) -> None:
         self.forwards: list[torch.fx.GraphModule] = []
         self.backwards: list[torch.fx.GraphModule] = []
         self._last: torch.fx.GraphModule | None = None
         self._before = before
+        self.unhook = unhook
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.unhook:
+            unhook_names(graph)
         if self._before is not None:
             self._before(graph)
         gm = torch.fx.GraphModule(torch.nn.Module(), graph)
@@ -186,17 +193,19 @@ def fresh_backend(backend: str, **keywords: Any) -> Callable[..., Any]:
     raise ValueError(f"plan: backend must be 'inductor' or 'aot_eager', got {backend!r}")
 
 
-def _keeping(graphs: list[torch.fx.GraphModule]) -> Callable[..., Any]:
+def _keeping(graphs: list[torch.fx.GraphModule], unhook: bool) -> Callable[..., Any]:
     """An aot_eager graph compiler that appends each graph to ``graphs`` and runs it as aot_eager does."""
 
     def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        if unhook:
+            unhook_names(gm.graph)  # the code that runs is gm's, generated before
         graphs.append(gm)
         return boxed_nop(gm, example_inputs)
 
     return compiler
 
 
-def recording_backend(backend: str) -> tuple[Callable[..., Any], GraphRecorder, bool]:
+def recording_backend(backend: str, unhook: bool = False) -> tuple[Callable[..., Any], GraphRecorder, bool]:
     """A ``torch.compile`` backend that compiles as ``backend`` does and keeps its AOTAutograd graphs.
 
     A new backend object each call, so that dynamo compiles afresh instead of
@@ -204,6 +213,8 @@ def recording_backend(backend: str) -> tuple[Callable[..., Any], GraphRecorder, 
 
     Args:
         backend: ``"aot_eager"``, or ``"inductor"`` (graphs after its post-grad passes).
+        unhook: the compile runs under hooks whose pack returns its input: record
+            the graphs as compiled without hooks (see :class:`GraphRecorder`).
 
     Returns:
         ``(backend, recorder, fused)``: ``recorder`` fills as graphs compile;
@@ -213,10 +224,13 @@ def recording_backend(backend: str) -> tuple[Callable[..., Any], GraphRecorder, 
         ValueError: another backend.
     """
     if backend == "aot_eager":
-        recorder = GraphRecorder()
-        compilers = {"fw_compiler": _keeping(recorder.forwards), "bw_compiler": _keeping(recorder.backwards)}
+        recorder = GraphRecorder(unhook=unhook)
+        compilers = {
+            "fw_compiler": _keeping(recorder.forwards, unhook),
+            "bw_compiler": _keeping(recorder.backwards, unhook),
+        }
         return fresh_backend(backend, **compilers), recorder, False
     # inductor: the backward as the plan's hooks will have it, ordered by the reorder pass (in torch's order
     # gpt2's tied loss head ran its weight-gradient matmul last and held the logits' gradient to the end)
-    recorder = GraphRecorder(before=reorder_pass())
+    recorder = GraphRecorder(before=reorder_pass(), unhook=unhook)
     return fresh_backend(backend, config_patches={"post_grad_custom_post_pass": recorder}), recorder, True

@@ -2,14 +2,19 @@
 
 Design notes
 ------------
-* The survey runs one training step (forward, loss, backward; no optimizer
-  step) twice, with the same inputs and random state:
-  1. the census: the model compiled with the target backend under
-     ``Census(Policy())`` hooks lists the saved tensors the policy would pack
-     (the candidates; what the policy keeps stays kept) with their keys;
-  2. the timeline: the model compiled again without hooks, its AOTAutograd
-     graphs kept (:func:`savedhooks.planner.recording.recording_backend`) and laid
-     end to end by the memory model (:func:`~savedhooks.planner.census.step_timeline`).
+* The survey compiles the model once, with the target backend, and runs one
+  training step (forward, loss, backward; no optimizer step):
+  1. the census: under ``Census(Policy())`` hooks, which pack nothing, it lists
+     the saved tensors the policy would pack (the candidates; what the policy
+     keeps stays kept) with their keys;
+  2. the timeline: the step's AOTAutograd graphs, kept
+     (:func:`savedhooks.planner.recording.recording_backend`) and laid end to end
+     by the memory model (:func:`~savedhooks.planner.census.step_timeline`). Hooks
+     that pack nothing leave the graphs as they are without hooks but for the
+     names of the saved values, which the recording gives back
+     (:func:`savedhooks.passes.unhook_names`): a second compile without hooks
+     would cost as much again for the same graphs (``tests/test_planner.py``
+     compares them).
   Planning a budget is then the search alone (:mod:`savedhooks.planner.search`):
   the choice is modelled, not measured.
 * Blocks that a setting recomputes are checkpointed during both steps
@@ -57,7 +62,7 @@ from savedhooks.memory.sizes import tensor_nbytes
 from savedhooks.planner.census import GraphTimeline, StepTimeline, key_of_saved, step_timeline, timeline_of
 from savedhooks.planner.costs import seconds_per_byte
 from savedhooks.planner.recompute import FULL, block_seconds, checkpointed
-from savedhooks.planner.recording import fresh_backend, recording_backend
+from savedhooks.planner.recording import recording_backend
 from savedhooks.planner.result import CODECS, Plan, PlannedTensor, check_budget
 from savedhooks.planner.search import Option, Unit, search
 
@@ -234,10 +239,9 @@ def survey(
 ) -> Survey:
     """Census the saved tensors and model the step's memory, once, to plan for any budget.
 
-    Compiles the model twice (a census of the saved tensors under hooks that pack
-    nothing, then without hooks, its graphs kept for the memory model) and runs
-    one training step each time; the model's gradients are cleared, its
-    parameters unchanged. Calibrates each codec's time once per process.
+    Compiles the model once and runs one training step, under hooks that pack
+    nothing (a census of the saved tensors), its graphs kept for the memory
+    model; the model's gradients are cleared, its parameters unchanged. Calibrates each codec's time once per process.
 
     Args:
         model: as for :func:`savedhooks.plan` (the survey compiles it).
@@ -263,7 +267,7 @@ def survey(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
-    recording, recorder, fused = recording_backend(backend)
+    recording, recorder, fused = recording_backend(backend, unhook=True)
     loss_fn = loss_fn or default_loss
     # every compile must trace (the census runs inside tracing): no dynamo, AOTAutograd or FX graph cache hits
     recompute = tuple(recompute)
@@ -277,9 +281,8 @@ def survey(
         torch._inductor.config.patch(fx_graph_cache=False),
     ):
         try:
-            with keyed_run() as run, saved_tensors_hooks(Census(Policy()).hooks(), reorder=False):
-                _step(torch.compile(model, backend=fresh_backend(backend)), model, example_inputs, loss_fn, seed)
-            with recorder.kernel_order():
+            census = saved_tensors_hooks(Census(Policy()).hooks(), reorder=False)
+            with keyed_run() as run, census, recorder.kernel_order():
                 output = _step(torch.compile(model, backend=recording), model, example_inputs, loss_fn, seed)
         finally:
             # every survey adds cache entries for the model's frames, under backends used once; past
