@@ -15,6 +15,7 @@ Design notes
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Collection
 from typing import Any
 
@@ -96,6 +97,22 @@ def tensor_storages(value: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+def _value_of_getitems(node: torch.fx.Node) -> tuple[Any, ...] | None:
+    """A tuple-valued node without ``meta["val"]``, read from its ``getitem`` users' values (None if it cannot be).
+
+    AOTAutograd leaves none on the higher-order ops that a checkpointed random
+    op becomes (``run_and_save_rng_state``, ``run_with_rng_state``); each output
+    it returns is read through a ``getitem`` that has one. An output nothing
+    reads is left out (None).
+    """
+    items: dict[int, Any] = {}
+    for user in node.users:
+        if user.target is not operator.getitem or not isinstance(user.args[1], int) or "val" not in user.meta:
+            return None
+        items[user.args[1]] = user.meta["val"]
+    return tuple(items.get(i) for i in range(max(items) + 1)) if items else None
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return size_hint(t.untyped_storage().nbytes())
 
@@ -142,9 +159,10 @@ def build_graph_memory(
             for arg in node.all_input_nodes:
                 output_buffers |= node_buffers.get(arg, set())
             continue
-        if "val" not in node.meta and node.users and node.op != "get_attr":
+        value = node.meta["val"] if "val" in node.meta else _value_of_getitems(node)
+        if value is None and node.users and node.op != "get_attr":
             raise ValueError(f"node {node.name} has no meta['val']: pass example inputs to fill it")
-        tensors = tensor_storages(node.meta.get("val"))
+        tensors = tensor_storages(value)
         mine: set[int] = set()
         new: list[int] = []
         for t in tensors:

@@ -17,11 +17,12 @@ Design notes
   strategy reached and why the kept one won.
 * Floors are not monotone in ``k``: a recomputed block's backward materializes
   its whole forward again, so the floor is the least over the strategies.
-* A recompute setting whose graphs the memory model cannot read (under
-  aot_eager, checkpointed random ops leave ``run_and_save_rng_state`` nodes
-  without a fake value), or that leaves nothing compiled (below DDP or FSDP2,
-  dynamo compiles only user-code frames, and a checkpointed block's frames run
-  eagerly), is skipped with a warning and a log line.
+* A recompute setting whose graphs the memory model cannot read, or that
+  leaves nothing compiled (below DDP or FSDP2, dynamo compiles only user-code
+  frames, and a checkpointed block's frames run eagerly), is skipped with a
+  warning and a log line. (Checkpointed random ops are read: their
+  ``run_and_save_rng_state`` nodes have no fake value under aot_eager, and the
+  memory model takes it from their ``getitem`` users.)
 * Fidelity: the policy's keeps are never candidates. With ``min_sqnr_db``,
   :mod:`savedhooks.planner.fidelity` also takes fp8 (and bf16, by an estimate)
   away from the saved tensors that :func:`savedhooks.sensitivity` finds too
