@@ -20,21 +20,34 @@ Design notes
 * Layout: a dense tensor keeps its strides on both sides (transposed and
   channels-last tensors come back as they went); any other tensor moves
   contiguous.
+* Host memory: a pinned copy (CUDA to CPU) is written into a slab of
+  :func:`savedhooks.hostmem.pool.default_pool`, of exactly its bytes, which
+  comes back to the pool when the copy's storage is freed (after a CUDA event
+  recorded then), so later steps allocate no pinned memory; torch's own pinned
+  allocator rounds every request up to a power of two and keeps the blocks.
+  The asynchronous copies of compiled CUDA graphs (``ao::offload``) allocate
+  through torch's allocator.
 """
 
 from __future__ import annotations
 
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false
+from torch._prims_common import is_non_overlapping_and_dense_or_false, make_contiguous_strides_for
 
 __all__ = ["torch_offload", "torch_reload"]
 
 
 def _empty_like_layout(x: torch.Tensor, device: torch.device, pin_memory: bool) -> torch.Tensor:
-    """An uninitialized tensor shaped as ``x`` on ``device``: ``x``'s strides when dense, else contiguous."""
-    if is_non_overlapping_and_dense_or_false(x):
-        return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=device, pin_memory=pin_memory)
-    return torch.empty(x.shape, dtype=x.dtype, device=device, pin_memory=pin_memory)
+    """An uninitialized tensor shaped as ``x`` on ``device``: ``x``'s strides when dense, else contiguous.
+
+    Pinned host memory comes from the pool of pinned slabs (see the module notes).
+    """
+    stride = x.stride() if is_non_overlapping_and_dense_or_false(x) else make_contiguous_strides_for(x.shape)
+    if pin_memory:
+        from savedhooks.hostmem.pool import default_pool
+
+        return default_pool().empty_strided(x.size(), stride, x.dtype)
+    return torch.empty_strided(x.size(), stride, dtype=x.dtype, device=device)
 
 
 def torch_offload(x: torch.Tensor, device: torch.device, pin_memory: bool) -> torch.Tensor:

@@ -1,8 +1,11 @@
 """The host pool for offload: exact sizes, reuse across steps, events, the capacity (savedhooks.hostmem)."""
 
+import threading
+
 import pytest
 import torch
 
+import savedhooks as sh
 from savedhooks.hostmem import HostPool, HostPoolExhaustedError, pinned_bytes
 
 
@@ -109,3 +112,88 @@ def test_pinned_slabs_take_an_asynchronous_copy_and_come_back_after_its_event():
     event.synchronize()
     assert torch.equal(host, x.cpu()) and pool.take(slab.numel()).data_ptr() == slab.data_ptr()
     assert pinned_bytes(16).is_pinned()
+
+
+def test_a_tensor_on_a_slab_gives_it_back_when_its_last_view_is_freed():
+    events: list[_Event] = []
+
+    def on_free() -> _Event:
+        events.append(_Event())
+        return events[-1]
+
+    pool = HostPool(allocate=_Counting(), on_free=on_free)
+    x = pool.empty_strided((3, 5), (1, 3), torch.float32)  # transposed: 15 floats, strides kept
+    assert x.stride() == (1, 3) and x.untyped_storage().nbytes() == 60 and pool.stats.lent == 1
+    x.copy_(torch.arange(15.0).view(5, 3).t())
+    view = x[1:].view(torch.int32)  # a view of the same storage keeps the slab lent
+    address = x.data_ptr()
+    del x
+    assert pool.stats.lent == 1 and view.view(torch.float32)[0, 0].item() == 1.0
+    del view
+    assert pool.stats.lent == 0 and len(events) == 1  # given back with the event on_free returned
+    assert pool.take(60).data_ptr() != address  # its copy is not done yet: a new slab
+    events[0].done = True
+    assert pool.take(60).data_ptr() == address and pool.stats.allocations == 2
+
+
+def test_tensors_on_slabs_are_reused_across_steps_and_freed_on_any_thread():
+    allocate = _Counting()
+    pool = HostPool(allocate=allocate)
+    for _ in range(3):  # a step's offloaded copies, freed after its backward
+        copies = [pool.empty_strided((n,), (1,), torch.float16) for n in (100, 7, 100)]
+        assert [c.untyped_storage().nbytes() for c in copies] == [200, 14, 200]
+        worker = threading.Thread(target=copies.clear)  # autograd frees saved tensors on its own threads
+        worker.start()
+        worker.join()
+    assert sorted(allocate.sizes) == [14, 200, 200] and pool.stats.hits == 6 and pool.stats.lent == 0
+    assert pool.empty_strided((0, 4), (4, 1), torch.float32).numel() == 0  # no bytes, no slab
+    assert pool.stats.slabs == 3
+    with pytest.raises(ValueError, match="2 sizes but 1 strides"):
+        pool.empty_strided((2, 2), (1,), torch.float32)
+
+
+def test_past_the_capacity_a_tensor_falls_back_to_its_own_memory():
+    pool = HostPool(capacity_bytes=100, fallback=True, allocate=_Counting())
+    kept = pool.empty_strided((20,), (1,), torch.float32)  # 80 bytes: pooled
+    extra = pool.empty_strided((10,), (1,), torch.float32)  # 40 more do not fit: unpooled
+    assert pool.stats.fallbacks == 1 and pool.stats.lent == 1 and extra.shape == (10,)
+    del kept, extra
+    assert pool.stats.lent == 0 and pool.stats.bytes == 80
+
+
+@pytest.mark.gpu
+def test_offload_copies_write_into_pinned_slabs_reused_from_the_second_step():
+    from savedhooks.hostmem import default_pool
+    from tests.models import train_step_grads
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(256, 256), torch.nn.GELU())]).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    pool = default_pool()
+    want = train_step_grads(model, model, x)
+    for step in range(3):
+        got = train_step_grads(model, model, x, sh.offload(keep_needed_soon=False))
+        assert all(torch.equal(w, g) for w, g in zip(want, got))
+        if step == 0:
+            allocations = pool.stats.allocations
+    assert allocations > 0 and pool.stats.allocations == allocations and pool.stats.hits > 0
+
+
+def test_a_custom_op_may_return_a_tensor_on_a_slab_eager_and_compiled():
+    """What savedhooks::offload does with the pool on CUDA, on CPU: its output is a tensor of its own on a slab."""
+    pool = HostPool(allocate=_Counting())
+
+    @torch.library.custom_op("savedhooks_test::copy_to_slab", mutates_args=())
+    def copy_to_slab(x: torch.Tensor) -> torch.Tensor:
+        return pool.empty_strided(x.size(), x.stride(), x.dtype).copy_(x)
+
+    @copy_to_slab.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    x = torch.randn(8, 4).t()
+    for fn in (copy_to_slab, torch.compile(copy_to_slab, backend="aot_eager", fullgraph=True)):
+        y = fn(x)
+        assert torch.equal(y, x) and y.stride() == x.stride() and y._base is None and pool.stats.lent == 1
+        del y
+        assert pool.stats.lent == 0

@@ -1,8 +1,9 @@
 """Host memory for offload.
 
 * :mod:`savedhooks.hostmem.pool`: a pool of exact-size host buffers reused across
-  steps. Not yet used by ``sh.offload``: its copies allocate through torch's host
-  allocator (``ao::offload`` in the overlapped form).
+  steps. ``sh.offload``'s pinned copies write into its :func:`default_pool`; the
+  overlapped form of compiled CUDA graphs (``ao::offload``) allocates through
+  torch's host allocator.
 * :mod:`savedhooks.hostmem.overlap`: turns the offload codec's copy nodes in a
   compiled CUDA graph into torch's asynchronous copy ops and places them to
   overlap compute (run by the reorder pass).
@@ -15,7 +16,7 @@ from savedhooks.hostmem.overlap import (
     nominal_seconds,
     overlap_transfers,
 )
-from savedhooks.hostmem.pool import HostPool, HostPoolExhaustedError, PoolStats, pinned_bytes
+from savedhooks.hostmem.pool import HostPool, HostPoolExhaustedError, PoolStats, default_pool, pinned_bytes
 
 __all__ = [
     "HostPool",
@@ -24,6 +25,7 @@ __all__ = [
     "Transfer",
     "TransferModel",
     "backward_seconds_before_use",
+    "default_pool",
     "nominal_seconds",
     "overlap_transfers",
     "pinned_bytes",

@@ -19,18 +19,30 @@ Design notes
 * The allocator is a parameter (bytes -> uint8 tensor): pinned host memory when
   CUDA is present, pageable memory otherwise, or a test's own. Nothing here
   needs a GPU.
+* Tensors on slabs (:meth:`HostPool.empty_strided`, what ``sh.offload``'s copies
+  write into): the slab comes back when the tensor's *storage* is freed, that is
+  when the last view of it is gone, never while a view still reads it. The
+  tensor is made with ``torch.frombuffer`` over a ctypes array at the slab's
+  address; the storage holds the array (its buffer) until it is freed, and a
+  ``weakref.finalize`` on the array gives the slab back, with the event that
+  ``on_free`` returns then (for pinned slabs, a CUDA event recorded on the
+  current stream: a copy still reading the slab is finished before the slab is
+  lent again). Storages can be freed on autograd's device threads: the pool
+  takes a lock.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["HostPool", "HostPoolExhaustedError", "PoolStats", "pinned_bytes"]
+__all__ = ["HostPool", "HostPoolExhaustedError", "PoolStats", "default_pool", "pinned_bytes"]
 
 
 class HostPoolExhaustedError(RuntimeError):
@@ -83,6 +95,7 @@ class HostPool:
         capacity_bytes: int | None = None,
         fallback: bool = False,
         allocate: Callable[[int], torch.Tensor] = pinned_bytes,
+        on_free: Callable[[], Any] | None = None,
     ) -> None:
         """Set up an empty pool.
 
@@ -90,17 +103,22 @@ class HostPool:
             capacity_bytes: the most bytes the pool holds (``None``: no bound).
             fallback: past the capacity, hand out an unpooled buffer instead of raising.
             allocate: bytes -> a one-dimensional ``uint8`` tensor of that many elements.
+            on_free: called when the storage of a tensor from :meth:`empty_strided`
+                is freed; what it returns is the event its slab waits on (None: reused at once).
 
         Raises:
             ValueError: ``capacity_bytes`` is negative or not an int.
-            TypeError: ``allocate`` is not callable.
+            TypeError: ``allocate`` or ``on_free`` is not callable.
         """
         if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
                                            or capacity_bytes < 0):
             raise ValueError(f"HostPool: capacity_bytes must be a non-negative int or None, got {capacity_bytes!r}")
         if not callable(allocate):
             raise TypeError(f"HostPool: allocate must be callable, got {type(allocate).__name__}")
-        self.capacity_bytes, self.fallback, self._allocate = capacity_bytes, fallback, allocate
+        if on_free is not None and not callable(on_free):
+            raise TypeError(f"HostPool: on_free must be callable or None, got {type(on_free).__name__}")
+        self.capacity_bytes, self.fallback, self._allocate, self._on_free = capacity_bytes, fallback, allocate, on_free
+        self._lock = threading.RLock()
         self._free: dict[int, list[torch.Tensor]] = {}
         self._waiting: list[tuple[torch.Tensor, Any]] = []
         self._lent: dict[int, torch.Tensor] = {}  # id -> slab
@@ -123,6 +141,44 @@ class HostPool:
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"HostPool.take: nbytes must be a positive int, got {nbytes!r}")
+        with self._lock:
+            return self._take(nbytes)
+
+    def empty_strided(self, size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized host tensor on a slab of the pool, which comes back when the tensor's storage is freed.
+
+        Args:
+            size: the tensor's sizes.
+            stride: its strides (in elements); they must not overlap.
+            dtype: its dtype.
+
+        Returns:
+            A CPU tensor whose storage is exactly the bytes ``size`` and ``stride``
+            span (an empty tensor of its own if that is 0). Its slab is given back,
+            with the event ``on_free`` returns, once every view of its storage is gone.
+
+        Raises:
+            ValueError: ``size`` and ``stride`` differ in length.
+            HostPoolExhaustedError: as :meth:`take`.
+        """
+        if len(size) != len(stride):
+            raise ValueError(f"HostPool.empty_strided: {len(size)} sizes but {len(stride)} strides")
+        span = 0 if 0 in size else 1 + sum((n - 1) * s for n, s in zip(size, stride))
+        nbytes = span * dtype.itemsize
+        if not nbytes:
+            return torch.empty_strided(size, stride, dtype=dtype)
+        slab = self.take(nbytes)
+        if id(slab) not in self._lent:  # an unpooled fallback buffer: freed with its tensor
+            return torch.empty(0, dtype=dtype).set_(slab.untyped_storage(), 0, size, stride)
+        holder = (ctypes.c_uint8 * nbytes).from_address(slab.data_ptr())  # views the slab, owns nothing
+        weakref.finalize(holder, self._freed, slab).atexit = False
+        storage = torch.frombuffer(holder, dtype=torch.uint8).untyped_storage()
+        return torch.empty(0, dtype=dtype).set_(storage, 0, size, stride)  # not a view: its own tensor
+
+    def _freed(self, slab: torch.Tensor) -> None:
+        self.give(slab, self._on_free() if self._on_free is not None else None)
+
+    def _take(self, nbytes: int) -> torch.Tensor:
         self._reclaim()
         free = self._free.get(nbytes)
         if free:
@@ -161,6 +217,10 @@ class HostPool:
         Raises:
             ValueError: ``slab`` is not lent by this pool (given back twice, or another tensor).
         """
+        with self._lock:
+            self._give(slab, event)
+
+    def _give(self, slab: torch.Tensor, event: Any) -> None:
         if id(slab) not in self._lent:
             unpooled = self._unpooled.pop(id(slab), None)
             if unpooled is not None and unpooled() is slab:
@@ -175,8 +235,10 @@ class HostPool:
     @property
     def stats(self) -> PoolStats:
         """The pool's :class:`PoolStats`."""
-        slabs = sum(map(len, self._free.values())) + len(self._waiting) + len(self._lent)
-        return PoolStats(slabs, self._bytes, len(self._lent), **self._counts)
+        with self._lock:
+            self._reclaim()
+            slabs = sum(map(len, self._free.values())) + len(self._waiting) + len(self._lent)
+            return PoolStats(slabs, self._bytes, len(self._lent), **self._counts)
 
     def clear(self) -> None:
         """Drop the free slabs (lent and waiting ones stay).
@@ -190,9 +252,10 @@ class HostPool:
         Raises:
             Nothing.
         """
-        for size, slabs in self._free.items():
-            self._bytes -= size * len(slabs)
-        self._free.clear()
+        with self._lock:
+            for size, slabs in self._free.items():
+                self._bytes -= size * len(slabs)
+            self._free.clear()
 
     def _lend(self, slab: torch.Tensor) -> torch.Tensor:
         self._lent[id(slab)] = slab
@@ -216,3 +279,37 @@ class HostPool:
                 self._bytes -= size
                 self._counts["evictions"] += 1
         return self._bytes + nbytes <= self.capacity_bytes
+
+
+_DEFAULT: HostPool | None = None
+
+
+def default_pool() -> HostPool:
+    """The process's pool of pinned host slabs, which ``sh.offload``'s copies from CUDA write into.
+
+    Unbounded (a training step saves the same shapes every step, so it holds
+    about one step's offloaded bytes); a slab comes back when the saved
+    tensor's host copy is freed, after a CUDA event recorded then on the
+    current stream.
+
+    Args:
+        None.
+
+    Returns:
+        The pool (made on the first call).
+
+    Raises:
+        Nothing.
+    """
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = HostPool(on_free=_event_on_current_stream)
+    return _DEFAULT
+
+
+def _event_on_current_stream() -> Any:
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
