@@ -197,3 +197,19 @@ def test_a_custom_op_may_return_a_tensor_on_a_slab_eager_and_compiled():
         assert torch.equal(y, x) and y.stride() == x.stride() and y._base is None and pool.stats.lent == 1
         del y
         assert pool.stats.lent == 0
+
+
+def test_evict_on_miss_keeps_one_step_of_slabs_when_shapes_change_every_step():
+    allocate = _Counting()
+    pool = HostPool(allocate=allocate, evict_on_miss=True)
+    for length in (100, 120, 100, 140):  # a sequence length per step: each step's sizes differ from the last
+        copies = [pool.empty_strided((length, 8), (8, 1), torch.float32) for _ in range(3)]
+        assert pool.stats.slabs == 3  # the previous step's free slabs were dropped at the first miss
+        del copies
+    # no reuse when the shapes change (a length seen two steps before was dropped), and no pile-up either
+    assert (pool.stats.evictions, pool.stats.hits, len(allocate.sizes)) == (9, 0, 12)
+    same = HostPool(allocate=_Counting(), evict_on_miss=True)
+    for _ in range(3):
+        copies = [same.empty_strided((100, 8), (8, 1), torch.float32) for _ in range(3)]
+        del copies
+    assert (same.stats.allocations, same.stats.hits, same.stats.evictions) == (3, 6, 0)  # steady shapes

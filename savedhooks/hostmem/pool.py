@@ -96,6 +96,7 @@ class HostPool:
         fallback: bool = False,
         allocate: Callable[[int], torch.Tensor] = pinned_bytes,
         on_free: Callable[[], Any] | None = None,
+        evict_on_miss: bool = False,
     ) -> None:
         """Set up an empty pool.
 
@@ -105,6 +106,11 @@ class HostPool:
             allocate: bytes -> a one-dimensional ``uint8`` tensor of that many elements.
             on_free: called when the storage of a tensor from :meth:`empty_strided`
                 is freed; what it returns is the event its slab waits on (None: reused at once).
+            evict_on_miss: a request no free slab serves first drops every free slab:
+                the pool then holds what is lent plus the free slabs of the sizes
+                still asked for. Shapes that change every step (sequence lengths)
+                would otherwise leave free slabs of every size ever seen; steps of
+                the same shapes miss only in the first.
 
         Raises:
             ValueError: ``capacity_bytes`` is negative or not an int.
@@ -118,6 +124,7 @@ class HostPool:
         if on_free is not None and not callable(on_free):
             raise TypeError(f"HostPool: on_free must be callable or None, got {type(on_free).__name__}")
         self.capacity_bytes, self.fallback, self._allocate, self._on_free = capacity_bytes, fallback, allocate, on_free
+        self.evict_on_miss = evict_on_miss
         self._lock = threading.RLock()
         self._free: dict[int, list[torch.Tensor]] = {}
         self._waiting: list[tuple[torch.Tensor, Any]] = []
@@ -184,6 +191,8 @@ class HostPool:
         if free:
             self._counts["hits"] += 1
             return self._lend(free.pop())
+        if self.evict_on_miss:
+            self._drop_free()
         if not self._make_room(nbytes):
             if not self.fallback:
                 raise HostPoolExhaustedError(
@@ -253,9 +262,13 @@ class HostPool:
             Nothing.
         """
         with self._lock:
-            for size, slabs in self._free.items():
-                self._bytes -= size * len(slabs)
-            self._free.clear()
+            self._drop_free(count=False)
+
+    def _drop_free(self, count: bool = True) -> None:
+        for size, slabs in self._free.items():
+            self._bytes -= size * len(slabs)
+            self._counts["evictions"] += len(slabs) if count else 0
+        self._free.clear()
 
     def _lend(self, slab: torch.Tensor) -> torch.Tensor:
         self._lent[id(slab)] = slab
@@ -287,10 +300,11 @@ _DEFAULT: HostPool | None = None
 def default_pool() -> HostPool:
     """The process's pool of pinned host slabs, which ``sh.offload``'s copies from CUDA write into.
 
-    Unbounded (a training step saves the same shapes every step, so it holds
-    about one step's offloaded bytes); a slab comes back when the saved
-    tensor's host copy is freed, after a CUDA event recorded then on the
-    current stream.
+    Unbounded, and a request that no free slab serves drops the free ones
+    (``evict_on_miss``): steps of the same shapes reuse one step's slabs,
+    steps of changing shapes do not pile up slabs of every size. A slab
+    comes back when the saved tensor's host copy is freed, after a CUDA event
+    recorded then on the current stream.
 
     Args:
         None.
@@ -303,7 +317,7 @@ def default_pool() -> HostPool:
     """
     global _DEFAULT
     if _DEFAULT is None:
-        _DEFAULT = HostPool(on_free=_event_on_current_stream)
+        _DEFAULT = HostPool(on_free=_event_on_current_stream, evict_on_miss=True)
     return _DEFAULT
 
 
