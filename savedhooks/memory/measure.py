@@ -15,6 +15,7 @@ alive: what the model in ``estimate.py`` predicts, measured on real tensors
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import sys
@@ -27,7 +28,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from savedhooks.memory.graph import tensor_storages
 
-__all__ = ["cpu_memory_trace", "kineto_events", "live_bytes", "measure_peak", "profile_graph"]
+__all__ = [
+    "Allocation",
+    "calling_thread_bytes",
+    "cpu_memory_trace",
+    "kineto_events",
+    "live_bytes",
+    "measure_peak",
+    "profile_graph",
+]
 
 
 def cpu_memory_trace(fn: Callable[[], Any], *, calling_thread_only: bool = False) -> list[int]:
@@ -38,14 +47,17 @@ def cpu_memory_trace(fn: Callable[[], Any], *, calling_thread_only: bool = False
 
     Args:
         fn: the call to trace.
-        calling_thread_only: count only what the thread that calls ``fn`` allocates
-            and frees. Other threads' events are recorded too (gloo's workers copy
-            each all-gather through a buffer of their own), and one whose free falls
-            after the profiler stops would count as held: to measure what a call
-            leaves alive, pass ``True``.
+        calling_thread_only: count only what the thread that calls ``fn``
+            allocates (freed on any thread), and what existed before and that
+            thread frees. Other threads' allocations are recorded too (gloo's
+            workers copy each all-gather through a buffer of their own), and one
+            whose free falls after the profiler stops would count as held: to
+            measure what a call leaves alive, pass ``True``
+            (:func:`calling_thread_bytes`).
 
     Returns:
-        Live bytes relative to the start, one entry per allocation or free.
+        Live bytes relative to the start, one entry per allocation or free
+        (counted ones only, with ``calling_thread_only``).
 
     Raises:
         Whatever ``fn`` raises.
@@ -57,20 +69,84 @@ def cpu_memory_trace(fn: Callable[[], Any], *, calling_thread_only: bool = False
         with torch.profiler.record_function(_CALL_MARK):
             fn()
 
-    events = kineto_events(marked)
-    (thread,) = {e.start_thread_id() for e in events if e.name() == _CALL_MARK}
-    return [live for _, live in live_bytes(events, thread=thread)]
+    tree = _profiled(marked).experimental_event_tree()
+    nodes = [n for root in tree for n in _walk(root)]
+    caller = next(n.start_tid for n in nodes if n.name == _CALL_MARK)
+    return calling_thread_bytes(_cpu_allocations(nodes), caller)
 
 
 _CALL_MARK = "savedhooks::measured_call"
 
 
-def live_bytes(events: list[Any], *, thread: int | None = None) -> list[tuple[int, int]]:
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """One CPU allocation (``nbytes > 0``) or free (``nbytes < 0``) the profiler recorded.
+
+    Attributes:
+        start_ns: when.
+        thread: the profiler's id of the thread that made it.
+        ptr: the address of the block.
+        nbytes: its size, negative for a free.
+    """
+
+    start_ns: int
+    thread: int
+    ptr: int
+    nbytes: int
+
+
+def calling_thread_bytes(records: list[Allocation], thread: int) -> list[int]:
+    """Live bytes of one thread's allocations, after each allocation or free that counts, in time order.
+
+    An allocation counts if ``thread`` made it; its free counts on whichever
+    thread it happens (a worker dropping the last reference to a buffer the
+    caller allocated). A free of a block allocated before the records counts if
+    ``thread`` made it. Other threads' allocations and their frees do not count.
+
+    Args:
+        records: the allocations and frees, in any order.
+        thread: the thread whose allocations count.
+
+    Returns:
+        Live bytes relative to the first record, one entry per counted record.
+
+    Raises:
+        Nothing.
+    """
+    owner: dict[int, int] = {}  # ptr -> thread, for blocks allocated during the records
+    live, timeline = 0, []
+    for r in sorted(records, key=lambda r: r.start_ns):
+        if r.nbytes > 0:
+            owner[r.ptr] = r.thread
+            counts = r.thread == thread
+        else:
+            counts = owner.pop(r.ptr, r.thread) == thread
+        if counts:
+            live += r.nbytes
+            timeline.append(live)
+    return timeline
+
+
+def _walk(node: Any) -> Iterator[Any]:
+    yield node
+    for child in node.children:
+        yield from _walk(child)
+
+
+def _cpu_allocations(nodes: list[Any]) -> list[Allocation]:
+    allocations = []
+    for node in nodes:
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+            allocations.append(Allocation(node.start_time_ns, node.start_tid, fields.ptr, fields.alloc_size))
+    return allocations
+
+
+def live_bytes(events: list[Any]) -> list[tuple[int, int]]:
     """CPU live bytes after each allocation or free among kineto ``events``, in time order.
 
     Args:
         events: raw kineto events, as :func:`kineto_events` returns them.
-        thread: count only this kineto thread id's events (``start_thread_id()``); default all.
 
     Returns:
         ``(start_ns, live bytes relative to the first event)`` per CPU ``[memory]`` event.
@@ -79,8 +155,7 @@ def live_bytes(events: list[Any], *, thread: int | None = None) -> list[tuple[in
         Nothing.
     """
     cpu = torch._C._autograd.DeviceType.CPU
-    memory = [e for e in events if e.name() == "[memory]" and e.device_type() == cpu
-              and thread in (None, e.start_thread_id())]  # fmt: skip
+    memory = [e for e in events if e.name() == "[memory]" and e.device_type() == cpu]
     live, timeline = 0, []
     for event in sorted(memory, key=lambda e: e.start_ns()):
         live += event.nbytes()
@@ -102,6 +177,11 @@ def kineto_events(fn: Callable[[], Any]) -> list[Any]:
     Raises:
         Whatever ``fn`` raises.
     """
+    return list(_profiled(fn).events())
+
+
+def _profiled(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` under the CPU profiler with memory events; return kineto's results."""
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     with _without_kineto_markers():
         prof.__enter__()
@@ -110,7 +190,7 @@ def kineto_events(fn: Callable[[], Any]) -> list[Any]:
     finally:
         with _without_kineto_markers():
             prof.__exit__(*sys.exc_info())
-    return list(prof.profiler.kineto_results.events())
+    return prof.profiler.kineto_results
 
 
 # kineto's session markers: "USDT:2026-01-01 12:00:00 123:123 SyncActivityProfilerHandler.cpp:52] profiler_start"
