@@ -69,7 +69,10 @@ def torch_offload(x: torch.Tensor, device: torch.device, pin_memory: bool) -> to
     if x.device == device:
         raise ValueError(f"savedhooks.offload: the tensor already lives on {device}")
     pin = pin_memory and device.type == "cpu" and x.device.type == "cuda"
-    return _empty_like_layout(x, device, pin).copy_(x, non_blocking=pin)
+    host = _empty_like_layout(x, device, pin).copy_(x, non_blocking=pin)
+    if pin:
+        _note_copy(host)
+    return host
 
 
 def torch_reload(host: torch.Tensor, device: torch.device, pinned: bool) -> torch.Tensor:
@@ -90,7 +93,20 @@ def torch_reload(host: torch.Tensor, device: torch.device, pinned: bool) -> torc
     device = torch.device(device)
     if host.device == device:
         raise ValueError(f"savedhooks.reload: the tensor already lives on {device}")
-    return _empty_like_layout(host, device, False).copy_(host, non_blocking=pinned and host.is_pinned())
+    asynchronous = pinned and host.is_pinned()
+    back = _empty_like_layout(host, device, False).copy_(host, non_blocking=asynchronous)
+    if asynchronous:
+        _note_copy(host)
+    return back
+
+
+def _note_copy(host: torch.Tensor) -> None:
+    """Tell the host pool that a copy on the current CUDA stream reads or writes ``host``'s slab."""
+    from savedhooks.hostmem.pool import default_pool
+
+    event = torch.cuda.Event()
+    event.record()
+    default_pool().note_copy(host, event)
 
 
 # --- ops: one graph node per copy, traceable inside hook graphs ---------------------------------

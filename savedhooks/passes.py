@@ -304,7 +304,8 @@ def unhook_names(graph: torch.fx.Graph) -> None:
     Under hooks whose pack returns its input (a census) the graphs are those
     compiled without hooks but for these names; renamed, their nodes carry the
     names that the hook context gave the saved tensors, and :func:`has_hook_chains`
-    is False.
+    is False. A name already in the graph is left alone. A GraphModule's code is
+    not regenerated (call ``recompile()`` to run the renamed graph's code).
 
     Args:
         graph: a forward or backward graph from AOTAutograd (renamed in place).
@@ -315,10 +316,15 @@ def unhook_names(graph: torch.fx.Graph) -> None:
     Raises:
         Nothing.
     """
+    taken = {n.name for n in graph.nodes}
     for node in _hook_values(graph):
-        node.name = _HOOK_VALUE.sub("", node.name)
+        name = _HOOK_VALUE.sub("", node.name)
+        if name in taken:  # a value of the graph has that name (a user's "<x>_hook_<i>"): keep this one's
+            continue
+        taken.add(name)
+        node.name = name  # AOTAutograd removed the node of that name; the namespace still holds it
         if node.op == "placeholder":
-            node.target = node.name  # a placeholder's argument name
+            node.target = name  # a placeholder's argument name
 
 
 def _hook_values(graph: torch.fx.Graph) -> list[torch.fx.Node]:

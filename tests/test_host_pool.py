@@ -199,17 +199,52 @@ def test_a_custom_op_may_return_a_tensor_on_a_slab_eager_and_compiled():
         assert pool.stats.lent == 0
 
 
-def test_evict_on_miss_keeps_one_step_of_slabs_when_shapes_change_every_step():
+def test_evict_on_miss_keeps_two_steps_of_sizes_when_shapes_change_every_step():
     allocate = _Counting()
     pool = HostPool(allocate=allocate, evict_on_miss=True)
-    for length in (100, 120, 100, 140):  # a sequence length per step: each step's sizes differ from the last
-        copies = [pool.empty_strided((length, 8), (8, 1), torch.float32) for _ in range(3)]
-        assert pool.stats.slabs == 3  # the previous step's free slabs were dropped at the first miss
+    for length in (100, 120, 100, 140):  # a sequence length per step, and a tensor of fixed size
+        copies = [pool.empty_strided((length, 8), (8, 1), torch.float32) for _ in range(2)]
+        copies.append(pool.empty_strided((64,), (1,), torch.float32))
+        assert pool.stats.slabs <= 2 * 2 + 1  # this step's and the step before's sizes, no more
         del copies
-    # no reuse when the shapes change (a length seen two steps before was dropped), and no pile-up either
-    assert (pool.stats.evictions, pool.stats.hits, len(allocate.sizes)) == (9, 0, 12)
+    # length 100 came back one step later (hits), 120 was dropped when 140 missed; the fixed size always hit
+    assert (pool.stats.evictions, pool.stats.hits, len(allocate.sizes)) == (2, 5, 7)
     same = HostPool(allocate=_Counting(), evict_on_miss=True)
     for _ in range(3):
         copies = [same.empty_strided((100, 8), (8, 1), torch.float32) for _ in range(3)]
         del copies
     assert (same.stats.allocations, same.stats.hits, same.stats.evictions) == (3, 6, 0)  # steady shapes
+
+
+def test_a_slab_waits_on_its_last_noted_copy_and_a_free_never_waits_on_the_pool():
+    pool = HostPool(allocate=_Counting())
+    x = pool.empty_strided((16,), (1,), torch.float32)
+    copy = _Event()
+    pool.note_copy(x, copy)  # a copy on another stream still reads the slab
+    pool.note_copy(torch.empty(3), _Event())  # not on a slab of this pool: ignored
+    address = x.data_ptr()
+    del x
+    assert pool.stats.lent == 0 and pool.take(64).data_ptr() != address
+    copy.done = True
+    assert pool.take(64).data_ptr() == address
+    # a storage freed while another thread is inside the pool: the free only queues the slab
+    box = [pool.empty_strided((16,), (1,), torch.float32)]
+    inside, release = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with pool._lock:
+            inside.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    inside.wait(10)
+    freer = threading.Thread(target=box.clear)  # the finalizer runs here, while the pool is busy
+    freer.start()
+    freer.join(5)
+    blocked = freer.is_alive()
+    release.set()
+    holder.join()
+    freer.join()
+    assert not blocked
+    assert pool.stats.lent == 2  # the two taken above; the freed tensor's slab came back

@@ -199,8 +199,14 @@ def test_a_recompute_setting_with_checkpointed_dropout_is_planned_and_its_peak_p
     # AOTAutograd leaves no meta["val"] on the run_and_save_rng_state / run_with_rng_state nodes that a
     # checkpointed dropout becomes; the memory model reads their values from their getitems
     torch.manual_seed(0)
-    block = [torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(256, 64)]
-    model = torch.nn.Sequential(*[torch.nn.Sequential(*block) for _ in range(2)])
+    model = torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(
+                torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(256, 64)
+            )
+            for _ in range(2)
+        ]
+    )
     x = torch.randn(512, 64)
     planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
     assert not any("not planned" in line for line in planner.plan(1 << 40).log)

@@ -27,17 +27,26 @@ Design notes
   ``weakref.finalize`` on the array gives the slab back, with the event that
   ``on_free`` returns then (for pinned slabs, a CUDA event recorded on the
   current stream: a copy still reading the slab is finished before the slab is
-  lent again). Storages can be freed on autograd's device threads: the pool
-  takes a lock.
+  lent again), together with the event of the last copy noted on it
+  (:meth:`HostPool.note_copy`: a copy on another stream is covered too).
+  Storages can be freed on autograd's device threads, and a finalizer can run
+  in the middle of the pool's own work (the garbage collector runs them at
+  allocations): it only queues the slab, which the next call under the pool's
+  lock takes back.
+* ``evict_on_miss``: a request that no free slab serves drops the free slabs
+  of sizes asked for neither since the pool last had nothing lent nor in the
+  period before (a training step lends its saved tensors' slabs and gets them
+  all back by the end of its backward: two steps' sizes stay).
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -106,11 +115,12 @@ class HostPool:
             allocate: bytes -> a one-dimensional ``uint8`` tensor of that many elements.
             on_free: called when the storage of a tensor from :meth:`empty_strided`
                 is freed; what it returns is the event its slab waits on (None: reused at once).
-            evict_on_miss: a request no free slab serves first drops every free slab:
-                the pool then holds what is lent plus the free slabs of the sizes
-                still asked for. Shapes that change every step (sequence lengths)
-                would otherwise leave free slabs of every size ever seen; steps of
-                the same shapes miss only in the first.
+            evict_on_miss: a request no free slab serves first drops the free slabs
+                of sizes not asked for in this period or the one before (a period
+                ends when nothing is lent: a training step's end). Shapes that
+                change every step (sequence lengths) would otherwise leave free
+                slabs of every size ever seen; steps of the same shapes miss only
+                in the first.
 
         Raises:
             ValueError: ``capacity_bytes`` is negative or not an int.
@@ -130,6 +140,11 @@ class HostPool:
         self._waiting: list[tuple[torch.Tensor, Any]] = []
         self._lent: dict[int, torch.Tensor] = {}  # id -> slab
         self._unpooled: dict[int, weakref.ref[torch.Tensor]] = {}  # fallback buffers handed out
+        self._returned: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()  # from finalizers
+        self._copies: dict[int, Any] = {}  # id(slab) -> the event of the last copy noted on it
+        self._by_ptr: dict[int, torch.Tensor] = {}  # address -> slab, for slabs under empty_strided tensors
+        self._asked: set[int] = set()  # sizes asked for since nothing was lent
+        self._asked_before: set[int] = set()  # ... and in the period before
         self._bytes = 0
         self._counts = {"hits": 0, "allocations": 0, "evictions": 0, "fallbacks": 0}
 
@@ -175,24 +190,52 @@ class HostPool:
         if not nbytes:
             return torch.empty_strided(size, stride, dtype=dtype)
         slab = self.take(nbytes)
-        if id(slab) not in self._lent:  # an unpooled fallback buffer: freed with its tensor
-            return torch.empty(0, dtype=dtype).set_(slab.untyped_storage(), 0, size, stride)
+        with self._lock:
+            if id(slab) not in self._lent:  # an unpooled fallback buffer: freed with its tensor
+                self._unpooled.pop(id(slab), None)
+                return torch.empty(0, dtype=dtype).set_(slab.untyped_storage(), 0, size, stride)
+            self._by_ptr[slab.data_ptr()] = slab
         holder = (ctypes.c_uint8 * nbytes).from_address(slab.data_ptr())  # views the slab, owns nothing
         weakref.finalize(holder, self._freed, slab).atexit = False
         storage = torch.frombuffer(holder, dtype=torch.uint8).untyped_storage()
         return torch.empty(0, dtype=dtype).set_(storage, 0, size, stride)  # not a view: its own tensor
 
+    def note_copy(self, tensor: torch.Tensor, event: Any) -> None:
+        """Note that a copy reading or writing ``tensor`` (from :meth:`empty_strided`) ends with ``event``.
+
+        When the tensor's storage is freed, its slab waits on this event (the
+        last one noted) as well as on the one ``on_free`` returns. A tensor
+        not on a slab of this pool is ignored.
+
+        Args:
+            tensor: the tensor the copy read or wrote.
+            event: an object with ``query() -> bool`` (a ``torch.cuda.Event``
+                recorded after the copy, on the copy's stream).
+
+        Returns:
+            None.
+
+        Raises:
+            Nothing.
+        """
+        with self._lock:
+            slab = self._by_ptr.get(tensor.untyped_storage().data_ptr())
+            if slab is not None and id(slab) in self._lent:
+                self._copies[id(slab)] = event
+
     def _freed(self, slab: torch.Tensor) -> None:
-        self.give(slab, self._on_free() if self._on_free is not None else None)
+        # a finalizer: it may run inside the pool's own calls (at a garbage collection) or on another thread
+        self._returned.append((slab, self._on_free() if self._on_free is not None else None))
 
     def _take(self, nbytes: int) -> torch.Tensor:
         self._reclaim()
+        self._asked.add(nbytes)
         free = self._free.get(nbytes)
         if free:
             self._counts["hits"] += 1
             return self._lend(free.pop())
         if self.evict_on_miss:
-            self._drop_free()
+            self._drop_free(keep=self._asked | self._asked_before)
         if not self._make_room(nbytes):
             if not self.fallback:
                 raise HostPoolExhaustedError(
@@ -236,6 +279,11 @@ class HostPool:
                 return  # a fallback buffer: freed with its last reference
             raise ValueError("HostPool.give: this tensor is not lent by the pool (given back twice, or another one)")
         del self._lent[id(slab)]
+        if self._by_ptr.get(slab.data_ptr()) is slab:
+            del self._by_ptr[slab.data_ptr()]
+        event = _AllOf.of(self._copies.pop(id(slab), None), event)
+        if not self._lent:  # a period ends (a training step's backward gave back its last slab)
+            self._asked_before, self._asked = self._asked, set()
         if event is None:
             self._free.setdefault(slab.numel(), []).append(slab)
         else:
@@ -262,19 +310,22 @@ class HostPool:
             Nothing.
         """
         with self._lock:
+            self._reclaim()
             self._drop_free(count=False)
 
-    def _drop_free(self, count: bool = True) -> None:
-        for size, slabs in self._free.items():
+    def _drop_free(self, keep: Collection[int] = (), count: bool = True) -> None:
+        for size in [size for size in self._free if size not in keep]:
+            slabs = self._free.pop(size)
             self._bytes -= size * len(slabs)
             self._counts["evictions"] += len(slabs) if count else 0
-        self._free.clear()
 
     def _lend(self, slab: torch.Tensor) -> torch.Tensor:
         self._lent[id(slab)] = slab
         return slab
 
     def _reclaim(self) -> None:
+        while self._returned:  # slabs whose tensors' storages were freed
+            self._give(*self._returned.popleft())
         waiting, self._waiting = self._waiting, []
         for slab, event in waiting:
             if event.query():
@@ -294,17 +345,34 @@ class HostPool:
         return self._bytes + nbytes <= self.capacity_bytes
 
 
+class _AllOf:
+    """Several events as one: done when each is."""
+
+    def __init__(self, events: tuple[Any, ...]) -> None:
+        self.events = events
+
+    @classmethod
+    def of(cls, *events: Any) -> Any:
+        present = tuple(e for e in events if e is not None)
+        return None if not present else present[0] if len(present) == 1 else cls(present)
+
+    def query(self) -> bool:
+        return all(e.query() for e in self.events)
+
+
 _DEFAULT: HostPool | None = None
+_DEFAULT_LOCK = threading.Lock()
 
 
 def default_pool() -> HostPool:
     """The process's pool of pinned host slabs, which ``sh.offload``'s copies from CUDA write into.
 
-    Unbounded, and a request that no free slab serves drops the free ones
-    (``evict_on_miss``): steps of the same shapes reuse one step's slabs,
-    steps of changing shapes do not pile up slabs of every size. A slab
-    comes back when the saved tensor's host copy is freed, after a CUDA event
-    recorded then on the current stream.
+    Unbounded, and a request that no free slab serves drops the free slabs of
+    sizes not asked for in this step or the one before (``evict_on_miss``):
+    steps of the same shapes reuse one step's slabs, steps of changing shapes
+    do not pile up slabs of every size. A slab comes back when the saved
+    tensor's host copy is freed, after the event of its last copy
+    (:meth:`HostPool.note_copy`) and one recorded then on the current stream.
 
     Args:
         None.
@@ -316,8 +384,9 @@ def default_pool() -> HostPool:
         Nothing.
     """
     global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = HostPool(on_free=_event_on_current_stream, evict_on_miss=True)
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = HostPool(on_free=_event_on_current_stream, evict_on_miss=True)
     return _DEFAULT
 
 

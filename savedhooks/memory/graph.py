@@ -160,7 +160,7 @@ def build_graph_memory(
                 output_buffers |= node_buffers.get(arg, set())
             continue
         value = node.meta["val"] if "val" in node.meta else _value_of_getitems(node)
-        if value is None and node.users and node.op != "get_attr":
+        if "val" not in node.meta and value is None and node.users and node.op != "get_attr":
             raise ValueError(f"node {node.name} has no meta['val']: pass example inputs to fill it")
         tensors = tensor_storages(value)
         mine: set[int] = set()
