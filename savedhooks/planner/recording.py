@@ -224,7 +224,7 @@ def recording_backend(backend: str, unhook: bool = False) -> tuple[Callable[...,
         ValueError: another backend.
     """
     if backend == "aot_eager":
-        recorder = GraphRecorder(unhook=unhook)
+        recorder = GraphRecorder()  # not a pass here: the compilers below keep (and rename) the graphs
         compilers = {
             "fw_compiler": _keeping(recorder.forwards, unhook),
             "bw_compiler": _keeping(recorder.backwards, unhook),

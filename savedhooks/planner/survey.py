@@ -241,7 +241,8 @@ def survey(
 
     Compiles the model once and runs one training step, under hooks that pack
     nothing (a census of the saved tensors), its graphs kept for the memory
-    model; the model's gradients are cleared, its parameters unchanged. Calibrates each codec's time once per process.
+    model; the model's gradients are cleared, its parameters unchanged.
+    Calibrates each codec's time once per process.
 
     Args:
         model: as for :func:`savedhooks.plan` (the survey compiles it).
