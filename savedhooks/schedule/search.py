@@ -55,8 +55,12 @@ class _Moves:
     def _free(self, state: int, v: int) -> bool:
         return not self.pred_mask[v] & ~state
 
-    def __call__(self, state: int, live: int, peak: int, ready: tuple[int, ...]) -> list[tuple]:
-        """``(node, child state, child peak, child live, child ready)`` per move worth trying."""
+    def __call__(self, state: int, live: int, peak: int, ready: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+        """``(node, child state, child peak, child live)`` per move worth trying.
+
+        The child's ready nodes are left to :meth:`ready_after`: the beam keeps few
+        of the children it sees, and building each one's tuple cost it most of its time.
+        """
         problem, moves = self.problem, []
         for v in ready:
             child = state | (1 << v)
@@ -66,12 +70,15 @@ class _Moves:
                 if problem.freeable[b] and self.touch_mask[b] & ~child == 0
             )
             during = live + problem.peak_alloc[v]
-            newly = tuple(s for s in problem.succs[v] if self._free(child, s))
-            move = (v, child, max(peak, during), live + problem.alloc[v] - freed, tuple(u for u in ready if u != v) + newly)
+            move = (v, child, max(peak, during), live + problem.alloc[v] - freed)
             if problem.alloc[v] <= freed and during <= peak:  # safe: some optimal completion starts here
                 return [move]
             moves.append(move)
         return moves
+
+    def ready_after(self, ready: tuple[int, ...], v: int, child: int) -> tuple[int, ...]:
+        """The ready nodes once ``v`` (one of ``ready``) is scheduled, reaching the set ``child``."""
+        return tuple(u for u in ready if u != v) + tuple(s for s in self.problem.succs[v] if self._free(child, s))
 
 
 def exact_search(problem: Problem, incumbent: int, budget: int = 20_000) -> SearchResult:
@@ -104,11 +111,12 @@ def exact_search(problem: Problem, incumbent: int, budget: int = 20_000) -> Sear
         if expanded >= budget:
             return SearchResult(None, incumbent, False, peak, expanded)
         expanded += 1
-        for v, child, child_peak, child_live, child_ready in moves(state, live, peak, ready):
+        for v, child, child_peak, child_live in moves(state, live, peak, ready):
             if child_peak >= incumbent or best.get(child, incumbent) <= child_peak:
                 continue
             best[child] = child_peak
             parent[child] = (state, v)
+            child_ready = moves.ready_after(ready, v, child)
             heapq.heappush(heap, (child_peak, -child.bit_count(), child, child_live, child_ready))
     return SearchResult(None, incumbent, True, incumbent, expanded)
 
@@ -132,12 +140,16 @@ def beam(problem: Problem, width: int | None = None) -> list[int]:
     # partial orders as linked cells (node, previous cell): extending one costs O(1)
     states = {moves.start: (moves.peak0, moves.live0, moves.ready0, None)}
     for _ in range(problem.size - len(problem.fixed)):
-        children: dict[int, tuple] = {}
+        children: dict[int, tuple] = {}  # child -> (peak, live, parent's ready, node, parent's cell)
         for state, (peak, live, ready, cell) in states.items():
-            for v, child, child_peak, child_live, child_ready in moves(state, live, peak, ready):
+            for v, child, child_peak, child_live in moves(state, live, peak, ready):
                 if child not in children or (child_peak, child_live) < children[child][:2]:
-                    children[child] = (child_peak, child_live, child_ready, (v, cell))
-        states = dict(sorted(children.items(), key=lambda item: (item[1][0], item[1][1], item[0]))[:width])
+                    children[child] = (child_peak, child_live, ready, v, cell)
+        kept = sorted(children.items(), key=lambda item: (item[1][0], item[1][1], item[0]))[:width]
+        states = {
+            child: (child_peak, child_live, moves.ready_after(ready, v, child), (v, cell))
+            for child, (child_peak, child_live, ready, v, cell) in kept
+        }
     _, (_, _, _, cell) = min(states.items(), key=lambda item: (item[1][0], item[0]))
     tail = []
     while cell is not None:
