@@ -51,6 +51,12 @@ class _Moves:
             if problem.freeable[b] and nodes and self.touch_mask[b] & ~self.start == 0
         )
         self.ready0 = tuple(v for v in range(problem.size) if not self.start >> v & 1 and self._free(self.start, v))
+        # per node: its bit, and (bytes, touchers' mask) of each freeable buffer it touches
+        self.bit = [1 << v for v in range(problem.size)]
+        self.frees = [
+            [(problem.sizes[b], self.touch_mask[b]) for b in problem.touched[v] if problem.freeable[b]]
+            for v in range(problem.size)
+        ]
 
     def _free(self, state: int, v: int) -> bool:
         return not self.pred_mask[v] & ~state
@@ -60,18 +66,19 @@ class _Moves:
 
         The child's ready nodes are left to :meth:`ready_after`: the beam keeps few
         of the children it sees, and building each one's tuple cost it most of its time.
+        The beam's inner loop: plain lists and local names.
         """
-        problem, moves = self.problem, []
+        alloc, peak_alloc, bit, frees, moves = self.problem.alloc, self.problem.peak_alloc, self.bit, self.frees, []
         for v in ready:
-            child = state | (1 << v)
-            freed = sum(
-                problem.sizes[b]
-                for b in problem.touched[v]
-                if problem.freeable[b] and self.touch_mask[b] & ~child == 0
-            )
-            during = live + problem.peak_alloc[v]
-            move = (v, child, max(peak, during), live + problem.alloc[v] - freed)
-            if problem.alloc[v] <= freed and during <= peak:  # safe: some optimal completion starts here
+            child = state | bit[v]
+            unscheduled = ~child
+            freed = 0
+            for size, touchers in frees[v]:
+                if not touchers & unscheduled:  # v is the buffer's last toucher
+                    freed += size
+            during = live + peak_alloc[v]
+            move = (v, child, max(peak, during), live + alloc[v] - freed)
+            if alloc[v] <= freed and during <= peak:  # safe: some optimal completion starts here
                 return [move]
             moves.append(move)
         return moves
