@@ -132,7 +132,7 @@ def model_graphs(name: str, size: float, config: str = "sh") -> list[tuple[str, 
     backward = log.backward[0]
     return [
         (f"{name} forward", log.forward[0], ()),
-        (f"{name} backward", backward, sh.memory.saved_activations(backward)),
+        (f"{name} backward", backward, sh.memory.freed_inputs(backward)),
     ]
 
 

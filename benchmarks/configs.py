@@ -285,10 +285,10 @@ def _compiled_changed(
     return step
 
 
-def _checkpointed(workload: Workload, backend: str, *contexts: Callable[[], Any]) -> Step:
+def _checkpointed(workload: Workload, backend: str, *contexts: Callable[[], Any], placed: bool = False) -> Step:
     """The workload compiled with checkpointing per block on (``close`` turns it off again)."""
     workload.set_checkpointing(True)
-    return _compiled_changed(lambda: workload.set_checkpointing(False), workload, backend, *contexts)
+    return _compiled_changed(lambda: workload.set_checkpointing(False), workload, backend, *contexts, placed=placed)
 
 
 def _checkpointing(workload: Workload, backend: str) -> Step:
@@ -297,8 +297,12 @@ def _checkpointing(workload: Workload, backend: str) -> Step:
 
 
 def _savedhooks_checkpointing(workload: Workload, backend: str) -> Step:
-    """Checkpointing per block, and ``sh.policy()`` on what is still saved (block inputs, head, loss), compiled."""
-    return _checkpointed(workload, backend, lambda: sh.saved_tensors_hooks(POLICY))
+    """Checkpointing per block, and ``sh.policy()`` on what is still saved (block inputs, head, loss), compiled.
+
+    With the placement that plain ``torch.compile`` gets under inductor: under
+    aot_eager through ``sh.backend("aot_eager")`` (as ``sh plan``).
+    """
+    return _checkpointed(workload, backend, lambda: sh.saved_tensors_hooks(POLICY), placed=backend == "aot_eager")
 
 
 def _bf16(workload: Workload) -> Callable[[], Any]:
@@ -458,7 +462,7 @@ CONFIGS: dict[str, Config] = {
                "sh.plan halfway between its modelled no-hook peak and its floor (recompute and codecs)"),
         Config("checkpoint", _checkpointing, True, False, "torch.utils.checkpoint per block"),
         Config("sh + checkpoint", _savedhooks_checkpointing, True, False,
-               "checkpoint per block, sh.policy() on what is still saved"),
+               "checkpoint per block, sh.policy() on what is still saved, placed (aot_eager: sh.backend)"),
         memory_budget(MEMORY_BUDGET),
         Config("bf16", _bf16_compiled, True, False, "bf16 autocast, compiled, no hooks: the bf16 rows' baseline",
                baseline="bf16", in_default=False),

@@ -202,7 +202,7 @@ def _predict(log: GraphLog | None) -> tuple[int | None, tuple[list[int], int] | 
     except ValueError:  # a node without meta["val"] (checkpointing's rng-state ops): no prediction
         return None, None
     fw = sh.memory.estimate_peak(forward)
-    bw = sh.memory.estimate_peak(backward, donated=sh.memory.saved_activations(backward))
+    bw = sh.memory.estimate_peak(backward, donated=sh.memory.freed_inputs(backward))
     fw_ops, fw_in = _above_inputs(forward, fw)
     bw_ops, _ = _above_inputs(backward, bw)
     retained = (fw.live_after[-1] - fw_in) if fw.live_after else 0

@@ -106,7 +106,7 @@ def _gaps(problems, budget: int) -> tuple[list[float], list[float], int]:
 def _model_problems():
     """Problems of the aot_eager forward/backward graphs of the acceptance models under fp8."""
     from benchmarks.acceptance import MODELS, test_models
-    from savedhooks.memory import saved_activations
+    from savedhooks.memory import freed_inputs
     from savedhooks.passes import graph_problem
 
     models = test_models()
@@ -118,7 +118,7 @@ def _model_problems():
         models.train_step_grads(model, torch.compile(model, backend=capture.backend), x, sh.fp8())
         torch._dynamo.reset()
         for (gm, _), is_backward in zip(capture.graphs, capture.is_backward):
-            problem, bound = graph_problem(gm, saved_activations(gm) if is_backward else ())
+            problem, bound = graph_problem(gm, freed_inputs(gm) if is_backward else ())
             out.append((f"{name} {'backward' if is_backward else 'forward'}", problem, bound))
     return out
 

@@ -246,9 +246,9 @@ def reorder_for_memory(gm: torch.fx.GraphModule, is_backward: bool, fused: bool 
 
 
 def _reorder(gm: torch.fx.GraphModule, is_backward: bool, **options) -> Schedule | None:
-    from savedhooks.memory import saved_activations
+    from savedhooks.memory import freed_inputs
 
-    donated = saved_activations(gm) if is_backward else ()
+    donated = freed_inputs(gm) if is_backward else ()
     try:
         result = reorder_graph(gm, donated, **options)
     except ValueError as error:  # no fake values to judge by: leave the graph as it is

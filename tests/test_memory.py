@@ -227,6 +227,42 @@ def test_measured_training_step_matches_the_prediction(name, hooks):
         assert abs(measured - predicted.step_peak) <= workspace
 
 
+def test_the_incoming_gradient_is_freed_at_its_last_use():
+    """torch 2.13 hands a compiled backward its gradients as a list that it empties: the model frees them too.
+
+    The backward reads the logits' gradient (1 MiB) first and peaks later, in the
+    ReLU's backward: held to the end, it would add its bytes to that peak.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 2048, bias=False), torch.nn.ReLU(), torch.nn.Linear(2048, 512, bias=False)
+    )  # fmt: skip
+    x = torch.randn(512, 64)
+    recorder = GraphRecorder(keep_inputs=False)
+    compiled = torch.compile(model, backend=recorder.backend)
+    train_step(model, compiled, x)  # compile
+    (forward, _), (backward, _) = recorder.graphs[:2]
+    measured = sh.memory.measure_peak(lambda: train_step(model, compiled, x), device="cpu")
+    predicted = sh.memory.predict_step(forward, backward).step_peak
+    gradient = 512 * 512 * 4
+    assert sh.memory.freed_inputs(backward) == (*sh.memory.saved_activations(backward), "tangents_1")
+    held = sh.memory.estimate_peak(backward, donated=sh.memory.saved_activations(backward)).peak_bytes
+    assert held - sh.memory.estimate_peak(backward, donated=sh.memory.freed_inputs(backward)).peak_bytes == gradient
+    assert abs(measured - predicted) < gradient / 8, (measured, predicted)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_dropout_in_training_counts_its_float_mask_as_scratch_on_cpu(train):
+    """aten's CPU native_dropout draws its mask in the input's dtype, then casts it to bool."""
+    from savedhooks.memory.scratch import _scratch
+
+    x = torch.randn(300, 77)
+    gm = make_fx(lambda x: torch.ops.aten.native_dropout.default(x, 0.1, train), tracing_mode="fake")(x)
+    (node,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.native_dropout.default)
+    measured = _scratch(lambda: torch.ops.aten.native_dropout.default(x, 0.1, train))
+    assert sh.memory.op_scratch_bytes(node) == measured == (x.nbytes if train else 0)
+
+
 def test_json_export_and_timeline_plot(tmp_path):
     pytest.importorskip("matplotlib")
     (forward, args), _ = _recorded(mlp, (16, 8), sh.fp8())

@@ -364,13 +364,13 @@ def _split(graph: torch.fx.Graph, node: torch.fx.Node, ao, is_backward: bool) ->
 
 
 def _place(gm: torch.fx.GraphModule, pairs, is_backward: bool, model: TransferModel) -> None:
-    from savedhooks.memory import build_graph_memory, saved_activations
+    from savedhooks.memory import build_graph_memory, freed_inputs
     from savedhooks.memory.estimate import _report_device
     from savedhooks.schedule import build_problem, live_profile
 
     order = [n for n in gm.graph.nodes if n.op != "output"]
     position = {n: i for i, n in enumerate(order)}
-    memory = build_graph_memory(gm, saved_activations(gm) if is_backward else ())
+    memory = build_graph_memory(gm, freed_inputs(gm) if is_backward else ())
     device = _report_device(memory)
     fixed = [i for i, n in enumerate(order) if n.op in ("placeholder", "get_attr")]
     problem = build_problem(memory, device, (), fixed)

@@ -17,6 +17,13 @@ on CPU instead (``savedhooks.kernels.fp8_inductor``), which allocates little
 beyond its outputs (the quantize's per-group amax; two chunks of codes with a
 last short block): that figure is counted (``inductor_scratch_bytes``, measured
 equal in ``tests/test_inductor_codec.py``), not the reference's.
+
+One aten op is counted too: ``native_dropout`` in training on CPU draws its
+mask as a float tensor of the input's size and dtype before casting it to bool
+(measured: the scratch equals the input's bytes, at every shape and dtype
+tried), also where checkpointing runs it under ``run_and_save_rng_state`` /
+``run_with_rng_state``. A placed backward that recomputes a dropout at its peak
+measured that much above the model without it (``tests/test_recompute.py``).
 """
 
 from __future__ import annotations
@@ -91,14 +98,18 @@ def op_scratch_bytes(node: torch.fx.Node) -> int:
     Returns:
         The scratch bytes of ``savedhooks::fp8_quantize`` / ``fp8_dequantize``
         nodes (their aten reference, or from one chunk of elements on CPU their
-        compiled form), else 0.
+        compiled form) and of ``aten::native_dropout`` training on CPU (see the
+        module notes), else 0.
 
     Raises:
         Nothing: a node whose arguments lack fake values counts 0, and so does
         any node while a profiler is active (measuring would nest profilers).
     """
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function":
         return 0
+    dropout = _dropout_scratch(node)
+    if dropout or not isinstance(node.target, torch._ops.OpOverload):
+        return dropout
     name = node.target.name()
     if name not in ("savedhooks::fp8_quantize", "savedhooks::fp8_dequantize"):
         return 0
@@ -134,3 +145,21 @@ def op_scratch_bytes(node: torch.fx.Node) -> int:
     return _fp8_dequantize_scratch(
         first.dtype, chunk, cols, scale_rows, size_hint(scale.shape[1]), tuple(node.args[2:])
     )
+
+
+def _dropout_scratch(node: torch.fx.Node) -> int:
+    """The float mask ``aten::native_dropout`` draws on CPU in training: the input's bytes (else 0)."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    op, args, kwargs = node.target, node.args, node.kwargs
+    if op is run_with_rng_state:  # (rng state, op, *args): a checkpointed op recomputed
+        op, args = args[1], args[2:]
+    elif op is run_and_save_rng_state:  # (op, *args)
+        op, args = args[0], args[1:]
+    if op is not torch.ops.aten.native_dropout.default or not args or not isinstance(args[0], torch.fx.Node):
+        return 0
+    train = args[2] if len(args) > 2 else kwargs.get("train")
+    x = args[0].meta.get("val")
+    if train is False or not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+        return 0
+    return size_hint(x.numel()) * x.element_size()

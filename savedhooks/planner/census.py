@@ -50,7 +50,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from savedhooks.codecs.base import producing_op
 from savedhooks.fidelity.select import SavedTensor, concrete_size
 from savedhooks.hooks import hook_context
-from savedhooks.memory import build_graph_memory, saved_activations, simulate
+from savedhooks.memory import build_graph_memory, freed_inputs, saved_activations, simulate
 from savedhooks.memory.estimate import _input_bytes, _report_device
 from savedhooks.memory.fusion import inlined_nodes, is_view
 from savedhooks.planner.recording import REALIZED, run_in_kernel_order
@@ -205,7 +205,7 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
     backward = saved is None
     if fused:
         run_in_kernel_order(gm)
-    donated = saved_activations(gm) if backward else ()
+    donated = freed_inputs(gm) if backward else ()
     memory = build_graph_memory(gm, donated=donated, fused=fused, realized=gm.meta.get(REALIZED, ()))
     device = _report_device(memory)
     during, after, _ = simulate(memory, device)

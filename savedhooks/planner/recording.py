@@ -25,7 +25,7 @@ import torch
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from savedhooks.passes import is_backward_graph, reorder_pass, unhook_names
+from savedhooks.passes import is_backward_graph, reorder_for_memory, reorder_pass, unhook_names
 
 __all__ = ["REALIZED", "GraphRecorder", "fresh_backend", "recording_backend", "run_in_kernel_order"]
 
@@ -193,14 +193,20 @@ def fresh_backend(backend: str, **keywords: Any) -> Callable[..., Any]:
     raise ValueError(f"plan: backend must be 'inductor' or 'aot_eager', got {backend!r}")
 
 
-def _keeping(graphs: list[torch.fx.GraphModule], unhook: bool) -> Callable[..., Any]:
-    """An aot_eager graph compiler that appends each graph to ``graphs`` and runs it as aot_eager does."""
+def _keeping(graphs: list[torch.fx.GraphModule], unhook: bool, is_backward: bool) -> Callable[..., Any]:
+    """An aot_eager graph compiler that keeps each graph, ordered as ``sh.backend("aot_eager")`` orders it.
+
+    The plan runs under that placement, as under inductor (where the recorder runs
+    the reorder pass first); the graph that runs is the one torch generated.
+    """
 
     def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        run = boxed_nop(gm, example_inputs)  # the code torch generated, before the graph changes below
         if unhook:
-            unhook_names(gm.graph)  # the code that runs is gm's, generated before
+            unhook_names(gm.graph)
+        reorder_for_memory(gm, is_backward)
         graphs.append(gm)
-        return boxed_nop(gm, example_inputs)
+        return run
 
     return compiler
 
@@ -226,8 +232,8 @@ def recording_backend(backend: str, unhook: bool = False) -> tuple[Callable[...,
     if backend == "aot_eager":
         recorder = GraphRecorder()  # not a pass here: the compilers below keep (and rename) the graphs
         compilers = {
-            "fw_compiler": _keeping(recorder.forwards, unhook),
-            "bw_compiler": _keeping(recorder.backwards, unhook),
+            "fw_compiler": _keeping(recorder.forwards, unhook, False),
+            "bw_compiler": _keeping(recorder.backwards, unhook, True),
         }
         return fresh_backend(backend, **compilers), recorder, False
     # inductor: the backward as the plan's hooks will have it, ordered by the reorder pass (in torch's order
