@@ -33,6 +33,7 @@ import logging
 
 import torch
 import torch.fx
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from savedhooks.kernels.fp8_inductor import inductor_scratch_bytes, inductor_serves
@@ -149,8 +150,6 @@ def op_scratch_bytes(node: torch.fx.Node) -> int:
 
 def _dropout_scratch(node: torch.fx.Node) -> int:
     """The float mask ``aten::native_dropout`` draws on CPU in training: the input's bytes (else 0)."""
-    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
-
     op, args, kwargs = node.target, node.args, node.kwargs
     if op is run_with_rng_state:  # (rng state, op, *args): a checkpointed op recomputed
         op, args = args[1], args[2:]
