@@ -160,6 +160,14 @@ def jobs(
     return pairs
 
 
+def _row_line(row: Row) -> str:
+    """One measured row as a line of text (the table's figures, before the baseline ratios)."""
+    figures = ", ".join(
+        f"{field} {value:.1f}" for field, value in dataclasses.asdict(row).items() if isinstance(value, float)
+    )
+    return f"measured {row.model} / {row.config} / {row.backend}: {figures}"
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -423,6 +431,8 @@ def run(
                     bar.write(f"FAILED {name} / {config.name} / {backend}: {row.error}")
                     bar.write("".join(traceback.format_exception_only(exc)).strip()[-2000:])
                 rows.append(row)
+                if not progress and not row.error:  # each row as it is measured: a run cut short keeps what it did
+                    bar.write(_row_line(row))
                 bar.update()
             del workload
             torch._dynamo.reset()

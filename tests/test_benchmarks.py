@@ -486,3 +486,37 @@ def test_inductor_order_replays_a_wrappers_allocations_and_frees():
     assert replay(_WRAPPER.replace("    del buf2\n", "")).peak_bytes == 80 + 64 + 64 + 28 - 64
     with pytest.raises(ValueError, match="no 'def call"):
         replay("print(1)")
+
+
+def test_a_run_without_progress_bar_prints_each_row_as_it_is_measured(capsys):
+    from benchmarks.run import run
+
+    result = run(["mlp"], ["compiled"], ["aot_eager"], size=0.25, repeats=1, progress=False)
+    (row,) = result.rows
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("measured "))
+    assert line.startswith("measured mlp / compiled / aot_eager: activation_mib ")
+    assert f"step_ms {row.step_ms:.1f}" in line  # a run cut short keeps the figures of the rows it finished
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_host_copies_needs_a_cuda_device_and_refuses_unknown_settings(capsys):
+    from benchmarks import host_copies
+
+    with pytest.raises(SystemExit) as exit_info:
+        host_copies.main([])
+    assert exit_info.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown variant"):
+        host_copies.offload_stress("inductor", "overlapped")
+    with pytest.raises(ValueError, match="direction"):
+        host_copies.copy_gb_per_s("up", pinned=True)
+
+
+def test_the_torch_2_11_shim_refuses_any_other_torch_and_needs_its_confirmation(capsys, tmp_path):
+    from benchmarks import torch211_shim
+
+    with pytest.raises(SystemExit) as exit_info:
+        torch211_shim.main(["--offload-ops", str(tmp_path / "offload_ops.py")])  # no --modify-installed-torch
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit) as exit_info:
+        torch211_shim.main(["--modify-installed-torch", "--offload-ops", str(tmp_path / "offload_ops.py")])
+    assert exit_info.value.code == 2 and f"this is torch {torch.__version__}" in capsys.readouterr().err

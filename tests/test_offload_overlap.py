@@ -349,8 +349,14 @@ def test_transfer_model_refuses_bad_settings(kwargs, error):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_async_offload_is_bit_exact_over_many_steps_of_changing_sizes(backend, caplog):
     """Stress: many steps, batch sizes drawn at random, the copies' host buffers reused by torch's
-    host allocator: gradients must equal those without hooks bit for bit on every step, and the
-    compiled graphs must use the asynchronous copies (the pass logs each graph it rewrote)."""
+    host allocator: gradients must equal those without hooks on every step, and the compiled graphs
+    must use the asynchronous copies (the pass logs each graph it rewrote).
+
+    Equal bit for bit under aot_eager. Under inductor, >= 100 dB: on an H200 (torch 2.11) 15 of 30
+    steps differed in float32 rounding (worst 144.4 dB, at most 9.5e-7), and so did 24 of 30 with the
+    copies left synchronous (145.7 dB): inductor fuses the graph around the copies otherwise, as in
+    test_offload_on_cuda_gradients. A copy read before it ends, or a slab reused too soon, gives
+    stale or foreign data: tens of dB at best."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(256, 256), torch.nn.GELU())]).cuda()
     compiled = torch.compile(model, backend=sh.backend(backend), dynamic=True)
@@ -360,7 +366,10 @@ def test_async_offload_is_bit_exact_over_many_steps_of_changing_sizes(backend, c
             x = torch.randn(rng.choice([8, 64, 200, 512]), 256, device="cuda")
             want = train_step_grads(model, compiled, x)
             got = train_step_grads(model, compiled, x, sh.offload(keep_needed_soon=False))
-            assert all(torch.equal(w, g) for w, g in zip(want, got))
+            if backend == "inductor":
+                assert min(sh.sqnr(w, g) for w, g in zip(want, got)) >= 100.0
+            else:
+                assert all(torch.equal(w, g) for w, g in zip(want, got))
     rewrites = [r.getMessage() for r in caplog.records if "async copies" in r.getMessage()]
     assert any(m.startswith("savedhooks overlap (forward)") for m in rewrites), rewrites
     assert any(m.startswith("savedhooks overlap (backward)") for m in rewrites), rewrites
