@@ -373,3 +373,32 @@ def test_async_offload_is_bit_exact_over_many_steps_of_changing_sizes(backend, c
     rewrites = [r.getMessage() for r in caplog.records if "async copies" in r.getMessage()]
     assert any(m.startswith("savedhooks overlap (forward)") for m in rewrites), rewrites
     assert any(m.startswith("savedhooks overlap (backward)") for m in rewrites), rewrites
+
+
+def test_a_forward_that_offloads_gets_its_copies_placed_after_the_last_use():
+    """torch inlines every pack at the end of the forward, and inductor runs an extern copy where the
+    graph has it: the pass (forward graphs not reordered) places the copies first, so each source
+    dies after its own copy instead of living to the end of the forward."""
+
+    def forward(x, w):
+        a = torch.mm(x, w)
+        b = torch.mm(torch.relu(a), w)
+        c = torch.mm(torch.relu(b), w)
+        d = torch.mm(torch.relu(c), w)
+        saved = [torch.ops.savedhooks.offload(t, CPU, True) for t in (a, b, c)]  # where torch inlines them
+        return (d, *saved)
+
+    gm = _trace(forward, "cuda", "cuda")
+    before = _device_peak(gm)
+    sh.reorder_pass()(gm.graph)
+    order = [n for n in gm.graph.nodes if n.op == "call_function"]
+    starts = [n for n in order if n.target is torch.ops.ao.offload.default]
+    assert len(starts) == 3
+    for start in starts:  # each copy starts right after the last compute that reads its source
+        source = start.args[0]
+        readers = [
+            u for u in source.users if u.target not in (torch.ops.ao.offload.default, torch.ops.ao.wait_tensor.default)
+        ]
+        assert order.index(start) == max(order.index(u) for u in readers) + 1, gm.code
+    # before: a, b and c alive together at the end (3 tiles besides d and its operands); after: at most 2
+    assert _device_peak(gm) <= before - TILE, (before, _device_peak(gm))
