@@ -12,9 +12,12 @@ Design notes
   orders its reuse after the copy. A D2H copy into pinned memory does not block
   the host.
 * Overlap is added after tracing, by :mod:`savedhooks.hostmem.overlap`. Each op is
-  rewritten there into torch's own asynchronous pair: ``ao::offload`` or
-  ``ao::reload``, then ``ao::wait_tensor`` (a transfer stream, and an event per
-  copy). The hooks cannot call those ops directly: ``ao::wait_tensor`` returns an
+  rewritten there into an asynchronous start and torch's ``ao::wait_tensor``
+  (torch's transfer stream, and an event per copy): ``ao::reload`` for the
+  copy back, and for the copy out ``savedhooks::offload_async``, which is
+  torch's ``ao::offload`` (same stream, same event registry) except that it
+  writes into a slab of the host pool instead of a new pinned buffer per copy.
+  The hooks cannot call those ops directly: ``ao::wait_tensor`` returns an
   alias of its input, which functionalization refuses
   (``tests/test_codec_models.py`` pins this).
 * Layout: a dense tensor keeps its strides on both sides (transposed and
@@ -25,8 +28,12 @@ Design notes
   comes back to the pool when the copy's storage is freed (after a CUDA event
   recorded then), so later steps allocate no pinned memory; torch's own pinned
   allocator rounds every request up to a power of two and keeps the blocks.
-  The asynchronous copies of compiled CUDA graphs (``ao::offload``) allocate
-  through torch's allocator.
+  The asynchronous copies of compiled CUDA graphs write into the same pool
+  (torch's ``ao::offload`` allocates a pinned buffer per copy unless its own
+  pool is on, and that pool takes a buffer back only through ``keepalive``,
+  which would free a saved tensor that a retained graph unpacks again). The
+  slab waits on the copy's event and on one recorded when its storage is
+  freed: a backward frees a saved host tensor after the wait of its copy back.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false, make_contiguous_strides_for
 
-__all__ = ["torch_offload", "torch_reload"]
+__all__ = ["torch_offload", "torch_offload_async", "torch_reload"]
 
 
 def _empty_like_layout(x: torch.Tensor, device: torch.device, pin_memory: bool) -> torch.Tensor:
@@ -100,6 +107,45 @@ def torch_reload(host: torch.Tensor, device: torch.device, pinned: bool) -> torc
     return back
 
 
+def torch_offload_async(x: torch.Tensor) -> torch.Tensor:
+    """Start copying ``x`` into a pinned slab of the host pool on torch's transfer stream.
+
+    torch's ``ao::offload`` with the pool's memory: the transfer stream waits for
+    the current stream (which made ``x``), the copy's event is registered where
+    ``ao::wait_tensor`` looks for it (by the host tensor's data pointer), and the
+    slab waits on it too. The graph must call ``ao::wait_tensor(host, None, x)``
+    before it frees ``x`` or reads the result.
+
+    Args:
+        x: a contiguous tensor on an accelerator.
+
+    Returns:
+        The host tensor, contiguous, its copy still running.
+
+    Raises:
+        ValueError: ``x`` is on the CPU, or not contiguous.
+    """
+    if x.device.type == "cpu" or not x.is_contiguous():
+        raise ValueError(f"savedhooks.offload_async: needs a contiguous tensor on an accelerator, got {x.device}")
+    from torch._functorch._activation_offloading import offload_ops as ao
+
+    from savedhooks.hostmem.pool import default_pool
+
+    transfer = ao._get_or_create_transfer_stream(x.device)
+    current = torch.accelerator.current_stream(x.device)
+    transfer.wait_stream(current)
+    host = default_pool().empty_strided(x.size(), make_contiguous_strides_for(x.shape), x.dtype)
+    event = ao._register_wait(host, x.device)
+    torch.accelerator.set_stream(transfer)
+    try:
+        host.copy_(x, non_blocking=True)
+        transfer.record_event(event)
+    finally:
+        torch.accelerator.set_stream(current)
+    default_pool().note_copy(host, event)
+    return host
+
+
 def _note_copy(host: torch.Tensor) -> None:
     """Tell the host pool that a copy on the current CUDA stream reads or writes ``host``'s slab."""
     from savedhooks.hostmem.pool import default_pool
@@ -135,6 +181,32 @@ def _(x, device, pin_memory):
     if x.device == torch.device(device):
         raise ValueError(f"savedhooks.offload: the tensor already lives on {device}")
     return _empty_like_layout(x, device, False)
+
+
+@torch.library.custom_op("savedhooks::offload_async", mutates_args=())
+def offload_async(x: torch.Tensor) -> torch.Tensor:
+    """``torch.ops.savedhooks.offload_async``: :func:`torch_offload_async` as one graph node.
+
+    Only :mod:`savedhooks.hostmem.overlap` puts it in graphs, followed by
+    ``ao::wait_tensor(result, None, x)``.
+
+    Args:
+        x: a contiguous tensor on an accelerator.
+
+    Returns:
+        The host tensor (new, contiguous), its copy still running.
+
+    Raises:
+        ValueError: ``x`` is on the CPU, or not contiguous.
+    """
+    return torch_offload_async(x)
+
+
+@offload_async.register_fake
+def _(x):
+    if x.device.type == "cpu":
+        raise ValueError("savedhooks.offload_async: needs a tensor on an accelerator, got cpu")
+    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
 
 
 @torch.library.custom_op("savedhooks::reload", mutates_args=())

@@ -162,18 +162,25 @@ def test_past_the_capacity_a_tensor_falls_back_to_its_own_memory():
 
 
 @pytest.mark.gpu
-def test_offload_copies_write_into_pinned_slabs_reused_from_the_second_step():
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_offload_copies_write_into_pinned_slabs_reused_from_the_second_step(backend):
+    """Eager: savedhooks::offload's copies. Inductor: the asynchronous copies the pass puts in the graphs
+    (savedhooks::offload_async), gradients at >= 100 dB there (inductor fuses around the copies)."""
     from savedhooks.hostmem import default_pool
     from tests.models import train_step_grads
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(256, 256), torch.nn.GELU())]).cuda()
+    fn = model if backend == "eager" else torch.compile(model)
     x = torch.randn(64, 256, device="cuda")
     pool = default_pool()
     want = train_step_grads(model, model, x)
     for step in range(3):
-        got = train_step_grads(model, model, x, sh.offload(keep_needed_soon=False))
-        assert all(torch.equal(w, g) for w, g in zip(want, got))
+        got = train_step_grads(model, fn, x, sh.offload(keep_needed_soon=False))
+        if backend == "eager":
+            assert all(torch.equal(w, g) for w, g in zip(want, got))
+        else:
+            assert min(sh.sqnr(w, g) for w, g in zip(want, got)) >= 100.0
         if step == 0:
             allocations = pool.stats.allocations
     assert allocations > 0 and pool.stats.allocations == allocations and pool.stats.hits > 0

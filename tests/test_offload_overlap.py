@@ -21,6 +21,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 import savedhooks as sh
 import savedhooks.kernels.offload  # the savedhooks::offload and savedhooks::reload ops
 from savedhooks.codecs.base import pack_saved, unpack_saved
+from savedhooks.hostmem import default_pool
 from savedhooks.hostmem.overlap import (
     Transfer,
     TransferModel,
@@ -90,11 +91,11 @@ def forward(self, x_1, w1_1, w2_1, w3_1):
     mm = torch.ops.aten.mm.default(x_1, w1_1);  x_1 = w1_1 = None
     relu = torch.ops.aten.relu.default(mm)
     mm_1 = torch.ops.aten.mm.default(relu, w2_1);  relu = w2_1 = None
-    offload_default = torch.ops.ao.offload.default(mm)
+    offload_async_default = torch.ops.savedhooks.offload_async.default(mm)
     mm_2 = torch.ops.aten.mm.default(mm_1, w3_1);  mm_1 = None
     mm_3 = torch.ops.aten.mm.default(mm_2, w3_1);  mm_2 = None
     mm_4 = torch.ops.aten.mm.default(mm_3, w3_1);  mm_3 = w3_1 = None
-    wait_tensor_default = torch.ops.ao.wait_tensor.default(offload_default, None, mm);  offload_default = mm = None
+    wait_tensor_default = torch.ops.ao.wait_tensor.default(offload_async_default, None, mm);  offload_async_default = mm = None
     return (mm_4, wait_tensor_default)""",
         )
         assert _device_peak(gm) <= before
@@ -145,7 +146,7 @@ def test_sunk_waits_respect_an_explicit_limit():
 def test_the_reorder_pass_makes_offload_copies_asynchronous():
     gm = _trace(_forward, "cuda", "cuda", "cuda", "cuda")
     sh.reorder_pass()(gm.graph)  # a forward graph: not reordered, but its copies overlap
-    assert "ao.offload.default" in _targets(gm) and "savedhooks.offload.default" not in _targets(gm)
+    assert "savedhooks.offload_async.default" in _targets(gm) and "savedhooks.offload.default" not in _targets(gm)
     gm = _trace(_backward, "cpu", "cuda", "cuda", "cuda")
     sh.reorder_pass()(gm.graph)
     assert "ao.reload.default" in _targets(gm) and "savedhooks.reload.default" not in _targets(gm)
@@ -160,6 +161,11 @@ def test_strided_and_pageable_copies_stay_synchronous():
     gm = _trace(forward, "cuda")
     assert overlap_transfers(gm, is_backward=False) == 0
     assert _targets(gm).count("savedhooks.offload.default") == 2
+
+    # an empty tensor too: the copies' events are keyed by data pointer, and empty tensors may share one
+    with FakeTensorMode():
+        gm = make_fx(lambda x: torch.ops.savedhooks.offload(x, CPU, True))(torch.empty(0, 4, device="cuda"))
+    assert overlap_transfers(gm, is_backward=False) == 0
 
     # a pageable payload's copy back stays synchronous too (torch's ao::reload needs pinned memory)
     gm = _trace(lambda host: torch.ops.savedhooks.reload(host, CUDA, False) * 2, "cpu")
@@ -207,6 +213,27 @@ def test_the_offload_codec_traces_to_one_node_per_payload_under_functionalizatio
     assert _targets(pack).count("savedhooks.offload.default") == 2  # fp8 codes and scales
     assert _targets(unpack).count("savedhooks.reload.default") == 2
     assert not any("copy" in t for t in _targets(pack) + _targets(unpack))
+
+
+def test_the_async_copy_out_is_torch_s_with_the_pool_s_memory():
+    """savedhooks::offload_async uses torch's transfer stream and event registry (what ao::wait_tensor pops):
+    those private helpers must keep their names and arguments. On fake CUDA tensors it makes a contiguous host
+    tensor; it refuses what it cannot copy asynchronously."""
+    import inspect
+
+    from torch._functorch._activation_offloading import offload_ops as ao
+
+    assert list(inspect.signature(ao._register_wait).parameters) == ["tensor", "device"]
+    assert list(inspect.signature(ao._get_or_create_transfer_stream).parameters) == ["device"]
+    assert list(inspect.signature(ao._pop_wait).parameters) == ["tensor"]  # keyed by the tensor alone
+    with FakeTensorMode():
+        host = torch.ops.savedhooks.offload_async(torch.empty(8, 4, device="cuda"))
+        assert host.device == CPU and host.shape == (8, 4) and host.is_contiguous()
+        with pytest.raises(ValueError, match="needs a tensor on an accelerator"):
+            torch.ops.savedhooks.offload_async(torch.empty(8, 4))
+    for x in (torch.randn(8, 4), torch.randn(8, 4).t()):
+        with pytest.raises(ValueError, match="needs a contiguous tensor on an accelerator"):
+            torch.ops.savedhooks.offload_async(x)
 
 
 def test_the_copy_ops_refuse_a_tensor_already_on_the_target_device():
@@ -361,6 +388,7 @@ def test_async_offload_is_bit_exact_over_many_steps_of_changing_sizes(backend, c
     model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(256, 256), torch.nn.GELU())]).cuda()
     compiled = torch.compile(model, backend=sh.backend(backend), dynamic=True)
     rng = random.Random(0)
+    hits = default_pool().stats.hits
     with caplog.at_level(logging.INFO, logger="savedhooks.hostmem.overlap"):
         for _ in range(30):
             x = torch.randn(rng.choice([8, 64, 200, 512]), 256, device="cuda")
@@ -370,6 +398,8 @@ def test_async_offload_is_bit_exact_over_many_steps_of_changing_sizes(backend, c
                 assert min(sh.sqnr(w, g) for w, g in zip(want, got)) >= 100.0
             else:
                 assert all(torch.equal(w, g) for w, g in zip(want, got))
+    # the asynchronous copies out write into the host pool's slabs, reused across steps (savedhooks::offload_async)
+    assert default_pool().stats.hits > hits
     rewrites = [r.getMessage() for r in caplog.records if "async copies" in r.getMessage()]
     assert any(m.startswith("savedhooks overlap (forward)") for m in rewrites), rewrites
     assert any(m.startswith("savedhooks overlap (backward)") for m in rewrites), rewrites
@@ -392,12 +422,14 @@ def test_a_forward_that_offloads_gets_its_copies_placed_after_the_last_use():
     before = _device_peak(gm)
     sh.reorder_pass()(gm.graph)
     order = [n for n in gm.graph.nodes if n.op == "call_function"]
-    starts = [n for n in order if n.target is torch.ops.ao.offload.default]
+    starts = [n for n in order if n.target is torch.ops.savedhooks.offload_async.default]
     assert len(starts) == 3
     for start in starts:  # each copy starts right after the last compute that reads its source
         source = start.args[0]
         readers = [
-            u for u in source.users if u.target not in (torch.ops.ao.offload.default, torch.ops.ao.wait_tensor.default)
+            u
+            for u in source.users
+            if u.target not in (torch.ops.savedhooks.offload_async.default, torch.ops.ao.wait_tensor.default)
         ]
         assert order.index(start) == max(order.index(u) for u in readers) + 1, gm.code
     # before: a, b and c alive together at the end (3 tiles besides d and its operands); after: at most 2

@@ -8,8 +8,9 @@ Design notes
   (:mod:`savedhooks.kernels.offload`). Alone, each is a copy ordered on the
   compute stream, so it stalls compute.
 * Rewrite (torch's own ops, ``torch._functorch._activation_offloading``):
-  ``offload(x)`` becomes ``ao::offload(x)`` (a D2H copy on the transfer stream,
-  after the compute stream has made ``x``) and ``ao::wait_tensor(host, None, x)``
+  ``offload(x)`` becomes ``savedhooks::offload_async(x)`` (torch's
+  ``ao::offload`` writing into a slab of the host pool: a D2H copy on the
+  transfer stream, after the compute stream has made ``x``) and ``ao::wait_tensor(host, None, x)``
   (the compute stream waits on the copy's event). ``x`` stays an input of the
   wait, so it is freed only after the wait, on a stream that the copy has
   already finished on: no ``record_stream``. ``reload(host)`` becomes
@@ -323,15 +324,18 @@ def overlap_transfers(gm: torch.fx.GraphModule, is_backward: bool, model: Transf
 
 
 def _overlappable(node: torch.fx.Node, is_backward: bool) -> bool:
-    """A contiguous copy between an accelerator and pinned host memory.
+    """A contiguous, non-empty copy between an accelerator and pinned host memory.
 
-    torch's ``ao::offload`` returns a contiguous host tensor, so only contiguous
-    tensors are rewritten (their layout is the same either way); the others, and
-    copies to or from pageable memory (``pin_memory=False``; both ops carry the
-    flag as their third argument), stay synchronous.
+    The asynchronous copy out returns a contiguous host tensor, so only contiguous
+    tensors are rewritten (their layout is the same either way); the others,
+    empty ones (the copies' events are keyed by data pointer), and copies to or
+    from pageable memory (``pin_memory=False``; both ops carry the flag as their
+    third argument), stay synchronous.
     """
     source, dest = node.args[0].meta.get("val"), node.meta.get("val")
     if not isinstance(source, torch.Tensor) or not isinstance(dest, torch.Tensor) or not source.is_contiguous():
+        return False
+    if size_hint(source.numel()) == 0:
         return False
     if not node.args[2]:
         return False
@@ -353,8 +357,8 @@ def _split(graph: torch.fx.Graph, node: torch.fx.Node, ao, is_backward: bool) ->
             start = graph.call_function(
                 ao.reload.default, (source, val.device)
             )  # the host tensor's (contiguous) layout
-        else:
-            start = graph.call_function(ao.offload.default, (source,))
+        else:  # torch's ao::offload, writing into the host pool (savedhooks.kernels.offload)
+            start = graph.call_function(torch.ops.savedhooks.offload_async.default, (source,))
         start.meta["val"] = val
         wait = graph.call_function(ao.wait_tensor.default, (start, None, source))
         wait.meta["val"] = val  # the same fake tensor: the memory model sees one storage
