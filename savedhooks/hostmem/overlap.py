@@ -20,7 +20,9 @@ Design notes
 * Placement: copies on the one transfer stream run in the order they are issued.
   Each forward wait sinks past the following nodes until their modelled time
   covers its copy's end; each backward reload rises above its wait (which stays
-  right before the first user) until the copy ends in time. Neither may lift
+  right before the first user) until the copy ends in time. When the copies
+  together take longer than the graph's modelled compute, no placement hides
+  them, and the pass logs a warning with both times. Neither may lift
   the graph's modelled device peak above ``limit_bytes`` (default: the peak
   before overlap): a sunk wait keeps its source on the device longer, a hoisted
   reload holds its result sooner. Host bytes are counted apart (the memory model
@@ -386,6 +388,7 @@ def _place(gm: torch.fx.GraphModule, pairs, is_backward: bool, model: TransferMo
         clock += 0.0 if n in moving else model.seconds(n)
         ends.append(clock)
     bandwidth = model.bandwidth()
+    _warn_if_copies_outlast_compute(sum(_nbytes(start) for start, _ in pairs) / bandwidth, clock, is_backward)
     if is_backward:
         transfers = [
             Transfer(position[start], _nbytes(start) / bandwidth, problem.alloc[position[start]]) for start, _ in pairs
@@ -415,6 +418,19 @@ def _place(gm: torch.fx.GraphModule, pairs, is_backward: bool, model: TransferMo
         moved,
         limit,
     )
+
+
+def _warn_if_copies_outlast_compute(copying: float, computing: float, is_backward: bool) -> None:
+    """Say when no placement can hide the copies: together they take longer than the graph's compute."""
+    if copying > computing:
+        log.warning(
+            "savedhooks overlap (%s): its copies take %.3g ms at the modelled bandwidth, longer than the graph's "
+            "modelled compute (%.3g ms), so the step waits on them. Offload fewer bytes (sh.offload(sh.fp8()), "
+            "min_bytes, keep_needed_soon) or let sh.plan choose per tensor.",
+            "backward" if is_backward else "forward",
+            copying * 1e3,
+            computing * 1e3,
+        )
 
 
 def _nbytes(node: torch.fx.Node) -> int:
