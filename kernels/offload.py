@@ -117,16 +117,19 @@ def torch_offload_async(x: torch.Tensor) -> torch.Tensor:
     before it frees ``x`` or reads the result.
 
     Args:
-        x: a contiguous tensor on an accelerator.
+        x: a tensor on an accelerator, in any layout: inductor may hand over a
+            padded or channels-last layout where the traced graph had a
+            contiguous one (a node that a pass inserts gets no layout
+            constraint), and the copy makes it contiguous.
 
     Returns:
         The host tensor, contiguous, its copy still running.
 
     Raises:
-        ValueError: ``x`` is on the CPU, or not contiguous.
+        ValueError: ``x`` is on the CPU.
     """
-    if x.device.type == "cpu" or not x.is_contiguous():
-        raise ValueError(f"savedhooks.offload_async: needs a contiguous tensor on an accelerator, got {x.device}")
+    if x.device.type == "cpu":
+        raise ValueError("savedhooks.offload_async: needs a tensor on an accelerator, got one on the cpu")
     from torch._functorch._activation_offloading import offload_ops as ao
 
     from savedhooks.hostmem.pool import default_pool
@@ -191,13 +194,13 @@ def offload_async(x: torch.Tensor) -> torch.Tensor:
     ``ao::wait_tensor(result, None, x)``.
 
     Args:
-        x: a contiguous tensor on an accelerator.
+        x: a tensor on an accelerator (any layout).
 
     Returns:
         The host tensor (new, contiguous), its copy still running.
 
     Raises:
-        ValueError: ``x`` is on the CPU, or not contiguous.
+        ValueError: ``x`` is on the CPU.
     """
     return torch_offload_async(x)
 

@@ -218,7 +218,8 @@ def test_the_offload_codec_traces_to_one_node_per_payload_under_functionalizatio
 def test_the_async_copy_out_is_torch_s_with_the_pool_s_memory():
     """savedhooks::offload_async uses torch's transfer stream and event registry (what ao::wait_tensor pops):
     those private helpers must keep their names and arguments. On fake CUDA tensors it makes a contiguous host
-    tensor; it refuses what it cannot copy asynchronously."""
+    tensor; it refuses a tensor on the CPU. Any device layout is accepted: inductor applies no layout
+    constraint to a node a pass inserts, so a padded layout may reach it (the copy makes it contiguous)."""
     import inspect
 
     from torch._functorch._activation_offloading import offload_ops as ao
@@ -229,11 +230,12 @@ def test_the_async_copy_out_is_torch_s_with_the_pool_s_memory():
     with FakeTensorMode():
         host = torch.ops.savedhooks.offload_async(torch.empty(8, 4, device="cuda"))
         assert host.device == CPU and host.shape == (8, 4) and host.is_contiguous()
+        host = torch.ops.savedhooks.offload_async(torch.empty(8, 4, device="cuda").t())
+        assert host.shape == (4, 8) and host.is_contiguous()
         with pytest.raises(ValueError, match="needs a tensor on an accelerator"):
             torch.ops.savedhooks.offload_async(torch.empty(8, 4))
-    for x in (torch.randn(8, 4), torch.randn(8, 4).t()):
-        with pytest.raises(ValueError, match="needs a contiguous tensor on an accelerator"):
-            torch.ops.savedhooks.offload_async(x)
+    with pytest.raises(ValueError, match="needs a tensor on an accelerator"):
+        torch.ops.savedhooks.offload_async(torch.randn(8, 4))
 
 
 def test_the_copy_ops_refuse_a_tensor_already_on_the_target_device():
@@ -447,3 +449,33 @@ def test_copies_longer_than_the_graph_s_compute_are_reported(copy_units, warns, 
     assert bool(messages) == warns, messages
     if warns:
         assert "copies take 1e+04 ms" in messages[0] and "compute (5e+03 ms)" in messages[0], messages
+
+
+def test_a_forward_wait_never_sinks_past_a_write_to_memory_the_copy_may_still_read():
+    """The copy out runs on another stream: a node that writes its source (here an input's mutation,
+    kept as copy_ by functionalization) must come after the wait, however long the copy."""
+
+    def forward(x, w):
+        a = torch.mm(x, w)
+        host = torch.ops.savedhooks.offload(x, CPU, True)  # x is saved, then mutated in place
+        d = torch.mm(torch.mm(torch.mm(a, w), w), w)
+        x.mul_(2)
+        return d, host
+
+    gm = _trace(forward, "cuda", "cuda")
+    assert overlap_transfers(gm, is_backward=False, model=_model(copy_units=10.0, limit_bytes=1 << 30)) == 1
+    order = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert order.index("ao.wait_tensor.default") == order.index("aten.copy_.default") - 1, order
+    assert order.index("ao.wait_tensor.default") > order.index("aten.mm.default") + 3, order  # it did sink
+
+
+def test_copies_of_data_dependent_size_stay_synchronous():
+    """An unbacked size may be 0 at run time, and empty tensors may share the data pointer that keys the events."""
+    gm = _trace(lambda x: torch.ops.savedhooks.offload(torch.relu(x), CPU, True), "cuda")
+    shape_env = ShapeEnv()
+    with FakeTensorMode(shape_env=shape_env):
+        rows = shape_env.create_unbacked_symint()
+        relu, copy = (n for n in gm.graph.nodes if n.op == "call_function")
+        relu.meta["val"], copy.meta["val"] = torch.empty(rows, N, device="cuda"), torch.empty(rows, N)
+    assert overlap_transfers(gm, is_backward=False) == 0
+    assert _targets(gm) == ["aten.relu.default", "savedhooks.offload.default"]

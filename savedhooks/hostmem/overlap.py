@@ -26,7 +26,9 @@ Design notes
   the graph's modelled device peak above ``limit_bytes`` (default: the peak
   before overlap): a sunk wait keeps its source on the device longer, a hoisted
   reload holds its result sooner. Host bytes are counted apart (the memory model
-  counts one device).
+  counts one device). A forward wait never sinks past a node that writes or
+  resizes memory (an input's mutation, a storage resize): the copy, on another
+  stream, may still be reading it.
 * Times: a copy takes ``bytes / copy_bytes_per_s`` (default: torch's
   ``activation_offload_cpu_gpu_bw``, GB/s); a node takes ``node_seconds(node)``
   (default: torch's roofline estimate on a machine with a GPU, else a nominal
@@ -44,6 +46,7 @@ from collections.abc import Callable
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from savedhooks.memory.sizes import size_hint, tensor_nbytes
 
@@ -226,7 +229,12 @@ def _clock(backward: torch.fx.Graph, model: TransferModel, fresh: bool = False) 
 
 
 def sink_waits(
-    transfers: list[Transfer], issued: list[int], ends: list[float], during: list[int], limit: int
+    transfers: list[Transfer],
+    issued: list[int],
+    ends: list[float],
+    during: list[int],
+    limit: int,
+    stops: list[int] | None = None,
 ) -> list[int]:
     """Where each forward wait goes: after the first node whose end covers its copy, within ``limit``.
 
@@ -237,6 +245,9 @@ def sink_waits(
         during: per position, the modelled live device bytes while it runs
             (updated in place with what each accepted move adds).
         limit: the device peak no move may exceed.
+        stops: per wait, the last position it may run after (default: the
+            graph's last); the copy must have ended before the node after it
+            (one that writes memory the copy may still be reading).
 
     Returns:
         Per wait, the position of the last node it runs after (its own ``at`` when it does not move).
@@ -245,8 +256,8 @@ def sink_waits(
         Nothing.
     """
     stream_free, placed = 0.0, []
-    last = len(during) - 1
-    for t, at in zip(transfers, issued):
+    stops = stops if stops is not None else [len(during) - 1] * len(transfers)
+    for t, at, last in zip(transfers, issued, stops):
         done = stream_free = _copy_end(ends, at, stream_free, t)
         k = t.at
         while ends[k] < done and k < last and during[k + 1] + t.nbytes <= limit:
@@ -330,14 +341,16 @@ def _overlappable(node: torch.fx.Node, is_backward: bool) -> bool:
 
     The asynchronous copy out returns a contiguous host tensor, so only contiguous
     tensors are rewritten (their layout is the same either way); the others,
-    empty ones (the copies' events are keyed by data pointer), and copies to or
+    empty ones and those of data-dependent size (the copies' events are keyed
+    by data pointer, which empty tensors may share), and copies to or
     from pageable memory (``pin_memory=False``; both ops carry the flag as their
     third argument), stay synchronous.
     """
     source, dest = node.args[0].meta.get("val"), node.meta.get("val")
     if not isinstance(source, torch.Tensor) or not isinstance(dest, torch.Tensor) or not source.is_contiguous():
         return False
-    if size_hint(source.numel()) == 0:
+    numel = source.numel()
+    if free_unbacked_symbols(numel) or size_hint(numel) == 0:  # a data-dependent size may be 0 at run time
         return False
     if not node.args[2]:
         return False
@@ -405,7 +418,9 @@ def _place(gm: torch.fx.GraphModule, pairs, is_backward: bool, model: TransferMo
             Transfer(position[wait], _nbytes(start) / bandwidth, _freed_by(problem, position[wait]))
             for start, wait in pairs
         ]
-        spots = sink_waits(transfers, [position[start] for start, _ in pairs], ends, during, limit)
+        writes = [i for i, n in enumerate(order) if _mutates(n)]  # a copy may still be reading what they write
+        stops = [next((i - 1 for i in writes if i > position[wait]), len(order) - 1) for _, wait in pairs]
+        spots = sink_waits(transfers, [position[start] for start, _ in pairs], ends, during, limit, stops)
         for (_, wait), k in sorted(zip(pairs, spots), key=lambda p: (-p[1], -position[p[0][1]])):
             anchor = next((n for n in reversed(order[: k + 1]) if n not in moving), None)  # the start at the earliest
             if anchor is not None and position[anchor] > position[wait]:
@@ -418,6 +433,12 @@ def _place(gm: torch.fx.GraphModule, pairs, is_backward: bool, model: TransferMo
         moved,
         limit,
     )
+
+
+def _mutates(node: torch.fx.Node) -> bool:
+    """A node that writes or resizes memory (functionalized graphs keep a few: input mutations, storage resizes)."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
 
 
 def _warn_if_copies_outlast_compute(copying: float, computing: float, is_backward: bool) -> None:
