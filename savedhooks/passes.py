@@ -358,12 +358,8 @@ class ReorderPass(CustomGraphPass):
     asynchronous copy ops, placed to overlap compute
     (:func:`savedhooks.hostmem.overlap_transfers`). A forward graph that
     offloads and is not reordered gets its hooks placed first
-    (:func:`place_hooks`): inductor runs a copy where the graph has it, and torch
-    inlines every pack at the end of the forward, so without placement every
-    offloaded tensor stays on the device to the end of the forward. (Before
-    this placement, gpt2-medium's ``bf16 offload`` row on an H200 kept 0.79x of
-    its activation peak with 98 % of its saved bytes on the host; not measured
-    since: README, "On a GPU".)
+    (:func:`place_hooks`): torch inlines every pack at the end of the forward
+    and inductor runs each copy where the graph has it (README, "On a GPU").
 
     ``uuid()`` digests this file, the scheduler and the memory model, plus the
     options, so inductor's FX graph cache misses when the pass changes and hits

@@ -451,21 +451,30 @@ def test_copies_longer_than_the_graph_s_compute_are_reported(copy_units, warns, 
         assert "copies take 1e+04 ms" in messages[0] and "compute (5e+03 ms)" in messages[0], messages
 
 
-def test_a_forward_wait_never_sinks_past_a_write_to_memory_the_copy_may_still_read():
-    """The copy out runs on another stream: a node that writes its source (here an input's mutation,
-    kept as copy_ by functionalization) must come after the wait, however long the copy."""
+@pytest.mark.parametrize("write", ["copy_", "resize_storage_bytes_"])
+def test_a_forward_wait_never_sinks_past_a_write_to_memory_the_copy_may_still_read(write):
+    """The copy out runs on another stream: a node that writes or frees its source (an input's mutation,
+    kept as copy_ by functionalization; inductor's storage resize, whose schema marks no write) must come
+    after the wait, however long the copy."""
+    import torch._inductor  # registers inductor::resize_storage_bytes_
 
     def forward(x, w):
         a = torch.mm(x, w)
-        host = torch.ops.savedhooks.offload(x, CPU, True)  # x is saved, then mutated in place
+        host = torch.ops.savedhooks.offload(x, CPU, True)  # x is saved, then written
         d = torch.mm(torch.mm(torch.mm(a, w), w), w)
-        x.mul_(2)
+        if write == "copy_":
+            x.mul_(2)
+        else:
+            torch.ops.inductor.resize_storage_bytes_(x, 0)
         return d, host
 
-    gm = _trace(forward, "cuda", "cuda")
+    with FakeTensorMode():
+        args = [torch.empty(N, N, device="cuda") for _ in range(2)]
+        gm = make_fx(torch.func.functionalize(forward) if write == "copy_" else forward)(*args)
     assert overlap_transfers(gm, is_backward=False, model=_model(copy_units=10.0, limit_bytes=1 << 30)) == 1
     order = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-    assert order.index("ao.wait_tensor.default") == order.index("aten.copy_.default") - 1, order
+    barrier = next(i for i, t in enumerate(order) if t.endswith(f"{write}.default"))
+    assert order.index("ao.wait_tensor.default") == barrier - 1, order
     assert order.index("ao.wait_tensor.default") > order.index("aten.mm.default") + 3, order  # it did sink
 
 

@@ -47,6 +47,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.node import _side_effectful_functions
 
 from savedhooks.memory.sizes import size_hint, tensor_nbytes
 
@@ -436,9 +437,16 @@ def _place(gm: torch.fx.GraphModule, pairs, is_backward: bool, model: TransferMo
 
 
 def _mutates(node: torch.fx.Node) -> bool:
-    """A node that writes or resizes memory (functionalized graphs keep a few: input mutations, storage resizes)."""
+    """A node that may write or resize memory: a mutable schema (an input's ``copy_``) or a side effect.
+
+    Functionalized graphs keep a few: input mutations, and inductor's
+    ``resize_storage_bytes_``, whose schema marks no write but which torch lists
+    as side-effectful. The copies' own waits are not barriers.
+    """
+    if node.op != "call_function" or node.target is torch.ops.ao.wait_tensor.default:
+        return False
     schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and schema is not None and schema.is_mutable
+    return (schema is not None and schema.is_mutable) or node.target in _side_effectful_functions
 
 
 def _warn_if_copies_outlast_compute(copying: float, computing: float, is_backward: bool) -> None:
