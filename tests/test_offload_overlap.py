@@ -441,7 +441,7 @@ def test_a_forward_that_offloads_gets_its_copies_placed_after_the_last_use():
 @pytest.mark.parametrize("copy_units, warns", [(10.0, True), (1.0, False)])
 def test_copies_longer_than_the_graph_s_compute_are_reported(copy_units, warns, caplog):
     """No placement hides copies that take longer than all the compute around them (gpt2-medium on an H200:
-    4.3 GB each way at 55 GB/s against a 34 ms step); the pass says so, with both modelled times."""
+    4.2 GB each way at 55 GB/s against a 34 ms step); the pass says so, with both modelled times."""
     gm = _trace(_forward, "cuda", "cuda", "cuda", "cuda")  # 5 matmuls of compute, one copy
     with caplog.at_level(logging.WARNING, logger="savedhooks.hostmem.overlap"):
         overlap_transfers(gm, is_backward=False, model=_model(copy_units=copy_units))
