@@ -402,10 +402,12 @@ def _place(gm: torch.fx.GraphModule, pairs, is_backward: bool, model: TransferMo
         clock += 0.0 if n in moving else model.seconds(n)
         ends.append(clock)
     bandwidth = model.bandwidth()
-    _warn_if_copies_outlast_compute(sum(_nbytes(start) for start, _ in pairs) / bandwidth, clock, is_backward)
+    copy_seconds = [_nbytes(start) / bandwidth for start, _ in pairs]
+    _warn_if_copies_outlast_compute(sum(copy_seconds), clock, is_backward)
     if is_backward:
         transfers = [
-            Transfer(position[start], _nbytes(start) / bandwidth, problem.alloc[position[start]]) for start, _ in pairs
+            Transfer(position[start], seconds, problem.alloc[position[start]])
+            for (start, _), seconds in zip(pairs, copy_seconds)
         ]
         floor = [max((position[a] + 1 for a in start.all_input_nodes), default=0) for start, _ in pairs]
         starts = hoist_starts(transfers, floor, ends, during, limit)
@@ -416,8 +418,8 @@ def _place(gm: torch.fx.GraphModule, pairs, is_backward: bool, model: TransferMo
         moved = sum(j < t.at for t, j in zip(transfers, starts))
     else:
         transfers = [
-            Transfer(position[wait], _nbytes(start) / bandwidth, _freed_by(problem, position[wait]))
-            for start, wait in pairs
+            Transfer(position[wait], seconds, _freed_by(problem, position[wait]))
+            for (_, wait), seconds in zip(pairs, copy_seconds)
         ]
         writes = [i for i, n in enumerate(order) if _mutates(n)]  # a copy may still be reading what they write
         stops = [next((i - 1 for i in writes if i > position[wait]), len(order) - 1) for _, wait in pairs]
