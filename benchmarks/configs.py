@@ -41,7 +41,7 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 import savedhooks as sh
 from benchmarks.models import Workload
 
-__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "planner_for", "torch_fp8_hooks"]
+__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "plan_or_lowest", "planner_for", "torch_fp8_hooks"]
 
 FLOAT8 = sh.Float8()  # the codec's configuration: the library default, e4m3 with block scales (128)
 CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8() returns it
@@ -364,6 +364,28 @@ def planner_for(workload: Workload, backend: str, min_sqnr_db: float | None = No
     return sh.planner.Planner(model, inputs, loss_fn=loss_fn, backend=backend, min_sqnr_db=min_sqnr_db)
 
 
+def plan_or_lowest(planner: sh.planner.Planner, budget_bytes: int) -> sh.Plan:
+    """``planner.plan(budget_bytes)``; where every plan checked with its hooks peaks above it, the plan at the lowest checked peak.
+
+    Args:
+        planner: the planner.
+        budget_bytes: the budget (at least the planner's modelled floor).
+
+    Returns:
+        A plan (its ``budget_bytes`` says which budget it met).
+
+    Raises:
+        InfeasibleBudgetError: the budget is below the modelled floor.
+    """
+    try:
+        return planner.plan(budget_bytes)
+    except sh.InfeasibleBudgetError as error:
+        if not error.checked:
+            raise
+        print(f"sh.plan: {error}: planned at the lowest checked peak instead")
+        return planner.plan(error.floor_bytes)
+
+
 def _run_plan(workload: Workload, backend: str, plan: sh.Plan) -> Step:
     """The plan's recompute applied, compiled inside ``sh.saved_tensors_hooks(plan.hooks)``; ``close`` reverts it.
 
@@ -383,7 +405,7 @@ def _savedhooks_plan(workload: Workload, backend: str) -> Step:
     planner = planner_for(workload, backend)
     with warnings.catch_warnings():  # settings it cannot plan (checkpointed random ops under aot_eager): in plan.log
         warnings.filterwarnings("ignore", message="sh.plan: ", category=UserWarning)
-        plan = planner.plan((planner.baseline_bytes + planner.floor_bytes) // 2)
+        plan = plan_or_lowest(planner, (planner.baseline_bytes + planner.floor_bytes) // 2)
     step = _run_plan(workload, backend, plan)
     step.predicted_bytes = plan.predicted_peak_bytes
     return step

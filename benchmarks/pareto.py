@@ -12,7 +12,9 @@ under inductor (plain ``torch.compile``), with the loss compiled with the model
   measured activation peak (the issue's acceptance budget); a plan recomputes
   the blocks it chose (``plan.apply``) and packs with ``plan.hooks``;
 * ``plan <f>``: ``sh.plan`` at ``f`` of its modelled no-hook peak, and
-  ``plan floor`` at the lowest peak it can reach; with ``--min-sqnr-db``, every
+  ``plan floor`` at the lowest peak it can reach (where every plan checked
+  with its hooks peaks above the modelled floor: at the lowest checked peak,
+  :func:`benchmarks.configs.plan_or_lowest`); with ``--min-sqnr-db``, every
   plan under that fidelity limit (``sh.plan(..., min_sqnr_db=...)``).
 
 Each row is measured as the main job measures (``benchmarks.run.measure``: one
@@ -34,8 +36,9 @@ import time
 
 import torch
 
+import savedhooks as sh
 from benchmarks.__main__ import RESULTS
-from benchmarks.configs import CONFIGS, Config, memory_budget, planned, planner_for
+from benchmarks.configs import CONFIGS, Config, memory_budget, plan_or_lowest, planned, planner_for
 from benchmarks.models import MODELS, Workload, make_workload
 from benchmarks.report import plot_pareto, table, write_csv
 from benchmarks.run import MIB, Row, measure, reference_grads, with_baselines
@@ -99,7 +102,11 @@ def run_model(
         if budget < planner.floor_bytes:
             print(f"{name}: plan {label}: {budget / MIB:.1f} MiB is below the floor {planner.floor_bytes / MIB:.1f}")
             continue
-        plan = planner.plan(budget)
+        try:
+            plan = plan_or_lowest(planner, budget) if label == "floor" else planner.plan(budget)
+        except sh.InfeasibleBudgetError as error:  # checked: every plan peaks above it with its hooks
+            print(f"{name}: plan {label}: {error}")
+            continue
         chosen = "; ".join(line for line in plan.log if line.startswith(("recompute", "kept", "fidelity")))
         print(f"{name}: plan {label}: {chosen}")
         rows.append(_measured(workload, planned(label, plan), device, repeats, reference, plan.predicted_peak_bytes))

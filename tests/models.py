@@ -172,3 +172,36 @@ def train_step_grads(model: torch.nn.Module, fn, x: torch.Tensor, hooks: sh.Hook
     """Gradients of sum(fn(x)^2) w.r.t. model's parameters, optionally under hooks."""
     train_step(model, fn, x, hooks, reorder)
     return [p.grad.clone() for p in model.parameters()]
+
+
+def planner_mlp() -> tuple[torch.nn.Module, torch.Tensor]:
+    """The planner tests' model, seeded: three Linear-GELU-Linear blocks (64 -> 256 -> 64), and a 512 x 64 input."""
+    torch.manual_seed(0)
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(3)
+    ]
+    return torch.nn.Sequential(*blocks), torch.randn(512, 64)
+
+
+def square_mean_loss(y: torch.Tensor) -> torch.Tensor:
+    """mean(y^2): the planner tests' loss."""
+    return y.square().mean()
+
+
+def measured_step_peak(model: torch.nn.Module, x: torch.Tensor, hooks: sh.HookPair, backend: str = "aot_eager"):
+    """The measured CPU peak of one compiled step under ``hooks`` (after a warm-up step), and its gradients.
+
+    Under aot_eager the compile takes ``sh.backend("aot_eager")`` (the placement plain inductor gets).
+    """
+    compiled = torch.compile(model, backend=sh.backend("aot_eager") if backend == "aot_eager" else backend)
+
+    def step():
+        with sh.saved_tensors_hooks(hooks):
+            square_mean_loss(compiled(x)).backward()
+
+    step()
+    model.zero_grad(set_to_none=True)
+    peak = sh.memory.measure_peak(step, device="cpu")
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return peak, grads

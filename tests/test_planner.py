@@ -6,6 +6,9 @@ import operator
 
 import pytest
 import torch
+from models import measured_step_peak as _measured_peak
+from models import planner_mlp as _mlp
+from models import square_mean_loss as _loss
 
 import savedhooks as sh
 from savedhooks.fidelity.select import SavedTensor
@@ -164,33 +167,6 @@ def test_a_saved_output_of_a_multi_output_op_is_packed_after_the_op_not_where_it
 def test_step_timeline_needs_a_backward_per_forward():
     with pytest.raises(ValueError, match="2 forward graphs but 1 backward"):
         step_timeline([GraphTimeline((1,), {}), GraphTimeline((1,), {})], [GraphTimeline((1,), {})], [])
-
-
-def _mlp():
-    torch.manual_seed(0)
-    blocks = [
-        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(3)
-    ]
-    return torch.nn.Sequential(*blocks), torch.randn(512, 64)
-
-
-def _loss(y):
-    return y.square().mean()
-
-
-def _measured_peak(model, x, hooks, backend="aot_eager"):
-    compiled = torch.compile(model, backend=sh.backend("aot_eager") if backend == "aot_eager" else backend)
-
-    def step():
-        with sh.saved_tensors_hooks(hooks):
-            _loss(compiled(x)).backward()
-
-    step()
-    model.zero_grad(set_to_none=True)
-    peak = sh.memory.measure_peak(step, device="cpu")
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    return peak, grads
 
 
 def _recorded(backend, census, unhook, recompute=()):

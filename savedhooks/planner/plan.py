@@ -27,6 +27,12 @@ Design notes
   :mod:`savedhooks.planner.fidelity` also takes fp8 (and bf16, by an estimate)
   away from the saved tensors that :func:`savedhooks.sensitivity` finds too
   harmful packed alone; a limit, not a cost traded against time.
+* Checked: the chosen plan is compiled once more with its own hooks and its
+  graphs modelled (:mod:`savedhooks.planner.check`); while they peak above
+  the budget the search runs again below it by the excess. The first setting
+  (by modelled time) with a checked plan that meets the budget is kept, its
+  checked peak the plan's prediction; checked plans are kept per choice, so
+  later budgets reuse them.
 * Not chosen yet: recompute policies other than "save matrix products and
   attention".
 """
@@ -34,15 +40,17 @@ Design notes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from savedhooks.planner.check import check_peak, choices_of, packs_nothing, tighten
 from savedhooks.planner.fidelity import FidelityLimit, check_min_sqnr, measure_limit
 from savedhooks.planner.recompute import FULL, SELECTIVE, block_seconds, check_mode, find_blocks, resolve_blocks
-from savedhooks.planner.result import Plan, check_budget
+from savedhooks.planner.result import InfeasibleBudgetError, Plan, check_budget
 from savedhooks.planner.survey import NotCompiledError, Survey, survey
 
 __all__ = ["MAX_STRATEGIES", "Planner", "plan"]
@@ -109,6 +117,8 @@ class Planner:
         # settings not planned (nothing compiled, or graphs the memory model cannot read), and why
         self._skipped: dict[tuple[int, str], str] = {}
         self._block_seconds: dict[str, tuple[float, ...]] = {}
+        # plans checked on the graphs compiled with their hooks: (setting, choices) -> (plan, checked peak)
+        self._checked: dict[tuple[tuple[int, str], tuple], tuple[Plan, int]] = {}
 
     def survey(self, k: int, mode: str = FULL) -> Survey:
         """The survey with the first ``k`` blocks recomputed (made once, then kept).
@@ -156,14 +166,14 @@ class Planner:
             self._limit = measure_limit(model, inputs, loss_fn, backend, seed, self.min_sqnr_db)
         return self._limit
 
-    def _usable(self) -> list[tuple[str, Survey]]:
-        """The strategies' surveys by name; a setting that leaves no graphs, or unreadable ones, is skipped."""
+    def _usable(self) -> list[tuple[tuple[int, str], Survey]]:
+        """The strategies' surveys, by setting; a setting that leaves no graphs, or unreadable ones, is skipped."""
         usable = []
         for k, mode in self.strategies:
             if (k, mode) in self._skipped:
                 continue
             try:
-                usable.append((_name(k, mode), self.survey(k, mode)))
+                usable.append(((k, mode), self.survey(k, mode)))
             except (ValueError, NotCompiledError) as error:
                 if not k:
                     raise
@@ -181,12 +191,13 @@ class Planner:
         """The lowest modelled peak over the strategies (surveys them all)."""
         return min(found.floor_bytes for _, found in self._usable())
 
-    def plan(self, budget_bytes: int, verbose: bool = False) -> Plan:
+    def plan(self, budget_bytes: int, verbose: bool = False, check: bool = True) -> Plan:
         """The least-time plan meeting ``budget_bytes`` over the strategies (surveys them all).
 
         Args:
             budget_bytes: as for :func:`plan`.
             verbose: print the report.
+            check: as for :func:`plan`.
 
         Returns:
             A :class:`Plan`.
@@ -194,35 +205,65 @@ class Planner:
         Raises:
             TypeError: ``budget_bytes`` is not an int.
             ValueError: ``budget_bytes`` is not positive.
-            InfeasibleBudgetError: the budget is below :attr:`floor_bytes`.
+            InfeasibleBudgetError: the budget is below :attr:`floor_bytes`, or
+                (``check``) every plan checked peaks above it.
         """
         check_budget(budget_bytes)
         baseline, floor = self.baseline_bytes, self.floor_bytes
         check_budget(budget_bytes, floor, baseline)
-        log, best = [f"{_name(*setting)}: not planned: {why}" for setting, why in self._skipped.items()], None
-        for name, found in self._usable():
+        log = [f"{_name(*setting)}: not planned: {why}" for setting, why in self._skipped.items()]
+        ranked: list[tuple[tuple[int, str], Survey, Plan]] = []
+        for setting, found in self._usable():
             if budget_bytes < found.floor_bytes:
-                log.append(f"{name}: floor {found.floor_bytes / _MiB:.2f} MiB is above the budget")
+                log.append(f"{_name(*setting)}: floor {found.floor_bytes / _MiB:.2f} MiB is above the budget")
                 continue
             candidate = found.plan(budget_bytes)
             log.append(
-                f"{name}: peak {candidate.predicted_peak_bytes / _MiB:.2f} MiB, "
+                f"{_name(*setting)}: peak {candidate.predicted_peak_bytes / _MiB:.2f} MiB, "
                 f"{candidate.seconds * 1e3:.2f} ms (recompute {candidate.recompute_seconds * 1e3:.2f})"
             )
-            if best is None or candidate.seconds < best.seconds:
-                best = candidate
-        assert best is not None  # the budget meets the least floor
+            ranked.append((setting, found, candidate))
+        ranked.sort(key=lambda r: r[2].seconds)  # stable: ties go to the setting tried first
+        best = self._checked_best(ranked, budget_bytes, log) if check else ranked[0][2]
         setting = (len(best.recompute), best.recompute_mode if best.recompute else FULL)
         if self.min_sqnr_db is not None:
             log.append(
                 f"fidelity: {self._limited.get(setting, 0)} choices (plan keys) lost fp8 or bf16 "
                 f"(packed alone below {self.min_sqnr_db:g} dB, measured by sh.sensitivity)"
             )
-        log.append(f"kept: {_name(len(best.recompute), best.recompute_mode)}, the least modelled time")
+        log.append(f"kept: {_name(*setting)}, the least modelled time" + (" of the plans checked" if check else ""))
         chosen = dataclasses.replace(best, baseline_peak_bytes=baseline, floor_bytes=floor, log=(*best.log, *log))
         if verbose:
             print(chosen.report())
         return chosen
+
+    def _checked_best(self, ranked: list[tuple[tuple[int, str], Survey, Plan]], budget_bytes: int, log: list[str]) -> Plan:
+        """The first setting, by modelled time, with a plan whose checked peak meets the budget (see :mod:`~savedhooks.planner.check`)."""
+        lowest: int | None = None
+        for setting, found, first in ranked:
+            name = _name(*setting)
+            if packs_nothing(first):
+                log.append(f"{name}: packs nothing: its graphs are those surveyed")
+                return first
+            _, lines = tighten(found, budget_bytes, functools.partial(self._check, setting))
+            log.extend(f"{name}: {line}" for line in lines)
+            mine = [checked for (s, _), checked in self._checked.items() if s == setting]
+            meets = [(p, peak) for p, peak in mine if peak <= budget_bytes]
+            if meets:
+                kept, peak = min(meets, key=lambda pp: (pp[0].seconds, pp[1]))
+                return dataclasses.replace(kept, budget_bytes=budget_bytes, predicted_peak_bytes=peak)
+            least = min(peak for _, peak in mine)
+            lowest = least if lowest is None else min(lowest, least)
+        assert lowest is not None  # ranked is not empty: the budget meets the least floor
+        raise InfeasibleBudgetError(budget_bytes, lowest, self.baseline_bytes, checked=True)
+
+    def _check(self, setting: tuple[int, str], plan: Plan) -> int:
+        """A plan's checked peak (:func:`~savedhooks.planner.check.check_peak`), once per choice."""
+        key = (setting, choices_of(plan))
+        if key not in self._checked:
+            model, inputs, loss_fn, _, seed = self._args
+            self._checked[key] = (plan, check_peak(model, inputs, plan, loss_fn, seed))
+        return self._checked[key][1]
 
 
 def _name(k: int, mode: str, verb: str = "recompute") -> str:
@@ -240,6 +281,7 @@ def plan(
     verbose: bool = False,
     blocks: Sequence[str] | None = None,
     min_sqnr_db: float | None = None,
+    check: bool = True,
 ) -> Plan:
     """Choose which blocks to recompute (whole or selectively) and, per saved tensor, keep / bf16 / fp8 / bitmask / offload.
 
@@ -279,6 +321,13 @@ def plan(
             compiled steps; :mod:`savedhooks.planner.fidelity`) and takes fp8
             away where a tensor's is below it (bf16 where it is more than 24 dB
             below). The limit is per tensor: errors of many packed tensors add.
+        check: check the chosen plan on the graphs compiled with its own hooks
+            (one more compile and step per plan checked) and search again
+            below the budget by the excess while it peaks above it
+            (:mod:`savedhooks.planner.check`); the plan's
+            ``predicted_peak_bytes`` is then its checked peak. ``False``: the
+            survey's model alone, which does not see how the hooks change the
+            compiled graphs.
 
     Returns:
         A :class:`Plan`: run it with ``plan.apply(model)`` (the recompute),
@@ -292,7 +341,8 @@ def plan(
             output has no floating tensor and no ``loss_fn``.
         NotCompiledError: the model did not compile (dynamo ran it eagerly).
         InfeasibleBudgetError: the budget is below the lowest peak reachable
-            (the error names it).
+            (the error names it), or, with ``check``, every plan checked peaks above it.
     """
     check_budget(budget_bytes)
-    return Planner(model, example_inputs, loss_fn, backend, seed, blocks, min_sqnr_db).plan(budget_bytes, verbose)
+    planner = Planner(model, example_inputs, loss_fn, backend, seed, blocks, min_sqnr_db)
+    return planner.plan(budget_bytes, verbose, check)

@@ -70,7 +70,8 @@ class GraphRecorder(CustomGraphPass):
         last reordering of its kernels, which the scheduler imports when it runs)
         for the duration: there is no hook after it. The order lands in the
         graph's ``meta["savedhooks_kernel_order"]``, the FX nodes whose values
-        inductor stored (its buffers' origin nodes) in ``meta["savedhooks_realized"]``.
+        inductor stored (its buffers' origin nodes) in ``meta["savedhooks_realized"]``;
+        a compile nested in the graph's run (a codec's eager path) is not recorded.
 
         Args:
             None.
@@ -87,8 +88,8 @@ class GraphRecorder(CustomGraphPass):
 
         def reorder(nodes: Any, *args: Any, **kwargs: Any) -> Any:
             ordered = original(nodes, *args, **kwargs)
-            if self._last is not None:
-                subs = [sub for snode in ordered for sub in snode.get_nodes()]
+            subs = [sub for snode in ordered for sub in snode.get_nodes()]
+            if self._last is not None and _compiles(subs, self._last.graph):
                 self._last.meta[_KERNEL_ORDER] = [
                     [o.name for o in (sub.node.get_origins() if getattr(sub, "node", None) is not None else ())]
                     for sub in subs
@@ -106,6 +107,17 @@ class GraphRecorder(CustomGraphPass):
             yield
         finally:
             inductor_memory.reorder_for_peak_memory = original
+
+
+def _compiles(subs: list[Any], graph: torch.fx.Graph) -> bool:
+    """Whether the scheduler nodes ``subs`` were made from ``graph``: not from a compile nested in its run.
+
+    A codec's eager path may compile its own function while the recorded graph
+    runs (the fp8 op of an eager loss), after that graph's compile: its kernels
+    are no kernels of the graph.
+    """
+    origins = [o for sub in subs if getattr(sub, "node", None) is not None for o in sub.node.get_origins()]
+    return any(o.graph is graph for o in origins)
 
 
 _KERNEL_ORDER = "savedhooks_kernel_order"

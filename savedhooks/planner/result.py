@@ -33,15 +33,20 @@ class InfeasibleBudgetError(ValueError):
 
     Attributes:
         budget_bytes: the budget asked for.
-        floor_bytes: the lowest modelled peak (every candidate at its smallest payload).
+        floor_bytes: the lowest modelled peak (every candidate at its smallest
+            payload); with ``checked``, the lowest peak of the plans checked on
+            the graphs compiled with their hooks (:mod:`savedhooks.planner.check`).
+        checked: whether ``floor_bytes`` comes from checked plans.
     """
 
-    def __init__(self, budget_bytes: int, floor_bytes: int, baseline_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, floor_bytes: int, baseline_bytes: int, checked: bool = False) -> None:
         self.budget_bytes = budget_bytes
         self.floor_bytes = floor_bytes
+        self.checked = checked
+        how = " (modelled on the graphs compiled with a plan's hooks)" if checked else ""
         super().__init__(
             f"sh.plan: a budget of {budget_bytes / _MiB:.2f} MiB cannot be met: the lowest peak the planner "
-            f"reaches is {floor_bytes / _MiB:.2f} MiB (no hooks: {baseline_bytes / _MiB:.2f} MiB); "
+            f"reaches{how} is {floor_bytes / _MiB:.2f} MiB (no hooks: {baseline_bytes / _MiB:.2f} MiB); "
             f"pass budget_bytes >= {floor_bytes}"
         )
 

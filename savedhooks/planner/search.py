@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Option", "SearchResult", "Unit", "floor_of", "peak_of", "search"]
+__all__ = ["Option", "SearchResult", "Unit", "floor_of", "peak_of", "result_of", "search"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +135,29 @@ def _peak(points: torch.Tensor) -> int:
     return round(float(points.max()))
 
 
+def result_of(live: Sequence[int], units: Sequence[Unit], choice: Sequence[int], log: Sequence[str] = ()) -> SearchResult:
+    """A choice made elsewhere, modelled as :func:`search` models its own.
+
+    Args:
+        live: the timeline's bytes with nothing packed.
+        units: the units.
+        choice: per unit, an option index.
+        log: what made the choice.
+
+    Returns:
+        A :class:`SearchResult` (peak 0 at point 0 for an empty timeline).
+
+    Raises:
+        IndexError: a choice is not an option of its unit.
+    """
+    seconds = sum(unit.options[o].seconds for unit, o in zip(units, choice))
+    if not live:
+        return SearchResult(tuple(choice), 0, 0, seconds, tuple(log))
+    timeline = torch.tensor(live, dtype=torch.float64)
+    points = _live(timeline, units, [_mask(u, len(live)) for u in units], choice)
+    return SearchResult(tuple(choice), _peak(points), int(points.argmax()), seconds, tuple(log))
+
+
 def peak_of(live: Sequence[int], units: Sequence[Unit], choice: Sequence[int]) -> int:
     """The modelled peak of a choice.
 
@@ -149,10 +172,7 @@ def peak_of(live: Sequence[int], units: Sequence[Unit], choice: Sequence[int]) -
     Raises:
         IndexError: a choice is not an option of its unit.
     """
-    if not live:
-        return 0
-    timeline = torch.tensor(live, dtype=torch.float64)
-    return round(float(_live(timeline, units, [_mask(u, len(live)) for u in units], choice).max()))
+    return result_of(live, units, choice).peak
 
 
 def floor_of(units: Sequence[Unit]) -> tuple[int, ...]:

@@ -55,25 +55,20 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from savedhooks.codecs import Policy
 from savedhooks.codecs.base import materializes_better
 from savedhooks.fidelity.select import Census, SavedTensor, keyed_run
-from savedhooks.fidelity.sensitivity import call_model, default_loss
+from savedhooks.fidelity.sensitivity import default_loss
 from savedhooks.hooks import saved_tensors_hooks
-from savedhooks.memory.measure import measure_peak
 from savedhooks.memory.sizes import tensor_nbytes
-from savedhooks.planner.census import GraphTimeline, StepTimeline, key_of_saved, step_timeline, timeline_of
+from savedhooks.planner.census import GraphTimeline, StepTimeline, key_of_saved, step_timeline
 from savedhooks.planner.costs import seconds_per_byte
-from savedhooks.planner.recompute import FULL, block_seconds, checkpointed
-from savedhooks.planner.recording import recording_backend
+from savedhooks.planner.recompute import FULL, block_seconds
 from savedhooks.planner.result import CODECS, Plan, PlannedTensor, check_budget
-from savedhooks.planner.search import Option, Unit, search
+from savedhooks.planner.search import Option, SearchResult, Unit, floor_of, result_of, search
+from savedhooks.planner.step import NotCompiledError, device_of, loss_peak, record_step
 
 __all__ = ["NotCompiledError", "Survey", "survey"]
 
 # the codecs whose decode inductor fuses into the readers (decomposed forms): they hold only the payload to the last read
 _FUSED_DECODES = ("bf16", "fp8")
-
-
-class NotCompiledError(RuntimeError):
-    """The model ran without compiled forward and backward graphs (dynamo ran it eagerly)."""
 
 
 def _options(tensors: list[SavedTensor], device: torch.device, backend: str) -> tuple[Option, ...]:
@@ -103,40 +98,6 @@ def _options(tensors: list[SavedTensor], device: torch.device, backend: str) -> 
         seconds = seconds_per_byte(codec, first.dtype, device, backend) * total
         options.append(Option(name, payload * len(tensors), seconds, fused=name in _FUSED_DECODES))
     return tuple(options)
-
-
-def _device(example_inputs: Any) -> torch.device:
-    tensors = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
-    return tensors[0].device if tensors else torch.device("cpu")
-
-
-def _step(fn: Callable[..., Any], model: torch.nn.Module, example_inputs: Any, loss_fn: Callable, seed: int) -> Any:
-    """One training step; returns the model's output, detached."""
-    model.zero_grad(set_to_none=True)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        output = call_model(fn, example_inputs)
-        loss_fn(output).backward()
-    model.zero_grad(set_to_none=True)
-    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, output)
-
-
-def _loss_peak(loss_fn: Callable, output: Any, device: torch.device, seed: int) -> int:
-    """Measured peak of the loss alone, forward and backward, on the model's output (held before it starts).
-
-    It runs eagerly after the compiled forward graphs, and its own temporaries (a cross-entropy's
-    log-softmax, a square's gradient) and the gradient it hands to the compiled backward are in no graph.
-    """
-    leaves = pytree.tree_map_only(
-        torch.Tensor, lambda t: t.clone().requires_grad_(t.is_floating_point() or t.is_complex()), output
-    )
-
-    def run() -> None:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            loss_fn(leaves).backward()
-
-    return measure_peak(run, device=device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,9 +148,35 @@ class Survey:
             ValueError: ``budget_bytes`` is not positive.
             InfeasibleBudgetError: the budget is below :attr:`floor_bytes`.
         """
-        floor = self.floor_bytes
-        check_budget(budget_bytes, floor, self.baseline_bytes)
-        result = search(self.live, self.units, budget_bytes)
+        check_budget(budget_bytes, self.floor_bytes, self.baseline_bytes)
+        planned = self._planned(search(self.live, self.units, budget_bytes), budget_bytes)
+        if verbose:
+            print(planned.report())
+        return planned
+
+    def plan_smallest(self, budget_bytes: int) -> Plan:
+        """The plan that packs every candidate at its smallest payload (:func:`~savedhooks.planner.search.floor_of`).
+
+        The search stops at the modelled floor packing only what covers its
+        peak; this packs the rest too, for when the graphs compiled with a
+        plan's hooks peak elsewhere (:mod:`savedhooks.planner.check`).
+
+        Args:
+            budget_bytes: the budget it is made for (recorded in the plan).
+
+        Returns:
+            A :class:`Plan`.
+
+        Raises:
+            TypeError: ``budget_bytes`` is not an int.
+            ValueError: ``budget_bytes`` is not positive.
+        """
+        check_budget(budget_bytes)
+        log = ("every candidate at its smallest payload",)
+        return self._planned(result_of(self.live, self.units, floor_of(self.units), log), budget_bytes)
+
+    def _planned(self, result: SearchResult, budget_bytes: int) -> Plan:
+        """The :class:`Plan` of a search result."""
         tensors = []
         for unit, o in sorted(zip(self.units, result.choice), key=lambda uo: (-uo[0].bytes, uo[0].key)):
             first, option = self.saved[unit.key][0], unit.options[o]
@@ -210,21 +197,18 @@ class Survey:
                     at_peak,
                 )
             )
-        planned = Plan(
+        return Plan(
             tuple(tensors),
             budget_bytes,
             result.peak,
             self.baseline_bytes,
-            floor,
+            self.floor_bytes,
             self.backend,
             result.log,
             self.recompute,
             self.recompute_seconds,
             self.recompute_mode,
         )
-        if verbose:
-            print(planned.report())
-        return planned
 
 
 def survey(
@@ -268,43 +252,19 @@ def survey(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
-    recording, recorder, fused = recording_backend(backend, unhook=True)
     loss_fn = loss_fn or default_loss
-    # every compile must trace (the census runs inside tracing): no dynamo, AOTAutograd or FX graph cache hits
     recompute = tuple(recompute)
     if recompute_seconds is None:
         seconds = block_seconds(model, example_inputs, recompute, mode=recompute_mode) if recompute else ()
         recompute_seconds = sum(seconds, 0.0)
-    with (
-        checkpointed(model, recompute, recompute_mode),
-        torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16),
-        torch._functorch.config.patch(enable_autograd_cache=False),
-        torch._inductor.config.patch(fx_graph_cache=False),
-    ):
-        try:
-            census = saved_tensors_hooks(Census(Policy()).hooks(), reorder=False)
-            with keyed_run() as run, census, recorder.kernel_order():
-                output = _step(torch.compile(model, backend=recording), model, example_inputs, loss_fn, seed)
-        finally:
-            # every survey adds cache entries for the model's frames, under backends used once; past
-            # dynamo's recompile limit the user's own torch.compile of the model would run it eagerly
-            torch._dynamo.reset()
-    if not recorder.forwards or len(recorder.forwards) != len(recorder.backwards):
-        raise NotCompiledError(
-            f"plan: the model did not compile into forward and backward graphs under {backend!r} "
-            f"({len(recorder.forwards)} forward, {len(recorder.backwards)} backward): did dynamo fall back to eager? "
-            "(Below a DDP or FSDP2 wrapper dynamo compiles only frames of user code: a model whose forward is "
-            "torch's, such as nn.Sequential, runs eagerly, and so does a checkpointed block there.)"
-        )
-    forwards = []
-    for fw, bw in zip(recorder.forwards, reversed(recorder.backwards)):
-        saved = {n.name for n in bw.graph.find_nodes(op="placeholder")}
-        forwards.append(timeline_of(fw, saved, fused=fused))
-    backwards = [timeline_of(bw, fused=fused) for bw in recorder.backwards]
+    with keyed_run() as run:
+        census = functools.partial(saved_tensors_hooks, Census(Policy()).hooks(), reorder=False)
+        step = record_step(model, example_inputs, loss_fn, backend, seed, census, True, recompute, recompute_mode)
+    forwards, backwards, fused = step.forwards, step.backwards, step.fused
+    device = device_of(example_inputs)
     eager = [t for t in run.census if t.key.startswith("eager:")]
-    timeline = step_timeline(forwards, backwards, eager, _loss_peak(loss_fn, output, _device(example_inputs), seed))
+    timeline = step_timeline(forwards, backwards, eager, loss_peak(loss_fn, step.output, device, seed))
     groups, blocked = _choice_groups(run.census, forwards)
-    device = _device(example_inputs)
     units = tuple(
         Unit(
             key,

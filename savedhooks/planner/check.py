@@ -1,0 +1,161 @@
+"""Check a plan on the graphs compiled with its own hooks; search again below the budget until one meets it.
+
+Design notes
+------------
+* The survey models the step compiled without hooks, with each packed tensor
+  holding only its payload over its span (:mod:`savedhooks.planner.census`).
+  The step a plan runs is compiled with the plan's hooks: the reorder pass
+  places each pack and unpack, and inductor fuses and orders the kernels of
+  those graphs, not of the graphs surveyed. Seen on ``gpt2-big`` at size 1
+  under inductor: the floor plan was modelled at 130.4 MiB and measured 143.0;
+  the same memory model on the graphs compiled with its hooks gave 141.5
+  (``python -m benchmarks.pareto``; README, "Fit a budget").
+* :func:`check_peak` compiles the model once more, with the plan's recompute
+  and hooks, runs one step (:func:`savedhooks.planner.step.record_step`) and
+  models it as the survey models its own step; the eager loss is measured
+  under the plan's hooks. A plan that packs nothing runs the graphs surveyed:
+  its modelled peak is already checked.
+* :func:`tighten`: search, check; while the checked peak is above the budget,
+  search again with the target lowered by the excess (never below the
+  survey's floor; lowered again while the search returns a choice already
+  checked), at most :data:`ROUNDS` checks; if none met the budget,
+  check the plan that packs every candidate at its smallest payload too.
+  It returns every plan it checked with its checked peak; the planner keeps
+  the least modelled time among those (and earlier ones) that meet the budget.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from savedhooks.fidelity.sensitivity import default_loss
+from savedhooks.hooks import saved_tensors_hooks
+from savedhooks.planner.census import step_timeline
+from savedhooks.planner.result import Plan
+from savedhooks.planner.step import device_of, loss_peak, record_step
+from savedhooks.planner.survey import Survey
+
+__all__ = ["ROUNDS", "check_peak", "choices_of", "packs_nothing", "tighten"]
+
+ROUNDS = 3  # searches per budget and recompute setting, each checked by a compile (then the all-packed plan)
+_MiB = 1 << 20
+
+
+def choices_of(plan: Plan) -> tuple[tuple[str, str], ...]:
+    """What identifies a plan's hooks: its choice per unit.
+
+    Args:
+        plan: a plan.
+
+    Returns:
+        ``(key, choice)`` per planned tensor, in the plan's order.
+
+    Raises:
+        Nothing.
+    """
+    return tuple((t.key, t.choice) for t in plan.tensors)
+
+
+def packs_nothing(plan: Plan) -> bool:
+    """Whether the plan keeps every candidate (its step is the one surveyed).
+
+    Args:
+        plan: a plan.
+
+    Returns:
+        True if every choice is ``"keep"``.
+
+    Raises:
+        Nothing.
+    """
+    return all(t.choice == "keep" for t in plan.tensors)
+
+
+def check_peak(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    plan: Plan,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    seed: int = 0,
+) -> int:
+    """The modelled step peak of the graphs compiled with the plan's recompute and hooks.
+
+    One compile and one training step (gradients cleared after, parameters
+    unchanged); the recompute is undone after it, and dynamo reset.
+
+    Args:
+        model: the planned module (not compiled).
+        example_inputs: as for :func:`savedhooks.plan`.
+        plan: a plan for ``model``.
+        loss_fn: as for :func:`savedhooks.plan`.
+        seed: as for :func:`savedhooks.plan`.
+
+    Returns:
+        Bytes above what is alive before the step, as :attr:`Plan.predicted_peak_bytes` counts them.
+
+    Raises:
+        ValueError: the plan names a block that ``model`` lacks.
+        NotCompiledError: the model did not compile.
+    """
+    loss_fn = loss_fn or default_loss
+    hooks = functools.partial(saved_tensors_hooks, plan.hooks, reorder=False)  # the recorder places them
+    step = record_step(
+        model, example_inputs, loss_fn, plan.backend, seed, hooks, False, plan.recompute, plan.recompute_mode
+    )
+    loss = loss_peak(loss_fn, step.output, device_of(example_inputs), seed, hooks)
+    return max(step_timeline(step.forwards, step.backwards, [], loss).live, default=0)
+
+
+def tighten(
+    found: Survey, budget_bytes: int, check: Callable[[Plan], int], rounds: int = ROUNDS
+) -> tuple[list[tuple[Plan, int]], list[str]]:
+    """Plan ``budget_bytes`` from ``found``, check, and search again lower until a checked plan meets it.
+
+    Args:
+        found: the survey of the plan's recompute setting.
+        budget_bytes: the budget (at least ``found.floor_bytes``).
+        check: a plan's checked peak (:func:`check_peak`, cached by the caller).
+        rounds: at most this many plans checked before the all-packed one (at least 1).
+
+    Returns:
+        ``(checked, log)``: each plan checked, with its checked peak, in order;
+        the log says what each round searched for and what it got.
+
+    Raises:
+        ValueError: ``rounds`` is below 1.
+        InfeasibleBudgetError: the budget is below ``found.floor_bytes``.
+    """
+    if rounds < 1:
+        raise ValueError(f"tighten: rounds must be at least 1, got {rounds}")
+    checked: list[tuple[Plan, int]] = []
+    log: list[str] = []
+    seen: set[tuple[tuple[str, str], ...]] = set()
+    target, excess = budget_bytes, 0
+    while len(checked) < rounds:
+        candidate = found.plan(target)
+        if choices_of(candidate) in seen:  # the search's steps are coarser than the excess: lower it again
+            if target == found.floor_bytes:
+                break
+            target = max(target - excess, found.floor_bytes)
+            continue
+        seen.add(choices_of(candidate))
+        peak = check(candidate)
+        checked.append((candidate, peak))
+        log.append(
+            f"check {len(checked)}: searched for {target / _MiB:.2f} MiB, modelled "
+            f"{candidate.predicted_peak_bytes / _MiB:.2f}, {peak / _MiB:.2f} MiB on the graphs compiled with its hooks"
+        )
+        if peak <= budget_bytes or target == found.floor_bytes:
+            break
+        excess = peak - budget_bytes
+        target = max(target - excess, found.floor_bytes)
+    if all(peak > budget_bytes for _, peak in checked):
+        candidate = found.plan_smallest(budget_bytes)
+        peak = check(candidate)
+        checked.append((candidate, peak))
+        log.append(f"check: every candidate at its smallest payload, {peak / _MiB:.2f} MiB with its hooks")
+    return checked, log

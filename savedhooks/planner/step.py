@@ -1,0 +1,185 @@
+"""One recorded training step: compile the model afresh, run forward, loss and backward, model its graphs.
+
+Both the survey (hooks that pack nothing) and the check of a plan (the plan's
+own hooks, :mod:`savedhooks.planner.check`) run it; they differ in the hooks
+and in whether the recorded graphs get their saved values' names back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from savedhooks.fidelity.sensitivity import call_model
+from savedhooks.memory.measure import measure_peak
+from savedhooks.planner.census import GraphTimeline, timeline_of
+from savedhooks.planner.recompute import FULL, checkpointed
+from savedhooks.planner.recording import recording_backend
+
+__all__ = ["NotCompiledError", "RecordedStep", "device_of", "loss_peak", "record_step", "train_step"]
+
+
+class NotCompiledError(RuntimeError):
+    """The model ran eagerly: there are no compiled graphs to plan with."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedStep:
+    """What one recorded step gives the memory model.
+
+    Attributes:
+        forwards: the forward graphs' timelines, in trace order.
+        backwards: the backward graphs' timelines, in the order they ran.
+        output: the model's output, detached.
+        fused: the graphs were modelled as inductor runs them.
+    """
+
+    forwards: list[GraphTimeline]
+    backwards: list[GraphTimeline]
+    output: Any
+    fused: bool
+
+
+def device_of(example_inputs: Any) -> torch.device:
+    """The device of the first tensor in ``example_inputs`` (the CPU if there is none).
+
+    Args:
+        example_inputs: a pytree of inputs.
+
+    Returns:
+        A device.
+
+    Raises:
+        Nothing.
+    """
+    tensors = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def train_step(fn: Callable[..., Any], model: torch.nn.Module, example_inputs: Any, loss_fn: Callable, seed: int) -> Any:
+    """One training step (forward, loss, backward) under ``seed``; the model's gradients are cleared after.
+
+    Args:
+        fn: the model, compiled or not.
+        model: the module (its gradients are cleared before and after).
+        example_inputs: as for :func:`savedhooks.plan`.
+        loss_fn: turns the output into a scalar.
+        seed: ``torch.manual_seed`` before the step (the global RNG is restored after).
+
+    Returns:
+        The model's output, detached.
+
+    Raises:
+        Whatever the model or the loss raises.
+    """
+    model.zero_grad(set_to_none=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        output = call_model(fn, example_inputs)
+        loss_fn(output).backward()
+    model.zero_grad(set_to_none=True)
+    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, output)
+
+
+def loss_peak(
+    loss_fn: Callable, output: Any, device: torch.device, seed: int, hooks: Callable[[], Any] | None = None
+) -> int:
+    """Measured peak of the loss alone, forward and backward, on the model's output (held before it starts).
+
+    It runs eagerly after the compiled forward graphs, and its own temporaries (a
+    cross-entropy's log-softmax, a square's gradient) and the gradient it hands
+    to the compiled backward are in no graph.
+
+    Args:
+        loss_fn: the loss.
+        output: the model's output (detached; copies require grad).
+        device: where to measure.
+        seed: ``torch.manual_seed`` before it.
+        hooks: a context manager factory entered around it (the plan's hooks,
+            which pack what the loss saves), or None.
+
+    Returns:
+        Bytes.
+
+    Raises:
+        Whatever the loss raises.
+    """
+    leaves = pytree.tree_map_only(
+        torch.Tensor, lambda t: t.clone().requires_grad_(t.is_floating_point() or t.is_complex()), output
+    )
+
+    def run() -> None:
+        with torch.random.fork_rng(devices=[]), hooks() if hooks is not None else contextlib.nullcontext():
+            torch.manual_seed(seed)
+            loss_fn(leaves).backward()
+
+    return measure_peak(run, device=device)
+
+
+def record_step(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable,
+    backend: str,
+    seed: int,
+    within: Callable[[], contextlib.AbstractContextManager],
+    unhook: bool,
+    recompute: Sequence[str] = (),
+    recompute_mode: str = FULL,
+) -> RecordedStep:
+    """Compile ``model`` afresh with ``backend``, run one step inside ``within()``, and model its graphs.
+
+    Every compile traces (no dynamo, AOTAutograd or FX graph cache hits), the
+    blocks ``recompute`` names are checkpointed for the step, and dynamo is reset
+    after it (see :mod:`savedhooks.planner.survey`: past its recompile limit the
+    user's own compile of the model would run eagerly).
+
+    Args:
+        model: the module (not compiled).
+        example_inputs: as for :func:`savedhooks.plan`.
+        loss_fn: turns the output into a scalar.
+        backend: ``"inductor"`` or ``"aot_eager"``.
+        seed: ``torch.manual_seed`` before the step.
+        within: a context manager factory entered around the step (the hooks).
+        unhook: the hooks pack nothing: record the graphs as compiled without
+            hooks (:func:`savedhooks.planner.recording.recording_backend`).
+        recompute: module paths of the blocks to checkpoint.
+        recompute_mode: ``"full"`` or ``"selective"``.
+
+    Returns:
+        A :class:`RecordedStep`.
+
+    Raises:
+        ValueError: ``backend`` is unknown, or a ``recompute`` path names no submodule.
+        NotCompiledError: the model did not compile (dynamo ran it eagerly).
+    """
+    recording, recorder, fused = recording_backend(backend, unhook=unhook)
+    with (
+        checkpointed(model, tuple(recompute), recompute_mode),
+        torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+    ):
+        try:
+            with within(), recorder.kernel_order():
+                output = train_step(torch.compile(model, backend=recording), model, example_inputs, loss_fn, seed)
+        finally:
+            torch._dynamo.reset()
+    if not recorder.forwards or len(recorder.forwards) != len(recorder.backwards):
+        raise NotCompiledError(
+            f"plan: the model did not compile into forward and backward graphs under {backend!r} "
+            f"({len(recorder.forwards)} forward, {len(recorder.backwards)} backward): did dynamo fall back to eager? "
+            "(Below a DDP or FSDP2 wrapper dynamo compiles only frames of user code: a model whose forward is "
+            "torch's, such as nn.Sequential, runs eagerly, and so does a checkpointed block there.)"
+        )
+    forwards = []
+    for fw, bw in zip(recorder.forwards, reversed(recorder.backwards)):
+        saved = {n.name for n in bw.graph.find_nodes(op="placeholder")}
+        forwards.append(timeline_of(fw, saved, fused=fused))
+    backwards = [timeline_of(bw, fused=fused) for bw in recorder.backwards]
+    return RecordedStep(forwards, backwards, output, fused)

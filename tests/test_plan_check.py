@@ -1,0 +1,102 @@
+"""sh.plan's check: a plan modelled on the graphs compiled with its own hooks, and the search run again below the budget."""
+
+import sys
+
+import pytest
+import torch
+from models import measured_step_peak, planner_mlp, square_mean_loss
+
+import savedhooks as sh
+from savedhooks.fidelity.select import SavedTensor
+from savedhooks.planner.check import choices_of, tighten
+from savedhooks.planner.search import Option, Unit
+from savedhooks.planner.survey import Survey
+
+plan_module = sys.modules["savedhooks.planner.plan"]  # the package's ``plan`` attribute is the function
+
+
+def _survey():
+    """Two units on a four-point timeline: the search's choices step coarsely (peaks 100, 70, 55)."""
+    a = Unit("a", 60, ((1, 3, 60),), (Option("keep", 60, 0.0), Option("bf16", 30, 1.0), Option("fp8", 15, 3.0)))
+    b = Unit("b", 40, ((1, 2, 40),), (Option("keep", 40, 0.0), Option("fp8", 10, 0.5)))
+    saved = {u.key: (SavedTensor(f"g0:{u.key}", "mm", (4, 4), torch.float32, u.bytes),) for u in (a, b)}
+    return Survey((a, b), saved, (0, 100, 100, 10), "aot_eager")
+
+
+def _choices(plan):
+    return tuple(t.choice for t in sorted(plan.tensors, key=lambda t: t.key))
+
+
+def test_tighten_searches_again_below_the_budget_by_the_excess():
+    found = _survey()
+    checked, log = tighten(found, 75, lambda p: p.predicted_peak_bytes + 10)
+    # 75: a in bf16 (modelled 70, checked 80: 5 over); 70 gives the same choice, so the target drops by the
+    # excess again, to 65: a in fp8 (modelled 55, checked 65) meets the budget
+    assert [(_choices(p), peak) for p, peak in checked] == [(("bf16", "keep"), 80), (("fp8", "keep"), 65)]
+    assert [line.split(":")[0] for line in log] == ["check 1", "check 2"]
+
+
+def test_tighten_checks_every_candidate_packed_when_no_search_meets_the_budget():
+    found = _survey()
+
+    def check(plan):  # only the plan with everything packed meets the budget
+        return 50 if _choices(plan) == ("fp8", "fp8") else plan.predicted_peak_bytes + 30
+
+    checked, log = tighten(found, 80, check)
+    assert [peak for _, peak in checked][-1] == 50 and _choices(checked[-1][0]) == ("fp8", "fp8")
+    assert all(peak > 80 for _, peak in checked[:-1]) and len(checked) <= 4
+    assert log[-1].startswith("check: every candidate at its smallest payload")
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        tighten(found, 80, check, rounds=0)
+
+
+def _counting(monkeypatch):
+    calls = []
+    original = plan_module.check_peak
+
+    def counted(*args, **kwargs):
+        calls.append(args[2])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "check_peak", counted)
+    return calls
+
+
+def test_a_checked_plan_predicts_the_measured_peak_under_inductor_where_the_survey_alone_does_not(monkeypatch):
+    """At the modelled floor under inductor the hooks change the compiled graphs: the floor plan measures
+    1,570,824 bytes, 6.6 % above its modelled 1,466,624, so the planner raises with the checked floor.
+
+    The plan kept there (its eager loss's tensor in bf16) measures 1,601,544 bytes: 3.8 % above its
+    check, 7.9 % above the survey's model of it. Before the recorder left nested compiles out, the check
+    of the floor plan read 3,289,096 bytes (the eager fp8 op's compile overwrote the forward's kernel order).
+    """
+    calls = _counting(monkeypatch)
+    model, x = planner_mlp()
+    planner = sh.planner.Planner(model, (x,), loss_fn=square_mean_loss, backend="inductor", blocks=())
+    floor = planner.floor_bytes
+    with pytest.raises(sh.InfeasibleBudgetError, match="modelled on the graphs compiled with a plan's hooks") as info:
+        planner.plan(floor)
+    assert info.value.checked and info.value.floor_bytes > floor
+    checks = len(calls)
+    plan = planner.plan(info.value.floor_bytes)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes and any(
+        line.startswith("recompute 0 blocks: check") for line in plan.log
+    )
+    measured, _ = measured_step_peak(model, x, plan.hooks, backend="inductor")
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured  # the issue's 5 %
+    # planning the same budget again compiles nothing more: checked plans are kept per choice
+    assert planner.plan(info.value.floor_bytes) == plan
+    assert len({choices_of(p) for p in calls}) == len(calls) and len(calls) >= checks
+
+
+def test_a_plan_that_packs_nothing_or_check_false_compiles_nothing_more(monkeypatch):
+    calls = _counting(monkeypatch)
+    model, x = planner_mlp()
+    planner = sh.planner.Planner(model, (x,), loss_fn=square_mean_loss, backend="aot_eager", blocks=())
+    assert all(t.choice == "keep" for t in planner.plan(planner.baseline_bytes).tensors)
+    unchecked = planner.plan((planner.baseline_bytes + planner.floor_bytes) // 2, check=False)
+    assert {t.choice for t in unchecked.tensors} - {"keep"} and not calls
+    assert not any("check" in line for line in unchecked.log)
+    # under aot_eager the hooks leave the graphs as modelled: the check agrees with the survey
+    checked = planner.plan(unchecked.budget_bytes)
+    assert len(calls) == 1 and checked.predicted_peak_bytes == unchecked.predicted_peak_bytes
