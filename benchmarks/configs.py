@@ -382,7 +382,7 @@ def plan_or_lowest(planner: sh.planner.Planner, budget_bytes: int) -> sh.Plan:
     except sh.InfeasibleBudgetError as error:
         if not error.checked:
             raise
-        print(f"sh.plan: {error}: planned at the lowest checked peak instead")
+        print(f"{error}: planned at the lowest checked peak instead")
         return planner.plan(error.floor_bytes)
 
 

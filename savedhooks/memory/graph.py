@@ -7,7 +7,11 @@ Design notes
   base, and multi-output ops give one storage per output. This is the alias
   information AOTAutograd's partitioner and inductor use as well.
 * A buffer is freed after the last node that reads any alias of it. Graph outputs
-  live to the end. Graph inputs are owned by the caller: freed only when donated.
+  live to the end. A ``getitem`` reads the whole tuple of a multi-output op (the
+  Python code torch generates holds the tuple to its last ``getitem``), but as
+  inductor runs the graph (``fused``) only the output it takes: attention's
+  log-sum-exp, saved and placed at the end of the forward in inductor's order,
+  does not hold attention's output there (packed and freed long before). Graph inputs are owned by the caller: freed only when donated.
 * Symbolic sizes use their hints. Devices are kept apart: host buffers of an
   offload do not count against the GPU.
 """
@@ -183,7 +187,10 @@ def build_graph_memory(
         allocs.append(new)
         extra = 0 if node in inlined else op_scratch_bytes(node)
         scratch.append((tensors[0].device, extra) if extra and tensors else None)
-        reads.append(set().union(*(node_buffers.get(a, set()) for a in node.all_input_nodes)))
+        if fused and node.target is operator.getitem and mine:  # inductor: one output's storage, not the tuple
+            reads.append(set(mine))
+        else:
+            reads.append(set().union(*(node_buffers.get(a, set()) for a in node.all_input_nodes)))
 
     last_use = {b: -1 for b in range(len(buffers))}
     for i, (made, used) in enumerate(zip(allocs, reads)):

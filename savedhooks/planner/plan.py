@@ -286,9 +286,10 @@ def plan(
     """Choose which blocks to recompute (whole or selectively) and, per saved tensor, keep / bf16 / fp8 / bitmask / offload.
 
     The choice meets ``budget_bytes``. A :class:`Planner`'s
-    :meth:`~Planner.plan`: per recompute setting two
-    compiles and two training steps (gradients cleared, parameters unchanged),
-    then the search. The choice minimizes the modelled time (codecs and
+    :meth:`~Planner.plan`: per recompute setting one compile and one training
+    step (the survey; gradients cleared, parameters unchanged), then the
+    search, then with ``check`` one compile and step per plan checked (at
+    most :data:`~savedhooks.planner.check.ROUNDS` + 1 per setting tried). The choice minimizes the modelled time (codecs and
     recompute); what the policy keeps for fidelity (``sh.policy()``'s rules)
     stays kept, and with ``min_sqnr_db`` what :func:`savedhooks.sensitivity`
     finds too harmful in fp8 (or bf16) is not packed that way. Offload (to
