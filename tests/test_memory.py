@@ -104,6 +104,28 @@ def test_make_fx_graphs_with_aliasing(fn, inputs):
     assert estimate.at_peak and estimate.at_peak[0].nbytes >= estimate.at_peak[-1].nbytes
 
 
+def _late_statistics(x, w, b):
+    out, _mean, rstd = torch.ops.aten.native_layer_norm(x, [8], w, b, 1e-5)
+    return torch.mm(out, out.t()), rstd
+
+
+def test_under_inductor_a_late_getitem_holds_only_its_own_output():
+    """A saved log-sum-exp that inductor's order puts at the end held attention's output there (8 MiB on llama)."""
+    gm = make_fx(_late_statistics, tracing_mode="fake")(torch.randn(64, 8), torch.randn(8), torch.randn(8))
+    rstd = next(n for n in gm.graph.nodes if n.op == "call_function" and n.args[0].name.startswith("native_layer_norm")
+                and n.args[1] == 2)
+    gm.graph.output_node().prepend(rstd)  # placed last, as inductor's order places a saved getitem
+    gm.recompile()
+
+    def freed_at(memory):
+        out = next(b for b in memory.buffers if b.name.startswith("native_layer_norm") and b.nbytes == 64 * 8 * 4)
+        return memory.node_names[next(i for i, f in enumerate(memory.frees) if out.index in f)]
+
+    # the Python code torch generates holds the op's tuple to its last getitem; inductor frees each output apart
+    assert freed_at(build_graph_memory(gm)) == rstd.name
+    assert freed_at(build_graph_memory(gm, fused=True)) == "mm"
+
+
 def test_donated_inputs_are_freed_after_last_use():
     gm = make_fx(lambda x: (x * 2).sum(), tracing_mode="fake")(torch.randn(64, 64))
     kept = sh.memory.estimate_peak(gm)
