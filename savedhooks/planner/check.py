@@ -12,8 +12,8 @@ Design notes
   (``python -m benchmarks.pareto``; README, "Fit a budget").
 * :func:`check_peak` compiles the model once more, with the plan's recompute
   and hooks, runs one step (:func:`savedhooks.planner.step.record_step`) and
-  models it as the survey models its own step; the eager loss is measured
-  under the plan's hooks. A plan that packs nothing runs the graphs surveyed:
+  models it as the survey models its own step, the eager loss's point too
+  (its peak without hooks, less what packing the tensors it saves frees). A plan that packs nothing runs the graphs surveyed:
   its modelled peak is already checked.
 * :func:`tighten`: search, check; while the checked peak is above the budget,
   search again with the target lowered by the excess (never below the
@@ -22,6 +22,12 @@ Design notes
   check the plan that packs every candidate at its smallest payload too.
   It returns every plan it checked with its checked peak; the planner keeps
   the least modelled time among those (and earlier ones) that meet the budget.
+* Not under ``torch.distributed`` with several processes (FSDP2, DDP): each
+  rank plans its own step, and the number of plans a rank checks depends on
+  its own peaks, so the ranks would run different numbers of compiled steps
+  and their collectives would not match (seen: gloo's "collective mismatch"
+  abort under FSDP2). ``check=None``, the default, checks only in a single
+  process; ``check=True`` there raises.
 """
 
 from __future__ import annotations
@@ -39,10 +45,51 @@ from savedhooks.planner.result import Plan
 from savedhooks.planner.step import device_of, loss_peak, record_step
 from savedhooks.planner.survey import Survey
 
-__all__ = ["ROUNDS", "check_peak", "choices_of", "packs_nothing", "tighten"]
+__all__ = ["ROUNDS", "check_peak", "choices_of", "packs_nothing", "resolve_check", "tighten", "world_size"]
 
 ROUNDS = 3  # searches per budget and recompute setting, each checked by a compile (then the all-packed plan)
 _MiB = 1 << 20
+
+
+def world_size() -> int:
+    """The number of processes of the default ``torch.distributed`` group (1 without one).
+
+    Args:
+        None.
+
+    Returns:
+        The world size.
+
+    Raises:
+        Nothing.
+    """
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def resolve_check(check: bool | None) -> bool:
+    """Whether to check plans: ``None`` checks unless several processes run (see the module notes).
+
+    Args:
+        check: ``True``, ``False`` or ``None``.
+
+    Returns:
+        Whether to check.
+
+    Raises:
+        TypeError: ``check`` is not a bool or None.
+        ValueError: ``True`` while ``torch.distributed`` runs several processes.
+    """
+    if check is not None and not isinstance(check, bool):
+        raise TypeError(f"plan: check must be True, False or None, got {check!r}")
+    several = world_size() > 1
+    if check and several:
+        raise ValueError(
+            "plan: check=True is not supported under torch.distributed with several processes: each rank checks "
+            "its own plan, and the numbers of compiled steps (and so of collectives) would differ between ranks; "
+            "pass check=None or False"
+        )
+    return not several if check is None else check
 
 
 def choices_of(plan: Plan) -> tuple[tuple[str, str], ...]:
@@ -106,8 +153,14 @@ def check_peak(
     step = record_step(
         model, example_inputs, loss_fn, plan.backend, seed, hooks, False, plan.recompute, plan.recompute_mode
     )
-    loss = loss_peak(loss_fn, step.output, device_of(example_inputs), seed, hooks)
-    return max(step_timeline(step.forwards, step.backwards, [], loss).live, default=0)
+    # the eager loss's point as the survey models it: its peak measured without hooks, less what the
+    # plan's packing of the tensors it saves frees (measured alone under the hooks, on a copy of the
+    # output, it read gpt2's loss 2.3 MiB above the step's measured peak)
+    eager = [t for t in plan.tensors if t.key.startswith("eager|")]
+    loss = loss_peak(loss_fn, step.output, device_of(example_inputs), seed)
+    freed = sum(t.bytes - t.payload for t in eager if t.choice != "keep")
+    point = max(sum(t.bytes for t in eager), loss) - freed
+    return max(step_timeline(step.forwards, step.backwards, [], point).live, default=0)
 
 
 def tighten(

@@ -27,8 +27,8 @@ Design notes
   :mod:`savedhooks.planner.fidelity` also takes fp8 (and bf16, by an estimate)
   away from the saved tensors that :func:`savedhooks.sensitivity` finds too
   harmful packed alone; a limit, not a cost traded against time.
-* Checked: the chosen plan is compiled once more with its own hooks and its
-  graphs modelled (:mod:`savedhooks.planner.check`); while they peak above
+* Checked (in a single process): the chosen plan is compiled once more with
+  its own hooks and its graphs modelled (:mod:`savedhooks.planner.check`); while they peak above
   the budget the search runs again below it by the excess. The first setting
   (by modelled time) with a checked plan that meets the budget is kept, its
   checked peak the plan's prediction; checked plans are kept per choice, so
@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from savedhooks.planner.check import check_peak, choices_of, packs_nothing, tighten
+from savedhooks.planner.check import check_peak, choices_of, packs_nothing, resolve_check, tighten
 from savedhooks.planner.fidelity import FidelityLimit, check_min_sqnr, measure_limit
 from savedhooks.planner.recompute import FULL, SELECTIVE, block_seconds, check_mode, find_blocks, resolve_blocks
 from savedhooks.planner.result import InfeasibleBudgetError, Plan, check_budget
@@ -191,7 +191,7 @@ class Planner:
         """The lowest modelled peak over the strategies (surveys them all)."""
         return min(found.floor_bytes for _, found in self._usable())
 
-    def plan(self, budget_bytes: int, verbose: bool = False, check: bool = True) -> Plan:
+    def plan(self, budget_bytes: int, verbose: bool = False, check: bool | None = None) -> Plan:
         """The least-time plan meeting ``budget_bytes`` over the strategies (surveys them all).
 
         Args:
@@ -203,12 +203,14 @@ class Planner:
             A :class:`Plan`.
 
         Raises:
-            TypeError: ``budget_bytes`` is not an int.
-            ValueError: ``budget_bytes`` is not positive.
+            TypeError: ``budget_bytes`` is not an int, or ``check`` not a bool or None.
+            ValueError: ``budget_bytes`` is not positive, or ``check=True`` under
+                ``torch.distributed`` with several processes.
             InfeasibleBudgetError: the budget is below :attr:`floor_bytes`, or
                 (``check``) every plan checked peaks above it.
         """
         check_budget(budget_bytes)
+        check = resolve_check(check)
         baseline, floor = self.baseline_bytes, self.floor_bytes
         check_budget(budget_bytes, floor, baseline)
         log = [f"{_name(*setting)}: not planned: {why}" for setting, why in self._skipped.items()]
@@ -225,6 +227,8 @@ class Planner:
             ranked.append((setting, found, candidate))
         ranked.sort(key=lambda r: r[2].seconds)  # stable: ties go to the setting tried first
         best = self._checked_best(ranked, budget_bytes, log) if check else ranked[0][2]
+        if not check:
+            log.append("not checked (check=False, or several torch.distributed processes)")
         setting = (len(best.recompute), best.recompute_mode if best.recompute else FULL)
         if self.min_sqnr_db is not None:
             log.append(
@@ -281,7 +285,7 @@ def plan(
     verbose: bool = False,
     blocks: Sequence[str] | None = None,
     min_sqnr_db: float | None = None,
-    check: bool = True,
+    check: bool | None = None,
 ) -> Plan:
     """Choose which blocks to recompute (whole or selectively) and, per saved tensor, keep / bf16 / fp8 / bitmask / offload.
 
@@ -328,7 +332,9 @@ def plan(
             (:mod:`savedhooks.planner.check`); the plan's
             ``predicted_peak_bytes`` is then its checked peak. ``False``: the
             survey's model alone, which does not see how the hooks change the
-            compiled graphs.
+            compiled graphs. ``None`` (default): check, unless
+            ``torch.distributed`` runs several processes (their ranks would
+            run different numbers of compiled steps); ``True`` there raises.
 
     Returns:
         A :class:`Plan`: run it with ``plan.apply(model)`` (the recompute),
@@ -336,10 +342,12 @@ def plan(
 
     Raises:
         TypeError: ``model`` is not a module, ``budget_bytes`` not an int,
-            ``blocks`` a string, or ``min_sqnr_db`` not a number.
+            ``blocks`` a string, ``min_sqnr_db`` not a number, or ``check``
+            not a bool or None.
         ValueError: ``budget_bytes`` is not positive, ``backend`` is unknown, a
-            block path names no submodule, ``min_sqnr_db`` is not finite, or the
-            output has no floating tensor and no ``loss_fn``.
+            block path names no submodule, ``min_sqnr_db`` is not finite, the
+            output has no floating tensor and no ``loss_fn``, or ``check=True``
+            under ``torch.distributed`` with several processes.
         NotCompiledError: the model did not compile (dynamo ran it eagerly).
         InfeasibleBudgetError: the budget is below the lowest peak reachable
             (the error names it), or, with ``check``, every plan checked peaks above it.
