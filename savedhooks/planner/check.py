@@ -16,9 +16,9 @@ Design notes
   (its peak without hooks, less what packing the tensors it saves frees). A plan that packs nothing runs the graphs surveyed:
   its modelled peak is already checked.
 * :func:`tighten`: search, check; while the checked peak is above the budget,
-  search again with the target lowered by the excess (never below the
-  survey's floor; lowered again while the search returns a choice already
-  checked), at most :data:`ROUNDS` checks; if none met the budget,
+  search again with the target lowered by the excess below the plan's
+  modelled peak (never below the survey's floor; lowered again while the
+  search returns a choice already checked), at most :data:`ROUNDS` checks; if none met the budget,
   check the plan that packs every candidate at its smallest payload too.
   It returns every plan it checked with its checked peak; the planner keeps
   the least modelled time among those (and earlier ones) that meet the budget.
@@ -193,7 +193,7 @@ def tighten(
         if choices_of(candidate) in seen:  # the search's steps are coarser than the excess: lower it again
             if target == found.floor_bytes:
                 break
-            target = max(target - excess, found.floor_bytes)
+            target = max(min(target, candidate.predicted_peak_bytes) - excess, found.floor_bytes)
             continue
         seen.add(choices_of(candidate))
         peak = check(candidate)
@@ -205,7 +205,8 @@ def tighten(
         if peak <= budget_bytes or target == found.floor_bytes:
             break
         excess = peak - budget_bytes
-        target = max(target - excess, found.floor_bytes)
+        # below the plan's own modelled peak: the next search must change the choice
+        target = max(min(target, candidate.predicted_peak_bytes) - excess, found.floor_bytes)
     if all(peak > budget_bytes for _, peak in checked):
         candidate = found.plan_smallest(budget_bytes)
         peak = check(candidate)

@@ -235,7 +235,8 @@ class Planner:
                 f"fidelity: {self._limited.get(setting, 0)} choices (plan keys) lost fp8 or bf16 "
                 f"(packed alone below {self.min_sqnr_db:g} dB, measured by sh.sensitivity)"
             )
-        log.append(f"kept: {_name(*setting)}, the least modelled time" + (" of the plans checked" if check else ""))
+        kept = "the first setting by modelled time whose checked plan meets the budget" if check else "the least modelled time"
+        log.append(f"kept: {_name(*setting)}, {kept}")
         chosen = dataclasses.replace(best, baseline_peak_bytes=baseline, floor_bytes=floor, log=(*best.log, *log))
         if verbose:
             print(chosen.report())
@@ -259,7 +260,8 @@ class Planner:
             least = min(peak for _, peak in mine)
             lowest = least if lowest is None else min(lowest, least)
         assert lowest is not None  # ranked is not empty: the budget meets the least floor
-        raise InfeasibleBudgetError(budget_bytes, lowest, self.baseline_bytes, checked=True)
+        # packing nothing runs the surveyed graphs: their modelled peak is checked already
+        raise InfeasibleBudgetError(budget_bytes, min(lowest, self.baseline_bytes), self.baseline_bytes, checked=True)
 
     def _check(self, setting: tuple[int, str], plan: Plan) -> int:
         """A plan's checked peak (:func:`~savedhooks.planner.check.check_peak`), once per choice."""

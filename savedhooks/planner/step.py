@@ -86,9 +86,7 @@ def train_step(fn: Callable[..., Any], model: torch.nn.Module, example_inputs: A
     return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, output)
 
 
-def loss_peak(
-    loss_fn: Callable, output: Any, device: torch.device, seed: int, hooks: Callable[[], Any] | None = None
-) -> int:
+def loss_peak(loss_fn: Callable, output: Any, device: torch.device, seed: int) -> int:
     """Measured peak of the loss alone, forward and backward, on the model's output (held before it starts).
 
     It runs eagerly after the compiled forward graphs, and its own temporaries (a
@@ -100,8 +98,6 @@ def loss_peak(
         output: the model's output (detached; copies require grad).
         device: where to measure.
         seed: ``torch.manual_seed`` before it.
-        hooks: a context manager factory entered around it (the plan's hooks,
-            which pack what the loss saves), or None.
 
     Returns:
         Bytes.
@@ -114,7 +110,7 @@ def loss_peak(
     )
 
     def run() -> None:
-        with torch.random.fork_rng(devices=[]), hooks() if hooks is not None else contextlib.nullcontext():
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             loss_fn(leaves).backward()
 
