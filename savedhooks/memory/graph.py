@@ -11,7 +11,8 @@ Design notes
   Python code torch generates holds the tuple to its last ``getitem``), but as
   inductor runs the graph (``fused``) only the output it takes: attention's
   log-sum-exp, saved and placed at the end of the forward in inductor's order,
-  does not hold attention's output there (packed and freed long before). Graph inputs are owned by the caller: freed only when donated.
+  does not hold attention's output there (packed and freed long before).
+  Graph inputs are owned by the caller: freed only when donated.
 * Symbolic sizes use their hints. Devices are kept apart: host buffers of an
   offload do not count against the GPU.
 """

@@ -13,13 +13,15 @@ Design notes
 * :func:`check_peak` compiles the model once more, with the plan's recompute
   and hooks, runs one step (:func:`savedhooks.planner.step.record_step`) and
   models it as the survey models its own step, the eager loss's point too
-  (its peak without hooks, less what packing the tensors it saves frees). A plan that packs nothing runs the graphs surveyed:
-  its modelled peak is already checked.
+  (its peak without hooks, less what packing the tensors it saves frees). A
+  plan that packs nothing runs the graphs surveyed: its modelled peak is
+  already checked.
 * :func:`tighten`: search, check; while the checked peak is above the budget,
   search again with the target lowered by the excess below the plan's
   modelled peak (never below the survey's floor; lowered again while the
-  search returns a choice already checked), at most :data:`ROUNDS` checks; if none met the budget,
-  check the plan that packs every candidate at its smallest payload too.
+  search returns a choice already checked), at most :data:`ROUNDS` checks; if
+  none met the budget, check the plan that packs every candidate at its
+  smallest payload too.
   It returns every plan it checked with its checked peak; the planner keeps
   the least modelled time among those (and earlier ones) that meet the budget.
 * Not under ``torch.distributed`` with several processes (FSDP2, DDP): each
@@ -47,7 +49,7 @@ from savedhooks.planner.survey import Survey
 
 __all__ = ["ROUNDS", "check_peak", "choices_of", "packs_nothing", "resolve_check", "tighten", "world_size"]
 
-ROUNDS = 3  # searches per budget and recompute setting, each checked by a compile (then the all-packed plan)
+ROUNDS = 3  # plans checked per budget and recompute setting, one compile each (then the all-packed plan)
 _MiB = 1 << 20
 
 

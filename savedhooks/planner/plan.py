@@ -242,8 +242,13 @@ class Planner:
             print(chosen.report())
         return chosen
 
-    def _checked_best(self, ranked: list[tuple[tuple[int, str], Survey, Plan]], budget_bytes: int, log: list[str]) -> Plan:
-        """The first setting, by modelled time, with a plan whose checked peak meets the budget (see :mod:`~savedhooks.planner.check`)."""
+    def _checked_best(
+        self, ranked: list[tuple[tuple[int, str], Survey, Plan]], budget_bytes: int, log: list[str]
+    ) -> Plan:
+        """The first setting, by modelled time, with a plan whose checked peak meets the budget.
+
+        See :mod:`savedhooks.planner.check`.
+        """
         lowest: int | None = None
         for setting, found, first in ranked:
             name = _name(*setting)
