@@ -17,7 +17,7 @@ from savedhooks.codecs import (
 from savedhooks import fidelity, memory, schedule
 from savedhooks.fidelity import sensitivity
 from savedhooks.metrics import sqnr
-from savedhooks.passes import backend, reorder_pass
+from savedhooks.compilers import backend, reorder_pass
 from savedhooks.planner import InfeasibleBudgetError, Plan, plan
 from savedhooks.identity import UnfingerprintableError, fingerprint
 from savedhooks.hooks import (

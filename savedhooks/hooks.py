@@ -16,7 +16,7 @@ Design notes
 * What the hook graphs call, and the eager-mode rules, live in
   :mod:`savedhooks.eager`; the contract checks in :mod:`savedhooks.contract`.
 * Entering :class:`saved_tensors_hooks` also makes inductor place the inlined
-  hooks (:mod:`savedhooks.passes`): see its docstring.
+  hooks (:mod:`savedhooks.compilers`): see its docstring.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from savedhooks.contract import (
 )
 from savedhooks.eager import _FUNCTIONS, _active, _local_trampoline, _run_pack, _run_unpack
 from savedhooks.identity import UnfingerprintableError, fingerprint_details
-from savedhooks.passes import inductor_placement
+from savedhooks.compilers import inductor_placement
 
 __all__ = [
     "HookContext",
@@ -320,7 +320,7 @@ class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors 
 
     Placement: inside the block, a model compiled with plain ``torch.compile``
     (inductor) gets savedhooks' reorder pass, so each unpack runs right before
-    its first use in the backward graph (:func:`savedhooks.passes.inductor_placement`).
+    its first use in the backward graph (:func:`savedhooks.compilers.inductor_placement`).
     It is added after any ``post_grad_custom_post_pass`` already set in inductor's
     config, touches only graphs with inlined hooks, and compiles the backward
     graph together with the forward (torch would otherwise compile it lazily at

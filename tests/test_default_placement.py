@@ -10,10 +10,12 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import savedhooks as sh
+import savedhooks.compilers
 import savedhooks.passes
 from benchmarks.reorder_inductor import measured_peaks
 from savedhooks.memory.fusion import inlined_nodes, is_view
-from savedhooks.passes import ReorderPass, has_hook_chains, is_backward_graph
+from savedhooks.compilers import ReorderPass
+from savedhooks.passes import has_hook_chains, is_backward_graph
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +158,8 @@ def test_the_opt_out_leaves_inductor_alone():
 
 def test_graphs_without_hook_chains_are_untouched(monkeypatch):
     reordered = []
-    original = savedhooks.passes.reorder_for_memory
-    monkeypatch.setattr(savedhooks.passes, "reorder_for_memory",
+    original = savedhooks.compilers.reorder_for_memory
+    monkeypatch.setattr(savedhooks.compilers, "reorder_for_memory",
                         lambda gm, is_backward, **kw: reordered.append(is_backward) or original(gm, is_backward, **kw))
     linear = torch.nn.Linear(16, 16)  # saves only its input and weight: graph inputs, never hooked
     train_step(linear, torch.compile(linear), torch.randn(4, 16), sh.fp8())

@@ -277,33 +277,42 @@ def test_pool_plane_reads_the_input_plane_of_the_indices_only():
     assert all(p is None for d, p in seen if d != "torch.int64")
 
 
-def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_sees():
-    """Why the policy's saved bytes under inductor stay above 0.30x on the cnn and the vit (README "Under inductor").
+@pytest.mark.parametrize("placement", [True, False], ids=["placement", "opt-out"])
+def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_sees(placement):
+    """Why the policy's saved bytes under inductor were above 0.30x on the cnn and the vit (README "Under inductor").
 
-    On CPU inductor runs convolutions channels_last and its forward keeps channels_last
-    copies of the convolutions' input and weights for the backward. They are copies of
-    graph inputs (saved inputs never reach saved-tensor hooks), so the policy keeps them
-    whole: with the layout optimization off, what the forward leaves alive drops by
-    exactly their float32 bytes.
+    On CPU inductor runs convolutions channels_last and its forward returns
+    channels_last copies of the convolutions' input and weights for the backward.
+    They are copies of graph inputs (saved inputs never reach saved-tensor hooks),
+    so the policy keeps them whole: with the layout optimization off, what the
+    forward leaves alive drops by exactly their float32 bytes. With the hooks'
+    placement (the default) the forward returns the input itself
+    (:mod:`savedhooks.input_layout`), and only the weights' copies remain; the
+    opt-out (``reorder=False``) leaves inductor's behaviour as it is. Gradients
+    agree to float32 rounding either way.
     """
     torch.manual_seed(0)
     convs = [nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.Conv2d(16, 16, 3, padding=1, bias=False)]
     model = nn.Sequential(convs[0], nn.BatchNorm2d(16), nn.ReLU(), convs[1])
     x = torch.randn(8, 3, 16, 16)
 
-    def saved_bytes(layout: bool) -> int:
+    def saved_bytes(layout: bool) -> tuple[int, list[torch.Tensor]]:
         torch._dynamo.reset()
         compiled = torch.compile(model, options={**INDUCTOR_CNN_OPTIONS, "layout_optimization": layout})
         held = []
 
         def forward():
-            with sh.saved_tensors_hooks(sh.policy()):
+            with sh.saved_tensors_hooks(sh.policy(), reorder=placement):
                 held.append(compiled(x).square().mean())
 
         forward()
         held.pop().backward()
-        return sh.memory.cpu_memory_trace(forward)[-1]
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return sh.memory.cpu_memory_trace(forward)[-1], grads
 
-    saved = {layout: saved_bytes(layout) for layout in (True, False)}
-    copies = x.nbytes + sum(conv.weight.nbytes for conv in convs)
-    assert saved[True] - saved[False] == copies
+    (saved, grads) = zip(*(saved_bytes(layout) for layout in (True, False)))
+    weights = sum(conv.weight.nbytes for conv in convs)
+    assert saved[0] - saved[1] == weights + (0 if placement else x.nbytes)
+    for on, off in zip(*grads):
+        assert (on - off).norm() <= 1e-5 * off.norm()

@@ -19,6 +19,8 @@ import savedhooks.hostmem
 import savedhooks.kernels
 import savedhooks.memory
 import savedhooks.metrics
+import savedhooks.compilers
+import savedhooks.input_layout
 import savedhooks.passes
 import savedhooks.schedule
 
@@ -51,7 +53,8 @@ def test_every_subpackage_is_in_the_wheel():
 def test_public_functions_document_args_returns_raises():
     missing = []
     namespaces = [savedhooks, savedhooks.codecs, savedhooks.fidelity, savedhooks.hostmem, savedhooks.memory,
-                  savedhooks.metrics, savedhooks.passes, savedhooks.planner, savedhooks.schedule]
+                  savedhooks.metrics, savedhooks.passes, savedhooks.compilers, savedhooks.input_layout,
+                  savedhooks.planner, savedhooks.schedule]
     kernel_modules = ("fp8", "bitmask", "offload")
     namespaces += [savedhooks.kernels] + [importlib.import_module(f"savedhooks.kernels.{m}") for m in kernel_modules]
     if importlib.util.find_spec("triton") is not None:

@@ -10,7 +10,8 @@ import savedhooks as sh
 from benchmarks.acceptance import MODELS
 from benchmarks.reorder_inductor import MODELS as INDUCTOR_MODELS
 from benchmarks.reorder_inductor import measured_peaks
-from savedhooks.passes import ReorderPass, is_backward_graph, place_hooks, reorder_pass
+from savedhooks.compilers import ReorderPass, reorder_pass
+from savedhooks.passes import is_backward_graph, place_hooks
 
 CASES = {name.replace(" ", "_"): case for name, case in MODELS.items()}
 

@@ -7,7 +7,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
-import savedhooks.passes
+import savedhooks.compilers
 from savedhooks.unfuse import join_adjacent, split_late_addmm
 
 aten = torch.ops.aten
@@ -95,7 +95,7 @@ def test_gpt2s_tied_head_gradient_no_longer_holds_the_logits_gradient(monkeypatc
     grads = [p.grad for p in workload.model.parameters()]
     workload.model.zero_grad(set_to_none=True)
     torch._dynamo.reset()
-    monkeypatch.setattr(savedhooks.passes, "split_late_addmm", lambda graph: [])
+    monkeypatch.setattr(savedhooks.compilers, "split_late_addmm", lambda graph: [])
     with torch._inductor.utils.fresh_cache():
         fused = _backward_peak(workload.with_loss(), workload.inputs)
     assert split <= fused - 0.4 * logits_bytes, (split, fused)

@@ -25,7 +25,8 @@ import torch
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from savedhooks.passes import is_backward_graph, reorder_for_memory, reorder_pass, unhook_names
+from savedhooks.compilers import reorder_pass
+from savedhooks.passes import is_backward_graph, reorder_for_memory, unhook_names
 
 __all__ = ["REALIZED", "GraphRecorder", "fresh_backend", "recording_backend", "run_in_kernel_order"]
 
