@@ -3,8 +3,7 @@
 * :class:`ReorderPass`: :mod:`savedhooks.passes` as inductor's
   ``post_grad_custom_post_pass`` (a CustomGraphPass, keyed in the FX graph
   cache by a digest of its sources and options). In hooked forward graphs it
-  also keeps saved data inputs in their own layout
-  (:mod:`savedhooks.input_layout`).
+  also keeps saved inputs in their own layout (:mod:`savedhooks.input_layout`).
 * :func:`inductor_placement`: what entering :class:`savedhooks.saved_tensors_hooks`
   sets, so that plain ``torch.compile`` gets the pass.
 * :func:`backend`: ``sh.backend("aot_eager")`` / ``sh.backend("inductor")``,
@@ -26,7 +25,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import savedhooks.kernels.offload as offload_ops
 from savedhooks.hostmem.overlap import overlap_transfers
-from savedhooks.input_layout import keep_input_layout
+from savedhooks.input_layout import keep_input_layout, restore_input_layout
 from savedhooks.passes import has_hook_chains, is_backward_graph, place_hooks, reorder_for_memory
 from savedhooks.unfuse import join_adjacent, split_late_addmm
 
@@ -52,9 +51,10 @@ class ReorderPass(CustomGraphPass):
     With ``hooked_only`` it leaves graphs without inlined hooks untouched (the
     pass that entering :func:`savedhooks.saved_tensors_hooks` installs).
 
-    In a forward graph with inlined hooks it has inductor return the saved data
-    inputs themselves, not channels_last copies of them that no hook would see
-    (:func:`savedhooks.input_layout.keep_input_layout`).
+    In a forward graph with inlined hooks it has inductor return the saved
+    inputs themselves, not channels_last copies of them that no hook would see,
+    and in its backward copies the weights among them to channels_last right
+    before their convolution backward (:mod:`savedhooks.input_layout`).
 
     In every graph it runs (forward graphs too, when they offload), copies
     between an accelerator and the host made by ``sh.offload`` become torch's
@@ -78,7 +78,9 @@ class ReorderPass(CustomGraphPass):
         hooked = has_hook_chains(graph)
         if self.hooked_only and not hooked:
             return
-        if hooked and not is_backward:
+        if hooked and is_backward:  # the weights kept in the forward, back to channels_last
+            restore_input_layout(graph)
+        elif hooked:  # saved inputs returned as themselves
             keep_input_layout(graph)
         reorder = is_backward or self.forward
         offloads = any(n.target is torch.ops.savedhooks.offload.default for n in graph.nodes)

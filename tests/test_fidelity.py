@@ -286,10 +286,10 @@ def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_se
     They are copies of graph inputs (saved inputs never reach saved-tensor hooks),
     so the policy keeps them whole: with the layout optimization off, what the
     forward leaves alive drops by exactly their float32 bytes. With the hooks'
-    placement (the default) the forward returns the input itself
-    (:mod:`savedhooks.input_layout`), and only the weights' copies remain; the
-    opt-out (``reorder=False``) leaves inductor's behaviour as it is. Gradients
-    agree to float32 rounding either way.
+    placement (the default) the forward returns the image and the weights
+    themselves (:mod:`savedhooks.input_layout`); the opt-out (``reorder=False``)
+    leaves inductor's behaviour as it is. Gradients agree to float32 rounding
+    either way.
     """
     torch.manual_seed(0)
     convs = [nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.Conv2d(16, 16, 3, padding=1, bias=False)]
@@ -313,6 +313,6 @@ def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_se
 
     (saved, grads) = zip(*(saved_bytes(layout) for layout in (True, False)))
     weights = sum(conv.weight.nbytes for conv in convs)
-    assert saved[0] - saved[1] == weights + (0 if placement else x.nbytes)
+    assert saved[0] - saved[1] == (0 if placement else weights + x.nbytes)
     for on, off in zip(*grads):
         assert (on - off).norm() <= 1e-5 * off.norm()
