@@ -87,14 +87,14 @@ def pinned_alloc_ms(nbytes: int = 64 << 20, repeats: int = 20) -> tuple[float, f
 
 @contextlib.contextmanager
 def _variant(name: str):
-    from savedhooks import passes
+    from savedhooks import compilers
     from savedhooks.hostmem import overlap
 
     if name == "async, not placed":
         with mock.patch.object(overlap, "_place", lambda *args, **kwargs: None):
             yield
     elif name == "synchronous":
-        with mock.patch.object(passes, "overlap_transfers", lambda gm, is_backward: 0):
+        with mock.patch.object(compilers, "overlap_transfers", lambda gm, is_backward: 0):
             yield
     else:
         yield

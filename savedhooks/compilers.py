@@ -25,7 +25,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import savedhooks.kernels.offload as offload_ops
 from savedhooks.hostmem.overlap import overlap_transfers
-from savedhooks.input_layout import keep_input_layout, restore_input_layout
+from savedhooks.input_layout import keep_input_layout, recorded_weights, restore_input_layout
 from savedhooks.passes import has_hook_chains, is_backward_graph, place_hooks, reorder_for_memory
 from savedhooks.unfuse import join_adjacent, split_late_addmm
 
@@ -52,9 +52,10 @@ class ReorderPass(CustomGraphPass):
     pass that entering :func:`savedhooks.saved_tensors_hooks` installs).
 
     In a forward graph with inlined hooks it has inductor return the saved
-    inputs themselves, not channels_last copies of them that no hook would see,
-    and in its backward copies the weights among them to channels_last right
-    before their convolution backward (:mod:`savedhooks.input_layout`).
+    inputs themselves, not channels_last copies of them that no hook would see
+    (convolution weights only where inductor optimizes the layout), and in its
+    backward copies those weights to channels_last right before their
+    convolution backward (:mod:`savedhooks.input_layout`).
 
     In every graph it runs (forward graphs too, when they offload), copies
     between an accelerator and the host made by ``sh.offload`` become torch's
@@ -64,9 +65,12 @@ class ReorderPass(CustomGraphPass):
     (:func:`place_hooks`): torch inlines every pack at the end of the forward
     and inductor runs each copy where the graph has it (README, "On a GPU").
 
-    ``uuid()`` digests this file, the scheduler and the memory model, plus the
-    options, so inductor's FX graph cache misses when the pass changes and hits
-    when it does not.
+    ``uuid()`` digests the pass's sources (this file, :mod:`savedhooks.passes`,
+    :mod:`savedhooks.input_layout`, the scheduler, the memory model, the offload
+    overlap), its options, and in a backward the weights its forward kept
+    (:func:`savedhooks.input_layout.recorded_weights`), so inductor's FX graph
+    cache misses when the pass would change a graph differently and hits when
+    it would not.
     """
 
     def __init__(self, forward: bool = False, hooked_only: bool = False) -> None:
@@ -80,8 +84,11 @@ class ReorderPass(CustomGraphPass):
             return
         if hooked and is_backward:  # the weights kept in the forward, back to channels_last
             restore_input_layout(graph)
-        elif hooked:  # saved inputs returned as themselves
+        self._order(graph, is_backward)
+        if hooked and not is_backward:  # saved inputs returned as themselves; last, on the final graph
             keep_input_layout(graph)
+
+    def _order(self, graph: torch.fx.Graph, is_backward: bool) -> None:
         reorder = is_backward or self.forward
         offloads = any(n.target is torch.ops.savedhooks.offload.default for n in graph.nodes)
         if not (reorder or offloads):
@@ -102,7 +109,9 @@ class ReorderPass(CustomGraphPass):
         from torch._functorch import config as functorch_config
 
         bandwidth = functorch_config.activation_offload_cpu_gpu_bw  # times the overlap of offload copies
-        options = f"forward={self.forward}:hooked_only={self.hooked_only}:copy_gbps={bandwidth}"
+        # a backward's copies of the weights its forward kept (input_layout) depend on that forward's compile
+        weights = ",".join(sorted(recorded_weights()))
+        options = f"forward={self.forward}:hooked_only={self.hooked_only}:copy_gbps={bandwidth}:weights={weights}"
         return hashlib.sha256(f"{_SOURCE_DIGEST}:{options}".encode()).hexdigest()
 
     def __repr__(self) -> str:
@@ -137,7 +146,8 @@ def _with_pass(slot, ours: ReorderPass):
 def inductor_placement(enabled: bool = True) -> Iterator[None]:
     """Make inductor place inlined hooks in the graphs compiled inside the block.
 
-    Adds the reorder pass (hooked graphs only) to inductor's
+    Adds the reorder pass (hooked graphs only; it also returns their saved
+    inputs as themselves, :mod:`savedhooks.input_layout`) to inductor's
     ``post_grad_custom_post_pass``, after any pass already set there (torch runs
     a tuple of passes in order and keys its FX graph cache on all their uuids),
     and has AOTAutograd compile the backward graph together with the forward

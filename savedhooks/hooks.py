@@ -333,7 +333,8 @@ class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors 
     Args:
         hooks: a HookPair, e.g. from :func:`hook` or a codec such as ``savedhooks.fp8()``.
         reorder: False leaves inductor's configuration alone (no placement, lazy
-            backward compile as torch does it).
+            backward compile as torch does it, saved inputs returned in the
+            layout inductor chooses: :mod:`savedhooks.input_layout`).
 
     Raises:
         HookTypeError: ``hooks`` is a :class:`PackHook` without an unpack function.

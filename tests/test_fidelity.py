@@ -8,6 +8,7 @@ from models import INDUCTOR_CNN_OPTIONS, POLICY_DB, train_step_grads, worst_sqnr
 from torch import nn
 
 import savedhooks as sh
+import savedhooks.compilers
 from savedhooks.fidelity import Census, Selected, keyed_run
 
 
@@ -278,7 +279,7 @@ def test_pool_plane_reads_the_input_plane_of_the_indices_only():
 
 
 @pytest.mark.parametrize("placement", [True, False], ids=["placement", "opt-out"])
-def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_sees(placement):
+def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_sees(placement, monkeypatch):
     """Why the policy's saved bytes under inductor were above 0.30x on the cnn and the vit (README "Under inductor").
 
     On CPU inductor runs convolutions channels_last and its forward returns
@@ -288,16 +289,23 @@ def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_se
     forward leaves alive drops by exactly their float32 bytes. With the hooks'
     placement (the default) the forward returns the image and the weights
     themselves (:mod:`savedhooks.input_layout`); the opt-out (``reorder=False``)
-    leaves inductor's behaviour as it is. Gradients agree to float32 rounding
-    either way.
+    leaves inductor's behaviour as it is. The backward copies both weights back
+    to channels_last where the forward's layout is optimized. Gradients agree to
+    float32 rounding either way.
     """
     torch.manual_seed(0)
     convs = [nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.Conv2d(16, 16, 3, padding=1, bias=False)]
     model = nn.Sequential(convs[0], nn.BatchNorm2d(16), nn.ReLU(), convs[1])
     x = torch.randn(8, 3, 16, 16)
+    restored = {}
+    restore = savedhooks.compilers.restore_input_layout
+    monkeypatch.setattr(savedhooks.compilers, "restore_input_layout",
+                        lambda graph: restored.setdefault(layout_now[0], restore(graph)))
+    layout_now = [None]
 
     def saved_bytes(layout: bool) -> tuple[int, list[torch.Tensor]]:
         torch._dynamo.reset()
+        layout_now[0] = layout
         compiled = torch.compile(model, options={**INDUCTOR_CNN_OPTIONS, "layout_optimization": layout})
         held = []
 
@@ -305,8 +313,9 @@ def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_se
             with sh.saved_tensors_hooks(sh.policy(), reorder=placement):
                 held.append(compiled(x).square().mean())
 
-        forward()
-        held.pop().backward()
+        with torch._inductor.utils.fresh_cache():  # the pass runs (a cache hit would skip it)
+            forward()
+            held.pop().backward()
         grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
         return sh.memory.cpu_memory_trace(forward)[-1], grads
@@ -314,5 +323,7 @@ def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_se
     (saved, grads) = zip(*(saved_bytes(layout) for layout in (True, False)))
     weights = sum(conv.weight.nbytes for conv in convs)
     assert saved[0] - saved[1] == (0 if placement else weights + x.nbytes)
+    # the two weights, each once; nothing where the layout is not optimized; no pass with the opt-out
+    assert {k: len(v) for k, v in restored.items()} == ({True: 2, False: 0} if placement else {})
     for on, off in zip(*grads):
         assert (on - off).norm() <= 1e-5 * off.norm()

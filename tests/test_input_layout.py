@@ -2,10 +2,12 @@
 
 import types
 
+import pytest
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from savedhooks.input_layout import keep_input_layout, restore_input_layout
+from savedhooks.input_layout import keep_input_layout, recorded_weights, restore_input_layout
 
 _CONV_ARGS = ([1, 1], [0, 0], [1, 1], False, [0, 0], 1)
 
@@ -22,57 +24,65 @@ def _forward_graph() -> torch.fx.Graph:
     return graph
 
 
-def _context(inputs: int, static: list[int]) -> torch._guards.TracingContext:
+def _context() -> torch._guards.TracingContext:
     context = torch._guards.TracingContext(None)
-    context.fw_metadata = types.SimpleNamespace(input_info=[None] * inputs, static_input_indices=static)
+    context.fw_metadata = types.SimpleNamespace()  # AOTAutograd's ViewAndMutationMeta of the forward
     return context
 
 
-def _keep(graph: torch.fx.Graph, context: torch._guards.TracingContext) -> list[str]:
-    with torch._guards.tracing(context):
-        return keep_input_layout(graph)
+@pytest.mark.parametrize("layout", [True, False], ids=["layout-optimized", "not-optimized"])
+def test_inputs_are_marked_and_weights_only_under_layout_optimization(layout):
+    graph, context = _forward_graph(), _context()
+    with torch._inductor.config.patch(layout_optimization=layout, force_layout_optimization=layout), \
+            torch._guards.tracing(context):  # fmt: skip
+        assert keep_input_layout(graph) == (["primals_1", "primals_2"] if layout else ["primals_2"])
+        assert recorded_weights() == ({"primals_1"} if layout else set())  # the weight, by its use; not the image
+        assert keep_input_layout(graph) == []  # already marked
+        context.fw_metadata = types.SimpleNamespace()  # another forward under the same context (DDP's buckets)
+        assert recorded_weights() == set()
+    assert graph.output_node().meta["user_visible_output_idxs"] == ([0, 1, 2] if layout else [0, 2])
 
 
-def test_saved_inputs_are_marked_and_the_convolution_weight_recorded():
-    graph, context = _forward_graph(), _context(inputs=2, static=[0])
-    with torch._inductor.config.patch(layout_optimization=True):
-        assert _keep(graph, context) == ["primals_1", "primals_2"]
-        assert graph.output_node().meta["user_visible_output_idxs"] == [0, 1, 2]
-        assert _keep(graph, context) == []  # already marked
-    assert context.savedhooks_channels_last_inputs == {"primals_1"}  # the parameter; not the data input
-
-
-def test_without_layout_optimization_only_data_inputs_are_marked():
-    graph, context = _forward_graph(), _context(inputs=2, static=[0])
-    with torch._inductor.config.patch(layout_optimization=False):
-        assert _keep(graph, context) == ["primals_2"]
-    assert not getattr(context, "savedhooks_channels_last_inputs", set())
-
-
-def test_nothing_is_marked_without_the_compile_context_or_with_unmatched_inputs():
+def test_nothing_is_marked_where_inductor_did_not_annotate_the_output():
     graph = _forward_graph()
-    assert keep_input_layout(graph) == []  # no TracingContext: not inside inductor's compile
-    assert _keep(graph, _context(inputs=3, static=[0])) == []  # placeholders not matched to AOTAutograd's inputs
-    assert graph.output_node().meta["user_visible_output_idxs"] == [0]
-    del graph.output_node().meta["user_visible_output_idxs"]  # a graph inductor did not annotate
-    assert _keep(graph, _context(inputs=2, static=[0])) == []
+    del graph.output_node().meta["user_visible_output_idxs"]
+    with torch._guards.tracing(_context()):
+        assert keep_input_layout(graph) == []
+        assert recorded_weights() == set()
+    assert recorded_weights() == set()  # outside a compile
 
 
-def test_a_recorded_weight_is_copied_to_channels_last_before_its_convolution_backward():
+def _backward_graph(recompute: bool = False):
     graph = torch.fx.Graph()
     grad, weight, image = (graph.placeholder(n) for n in ("tangents_1", "primals_1", "primals_2"))
-    grad.meta["val"], weight.meta["val"], image.meta["val"] = (
-        torch.empty(2, 4, 6, 6), torch.empty(4, 3, 3, 3), torch.empty(2, 3, 8, 8))
+    with FakeTensorMode():
+        grad.meta["val"], weight.meta["val"], image.meta["val"] = (
+            torch.empty(2, 4, 6, 6), torch.empty(4, 3, 3, 3), torch.empty(2, 3, 8, 8))
+    if recompute:  # the forward's convolution again, as under checkpointing
+        graph.call_function(torch.ops.aten.convolution.default, (image, weight, None, *_CONV_ARGS))
     backward = graph.call_function(torch.ops.aten.convolution_backward.default,
                                    (grad, image, weight, [0], *_CONV_ARGS, [False, True, False]))
     graph.output((backward,))
-    context = _context(inputs=2, static=[0])
-    context.savedhooks_channels_last_inputs = {"primals_1"}
+    return graph, weight, image, backward
+
+
+def test_a_recorded_weight_is_copied_to_channels_last_before_its_convolution_backward():
+    graph, weight, image, backward = _backward_graph()
+    forward, context = _forward_graph(), _context()
     assert restore_input_layout(graph) == []  # outside the compile's context: untouched
-    with torch._guards.tracing(context):
+    with torch._inductor.config.patch(force_layout_optimization=True), torch._guards.tracing(context):
+        keep_input_layout(forward)
         assert restore_input_layout(graph) == ["primals_1"]
     copy = backward.args[2]
     assert copy.target is torch.ops.aten.clone.default and copy.args == (weight,)
     assert copy.meta["val"].is_contiguous(memory_format=torch.channels_last)
-    assert backward.args[1] is image  # the data input is left as it is
+    assert backward.args[1] is image  # the image is left as it is
     assert list(graph.nodes).index(copy) < list(graph.nodes).index(backward)
+
+
+def test_a_backward_that_recomputes_a_convolution_is_left_to_inductor():
+    graph, weight, _, backward = _backward_graph(recompute=True)
+    with torch._inductor.config.patch(force_layout_optimization=True), torch._guards.tracing(_context()):
+        keep_input_layout(_forward_graph())
+        assert restore_input_layout(graph) == []
+    assert backward.args[2] is weight
