@@ -127,6 +127,9 @@ def restore_input_layout(graph: torch.fx.Graph) -> list[str]:
 def recorded_weights() -> frozenset[str]:
     """The weights :func:`keep_input_layout` recorded for the forward of the compile in progress.
 
+    Args:
+        None.
+
     Returns:
         Their names; empty outside a compile or when none was recorded.
 

@@ -50,12 +50,14 @@ def test_tighten_checks_every_candidate_packed_when_no_search_meets_the_budget()
         tighten(found, 80, check, rounds=0)
 
 
-def _counting(monkeypatch):
+def _counting(monkeypatch, losses=None):
     calls = []
     original = plan_module.check_peak
 
     def counted(*args, **kwargs):
         calls.append(args[2])
+        if losses is not None:
+            losses.append(args[5])  # loss_bytes: the survey's, not measured again
         return original(*args, **kwargs)
 
     monkeypatch.setattr(plan_module, "check_peak", counted)
@@ -70,7 +72,8 @@ def test_a_checked_plan_predicts_the_measured_peak_under_inductor_where_the_surv
     check, 7.9 % above the survey's model of it. Before the recorder left nested compiles out, the check
     of the floor plan read 3,289,096 bytes (the eager fp8 op's compile overwrote the forward's kernel order).
     """
-    calls = _counting(monkeypatch)
+    losses = []
+    calls = _counting(monkeypatch, losses)
     model, x = planner_mlp()
     planner = sh.planner.Planner(model, (x,), loss_fn=square_mean_loss, backend="inductor", blocks=())
     floor = planner.floor_bytes
@@ -87,6 +90,7 @@ def test_a_checked_plan_predicts_the_measured_peak_under_inductor_where_the_surv
     before = len(calls)
     assert planner.plan(info.value.floor_bytes) == plan
     assert len(calls) == before and len({choices_of(p) for p in calls}) == len(calls)
+    assert losses and set(losses) == {planner.survey(0).loss_bytes} and losses[0] > 0
 
 
 def test_a_plan_that_packs_nothing_or_check_false_compiles_nothing_more(monkeypatch):

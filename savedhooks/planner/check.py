@@ -130,6 +130,7 @@ def check_peak(
     plan: Plan,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     seed: int = 0,
+    loss_bytes: int | None = None,
 ) -> int:
     """The modelled step peak of the graphs compiled with the plan's recompute and hooks.
 
@@ -142,6 +143,8 @@ def check_peak(
         plan: a plan for ``model``.
         loss_fn: as for :func:`savedhooks.plan`.
         seed: as for :func:`savedhooks.plan`.
+        loss_bytes: the eager loss's peak without hooks, as the survey measured
+            it (:attr:`Survey.loss_bytes`); None: measured here, on this step's output.
 
     Returns:
         Bytes above what is alive before the step, as :attr:`Plan.predicted_peak_bytes` counts them.
@@ -159,7 +162,7 @@ def check_peak(
     # plan's packing of the tensors it saves frees (measured alone under the hooks, on a copy of the
     # output, it read gpt2's loss 2.3 MiB above the step's measured peak)
     eager = [t for t in plan.tensors if t.key.startswith("eager|")]
-    loss = loss_peak(loss_fn, step.output, device_of(example_inputs), seed)
+    loss = loss_peak(loss_fn, step.output, device_of(example_inputs), seed) if loss_bytes is None else loss_bytes
     freed = sum(t.bytes - t.payload for t in eager if t.choice != "keep")
     point = max(sum(t.bytes for t in eager), loss) - freed
     return max(step_timeline(step.forwards, step.backwards, [], point).live, default=0)

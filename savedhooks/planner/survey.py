@@ -113,6 +113,9 @@ class Survey:
         recompute: the blocks checkpointed during the survey (module paths).
         recompute_seconds: modelled time of their recompute per step.
         recompute_mode: how they are recomputed (``"full"`` or ``"selective"``).
+        loss_bytes: the measured peak of the eager loss alone, forward and
+            backward, on the model's output (:func:`~savedhooks.planner.step.loss_peak`;
+            0 when unknown). A check reuses it rather than measure it again.
     """
 
     units: tuple[Unit, ...]
@@ -122,6 +125,7 @@ class Survey:
     recompute: tuple[str, ...] = ()
     recompute_seconds: float = 0.0
     recompute_mode: str = FULL
+    loss_bytes: int = 0
 
     @property
     def baseline_bytes(self) -> int:
@@ -263,7 +267,8 @@ def survey(
     forwards, backwards, fused = step.forwards, step.backwards, step.fused
     device = device_of(example_inputs)
     eager = [t for t in run.census if t.key.startswith("eager:")]
-    timeline = step_timeline(forwards, backwards, eager, loss_peak(loss_fn, step.output, device, seed))
+    loss = loss_peak(loss_fn, step.output, device, seed)
+    timeline = step_timeline(forwards, backwards, eager, loss)
     groups, blocked = _choice_groups(run.census, forwards)
     units = tuple(
         Unit(
@@ -275,7 +280,7 @@ def survey(
         )
         for key, ts in sorted(groups.items())
     )
-    return Survey(units, groups, timeline.live, backend, recompute, recompute_seconds, recompute_mode)
+    return Survey(units, groups, timeline.live, backend, recompute, recompute_seconds, recompute_mode, loss)
 
 
 def _reread(
