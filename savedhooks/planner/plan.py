@@ -273,7 +273,8 @@ class Planner:
         key = (setting, choices_of(plan))
         if key not in self._checked:
             model, inputs, loss_fn, _, seed = self._args
-            loss = self.survey(*setting).loss_bytes  # the same output's loss, measured by the survey
+            # the eager loss's peak on the same output, measured by the survey (0: unknown, measured again)
+            loss = self.survey(*setting).loss_bytes or None
             self._checked[key] = (plan, check_peak(model, inputs, plan, loss_fn, seed, loss))
         return self._checked[key][1]
 
