@@ -122,3 +122,28 @@ def test_check_is_off_by_default_with_several_processes_and_refused_when_asked(m
     planner = sh.planner.Planner(model, (x,), loss_fn=square_mean_loss, backend="aot_eager", blocks=())
     planned = planner.plan((planner.baseline_bytes + planner.floor_bytes) // 2)
     assert not calls and "not checked (check=False, or several torch.distributed processes)" in planned.log
+
+
+def test_a_buffer_read_only_inside_its_own_fused_kernel_is_not_stored():
+    """Inductor removes a buffer whose every reader is in the kernel that writes it (llama's SwiGLU backward:
+    the sigmoid fused with its readers); the recorder counted it as stored, and the check read llama's plans
+    at size 1 0.6 MiB high (README "Fit a budget")."""
+    from types import SimpleNamespace
+
+    from savedhooks.planner.recording import _stored
+
+    def user(name, weak=False):
+        return SimpleNamespace(get_name=lambda: name, is_weak=weak)
+
+    def buffer(name, users, mutations=()):
+        return SimpleNamespace(name=name, users=users, get_mutations=lambda: list(mutations))
+
+    local = buffer("buf1", [user("op2")])  # read only by op2, fused with op1
+    escapes = buffer("buf2", [user("op2"), user("op3")])  # also read by op3, another kernel
+    weak = buffer("buf3", [user("op2"), user("op9", weak=True)])
+    mutated = buffer("buf4", [user("op2")], mutations=["buf0"])
+    output = buffer("buf5", [user("OUTPUT")])
+    subs = [SimpleNamespace(get_name=lambda: "op1", get_outputs=lambda: [local, escapes, weak, mutated]),
+            SimpleNamespace(get_name=lambda: "op2", get_outputs=lambda: [output])]
+    fused = SimpleNamespace(get_nodes=lambda: subs)
+    assert [b.name for b in _stored(fused)] == ["buf2", "buf4", "buf5"]

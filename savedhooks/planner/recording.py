@@ -97,8 +97,8 @@ class GraphRecorder(CustomGraphPass):
                 ]
                 self._last.meta[REALIZED] = sorted(
                     origin.name
-                    for sub in subs
-                    for buffer in sub.get_outputs()
+                    for snode in ordered
+                    for buffer in _stored(snode)
                     if (origin := getattr(buffer.node, "origin_node", None)) is not None
                 )
             return ordered
@@ -108,6 +108,23 @@ class GraphRecorder(CustomGraphPass):
             yield
         finally:
             inductor_memory.reorder_for_peak_memory = original
+
+
+def _stored(snode: Any) -> list[Any]:
+    """The buffers of a scheduler node (a kernel, fused or not) that inductor allocates.
+
+    A buffer that every reader of reads inside the same fused kernel is removed
+    when inductor generates that kernel (``Kernel.remove_kernel_local_buffers``,
+    by ``Scheduler.can_buffer_be_removed_through_fusion``): it never takes
+    memory. Mutated buffers are kept, as inductor keeps them.
+    """
+    fused = {sub.get_name() for sub in snode.get_nodes()}
+    return [
+        buffer
+        for sub in snode.get_nodes()
+        for buffer in sub.get_outputs()
+        if buffer.get_mutations() or not all(user.is_weak or user.get_name() in fused for user in buffer.users)
+    ]
 
 
 def _compiles(subs: list[Any], graph: torch.fx.Graph) -> bool:
