@@ -217,7 +217,8 @@ def _inductor_backend(gm: torch.fx.GraphModule, example_inputs):
     return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": _REORDER_PASSES[False, False]})
 
 
-# The pass's behaviour lives in this file, passes.py, input_layout.py, the scheduler, the memory model and the offload overlap: all in the digest.
+# The pass's behaviour lives in this file, passes.py, input_layout.py, unfuse.py, the scheduler, the memory
+# model and the offload overlap: all in the digest.
 _HERE = pathlib.Path(__file__).parent
 _SOURCE_DIGEST = hashlib.sha256(
     b"".join(p.read_bytes() for p in [_HERE / "compilers.py", _HERE / "passes.py", _HERE / "input_layout.py",

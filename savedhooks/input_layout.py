@@ -69,15 +69,14 @@ def keep_input_layout(graph: torch.fx.Graph) -> list[str]:
     if _VISIBLE not in output.meta or _STRIDES not in output.meta:
         return []
     placeholders = {n for n in graph.nodes if n.op == "placeholder"}
-    weights = {n for n in placeholders if _convolution_weight(n)}
-    if weights and not _layout_optimized(graph):
-        weights = set()
+    convolved = {n for n in placeholders if _convolution_weight(n)}
+    weights = convolved if convolved and _layout_optimized(graph) else set()
+    kept = (placeholders - convolved) | weights
     values = output.args[0] if isinstance(output.args[0], (tuple, list)) else output.args
     visible, strides = set(output.meta[_VISIBLE]), output.meta[_STRIDES]
     marked = [
         i for i, value in enumerate(values)
-        if value in placeholders and (value in weights or not _convolution_weight(value))
-        and i not in visible and i < len(strides) and strides[i] is not None
+        if value in kept and i not in visible and i < len(strides) and strides[i] is not None
     ]  # fmt: skip
     if not marked:
         return []
@@ -108,13 +107,13 @@ def restore_input_layout(graph: torch.fx.Graph) -> list[str]:
     if not names or any(n.target is _CONVOLUTION for n in graph.nodes):
         return []
     restored = []
+    order = {n: i for i, n in enumerate(graph.nodes)}  # the readers' order; the copies added read nothing else
     for node in [n for n in graph.nodes if n.op == "placeholder" and n.name in names]:
         readers = [u for u in node.users if u.target is _CONVOLUTION_BACKWARD and u.args[2] is node]
         value = node.meta.get("val")
         mode = getattr(value, "fake_mode", None)
         if not readers or mode is None or value.dim() != 4:
             continue
-        order = {n: i for i, n in enumerate(graph.nodes)}
         with graph.inserting_before(min(readers, key=order.__getitem__)), mode:
             copy = graph.call_function(torch.ops.aten.clone.default, (node,), {"memory_format": torch.channels_last})
             copy.meta["val"] = value.clone(memory_format=torch.channels_last)

@@ -198,7 +198,7 @@ def tighten(
         if choices_of(candidate) in seen:  # the search's steps are coarser than the excess: lower it again
             if target == found.floor_bytes:
                 break
-            target = max(min(target, candidate.predicted_peak_bytes) - excess, found.floor_bytes)
+            target = _lowered(target, candidate, excess, found.floor_bytes)
             continue
         seen.add(choices_of(candidate))
         peak = check(candidate)
@@ -210,11 +210,15 @@ def tighten(
         if peak <= budget_bytes or target == found.floor_bytes:
             break
         excess = peak - budget_bytes
-        # below the plan's own modelled peak: the next search must change the choice
-        target = max(min(target, candidate.predicted_peak_bytes) - excess, found.floor_bytes)
+        target = _lowered(target, candidate, excess, found.floor_bytes)
     if all(peak > budget_bytes for _, peak in checked):
         candidate = found.plan_smallest(budget_bytes)
         peak = check(candidate)
         checked.append((candidate, peak))
         log.append(f"check: every candidate at its smallest payload, {peak / _MiB:.2f} MiB with its hooks")
     return checked, log
+
+
+def _lowered(target: int, candidate: Plan, excess: int, floor: int) -> int:
+    """The next search's target: ``excess`` below the plan's modelled peak (the choice must change), >= ``floor``."""
+    return max(min(target, candidate.predicted_peak_bytes) - excess, floor)

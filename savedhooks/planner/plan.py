@@ -235,7 +235,9 @@ class Planner:
                 f"fidelity: {self._limited.get(setting, 0)} choices (plan keys) lost fp8 or bf16 "
                 f"(packed alone below {self.min_sqnr_db:g} dB, measured by sh.sensitivity)"
             )
-        kept = "the first setting by modelled time whose checked plan meets the budget" if check else "the least modelled time"
+        kept = "the least modelled time"
+        if check:
+            kept = "the first setting by modelled time whose checked plan meets the budget"
         log.append(f"kept: {_name(*setting)}, {kept}")
         chosen = dataclasses.replace(best, baseline_peak_bytes=baseline, floor_bytes=floor, log=(*best.log, *log))
         if verbose:
