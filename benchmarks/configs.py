@@ -41,7 +41,7 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 import savedhooks as sh
 from benchmarks.models import Workload
 
-__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "plan_or_lowest", "planner_for", "torch_fp8_hooks"]
+__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "lowest_budget", "plan_or_lowest", "planner_for", "torch_fp8_hooks"]
 
 FLOAT8 = sh.Float8()  # the codec's configuration: the library default, e4m3 with block scales (128)
 CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8() returns it
@@ -364,12 +364,34 @@ def planner_for(workload: Workload, backend: str, min_sqnr_db: float | None = No
     return sh.planner.Planner(model, inputs, loss_fn=loss_fn, backend=backend, min_sqnr_db=min_sqnr_db)
 
 
+def lowest_budget(planner: sh.planner.Planner) -> int:
+    """The lowest budget the planner may meet: what its error names for a budget of one byte.
+
+    With the check (a single process), that is the lowest peak of the plans
+    with every candidate packed checked on their hooked graphs where it is
+    below the modelled floor, else the modelled floor.
+
+    Args:
+        planner: the planner.
+
+    Returns:
+        Bytes.
+
+    Raises:
+        Whatever planning raises but :class:`savedhooks.InfeasibleBudgetError`.
+    """
+    try:
+        return planner.plan(1).predicted_peak_bytes  # a step that fits in one byte: nothing to plan
+    except sh.InfeasibleBudgetError as error:
+        return error.floor_bytes
+
+
 def plan_or_lowest(planner: sh.planner.Planner, budget_bytes: int) -> sh.Plan:
     """``planner.plan(budget_bytes)``; where every plan checked with its hooks peaks above it, the plan at the lowest checked peak.
 
     Args:
         planner: the planner.
-        budget_bytes: the budget (at least the planner's modelled floor).
+        budget_bytes: the budget (at least :func:`lowest_budget`).
 
     Returns:
         A plan (its ``budget_bytes`` says which budget it met).

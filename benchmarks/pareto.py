@@ -12,9 +12,10 @@ under inductor (plain ``torch.compile``), with the loss compiled with the model
   measured activation peak (the issue's acceptance budget); a plan recomputes
   the blocks it chose (``plan.apply``) and packs with ``plan.hooks``;
 * ``plan <f>``: ``sh.plan`` at ``f`` of its modelled no-hook peak, and
-  ``plan floor`` at the lowest peak it can reach (where every plan checked
-  with its hooks peaks above the modelled floor: at the lowest checked peak,
-  :func:`benchmarks.configs.plan_or_lowest`); with ``--min-sqnr-db``, every
+  ``plan floor`` at the lowest peak it can reach: the modelled floor, or the
+  lowest checked peak where a plan with every candidate packed peaks below it
+  with its hooks (:func:`benchmarks.configs.lowest_budget`) or every plan
+  checked at it peaks above (:func:`benchmarks.configs.plan_or_lowest`); with ``--min-sqnr-db``, every
   plan under that fidelity limit (``sh.plan(..., min_sqnr_db=...)``).
 
 Each row is measured as the main job measures (``benchmarks.run.measure``: one
@@ -38,7 +39,7 @@ import torch
 
 import savedhooks as sh
 from benchmarks.__main__ import RESULTS
-from benchmarks.configs import CONFIGS, Config, memory_budget, plan_or_lowest, planned, planner_for
+from benchmarks.configs import CONFIGS, Config, lowest_budget, memory_budget, plan_or_lowest, planned, planner_for
 from benchmarks.models import MODELS, Workload, make_workload
 from benchmarks.report import plot_pareto, table, write_csv
 from benchmarks.run import MIB, Row, measure, reference_grads, with_baselines
@@ -97,10 +98,10 @@ def run_model(
     checkpoint = next(r for r in rows if r.config == "checkpoint")
     budgets = {"checkpoint": int(checkpoint.activation_mib * MIB)}
     budgets |= {f"{f:g}": int(f * planner.baseline_bytes) for f in fractions}
-    budgets["floor"] = planner.floor_bytes
+    budgets["floor"] = lowest = lowest_budget(planner)
     for label, budget in budgets.items():
-        if budget < planner.floor_bytes:
-            print(f"{name}: plan {label}: {budget / MIB:.1f} MiB is below the floor {planner.floor_bytes / MIB:.1f}")
+        if budget < lowest:
+            print(f"{name}: plan {label}: {budget / MIB:.1f} MiB is below the floor {lowest / MIB:.1f}")
             continue
         try:
             plan = plan_or_lowest(planner, budget) if label == "floor" else planner.plan(budget)

@@ -438,6 +438,17 @@ def test_a_planned_configuration_recomputes_the_plan_s_blocks_and_close_reverts_
     assert not any("forward" in vars(workload.model.get_submodule(p)) for p in paths)
 
 
+def test_pareto_s_floor_is_the_lowest_budget_the_planner_s_error_names():
+    import savedhooks as sh
+    from benchmarks.configs import lowest_budget
+
+    class Planner:  # checked: a plan with every candidate packed peaks at 45 bytes, below the modelled 55
+        def plan(self, budget_bytes):
+            raise sh.InfeasibleBudgetError(budget_bytes, 45 if budget_bytes < 45 else 55, 100, checked=True)
+
+    assert lowest_budget(Planner()) == 45
+
+
 def test_pareto_passes_its_fidelity_limit_to_the_planner(monkeypatch, tmp_path):
     from benchmarks import pareto
     from benchmarks.configs import planner_for

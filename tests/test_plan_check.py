@@ -1,5 +1,6 @@
 """sh.plan's check: a plan modelled on the graphs compiled with its own hooks, and the search run again below the budget."""
 
+import dataclasses
 import sys
 
 import pytest
@@ -9,18 +10,20 @@ from models import measured_step_peak, planner_mlp, square_mean_loss
 import savedhooks as sh
 from savedhooks.fidelity.select import SavedTensor
 from savedhooks.planner.check import choices_of, tighten
+from savedhooks.planner.recompute import FULL, SELECTIVE
 from savedhooks.planner.search import Option, Unit
 from savedhooks.planner.survey import Survey
 
 plan_module = sys.modules["savedhooks.planner.plan"]  # the package's ``plan`` attribute is the function
 
 
-def _survey():
-    """Two units on a four-point timeline: the search's choices step coarsely (peaks 100, 70, 55)."""
+def _survey(top=100, **fields):
+    """Two units on a four-point timeline: the search's choices step coarsely (peaks 100, 70, 55: the floor
+    is ``top - 45``, with ``b`` kept; packing ``b`` too lowers only the first point)."""
     a = Unit("a", 60, ((1, 3, 60),), (Option("keep", 60, 0.0), Option("bf16", 30, 1.0), Option("fp8", 15, 3.0)))
     b = Unit("b", 40, ((1, 2, 40),), (Option("keep", 40, 0.0), Option("fp8", 10, 0.5)))
     saved = {u.key: (SavedTensor(f"g0:{u.key}", "mm", (4, 4), torch.float32, u.bytes),) for u in (a, b)}
-    return Survey((a, b), saved, (0, 100, 100, 10), "aot_eager")
+    return Survey((a, b), saved, (0, top, top, 10), "aot_eager", **fields)
 
 
 def _choices(plan):
@@ -147,3 +150,80 @@ def test_a_buffer_read_only_inside_its_own_fused_kernel_is_not_stored():
             SimpleNamespace(get_name=lambda: "op2", get_outputs=lambda: [output])]
     fused = SimpleNamespace(get_nodes=lambda: subs)
     assert [b.name for b in _stored(fused)] == ["buf2", "buf4", "buf5"]
+
+
+def _faked_planner(monkeypatch, peaks):
+    """A planner over three hand-made surveys (codecs alone, one block selectively, one block whole), its
+    check replaced by ``peaks``: (recompute mode or "codecs", choices) -> checked peak, else modelled + 10."""
+    calls = []
+
+    def check(model, inputs, plan, *rest):
+        calls.append(plan)
+        setting = plan.recompute_mode if plan.recompute else "codecs"
+        return peaks.get((setting, _choices(plan)), plan.predicted_peak_bytes + 10)
+
+    monkeypatch.setattr(plan_module, "check_peak", check)
+    model, x = planner_mlp()
+    planner = sh.planner.Planner(model, (x,), loss_fn=square_mean_loss, backend="aot_eager", blocks=())
+    planner.blocks = ("x",)
+    planner.strategies = ((0, FULL), (1, SELECTIVE), (1, FULL))
+    planner._surveys = {
+        (0, FULL): _survey(),  # modelled floor 55
+        (1, SELECTIVE): _survey(103, recompute=("x",), recompute_seconds=0.01, recompute_mode=SELECTIVE),  # 58
+        (1, FULL): _survey(130, recompute=("x",), recompute_seconds=0.02),  # 85: not within 10 % of 55
+    }
+    return planner, calls
+
+
+def test_a_budget_below_the_modelled_floor_is_met_by_a_checked_smallest_payload_plan(monkeypatch):
+    """With every candidate packed, the graphs compiled with the hooks can peak below the modelled floor
+    (llama at size 1 under inductor: modelled 13.93 MiB, measured 12.7, as fp8 everywhere)."""
+    packed = ("fp8", "fp8")
+    planner, calls = _faked_planner(monkeypatch, {("codecs", packed): 52, ("selective", packed): 45})
+    assert planner.floor_bytes == 55
+    # below every checked peak: the error names the lowest, and the setting outside the margin is not checked
+    with pytest.raises(sh.InfeasibleBudgetError, match="modelled on the graphs compiled") as info:
+        planner.plan(40)
+    assert info.value.checked and info.value.floor_bytes == 45
+    assert sorted(p.recompute_mode if p.recompute else "codecs" for p in calls) == ["codecs", "selective"]
+    # both meet 53: the least modelled time wins (codecs alone; the other recomputes too), at its checked peak
+    cheaper = planner.plan(53)
+    assert (cheaper.recompute, _choices(cheaper), cheaper.predicted_peak_bytes) == ((), packed, 52)
+    assert cheaper.budget_bytes == 53 and cheaper.floor_bytes == 55 and cheaper.log[-1].startswith(
+        "kept: recompute 0 blocks, the least modelled time among the smallest-payload plans"
+    )
+    lowest = planner.plan(info.value.floor_bytes)
+    assert (lowest.recompute, lowest.recompute_mode, lowest.predicted_peak_bytes) == (("x",), SELECTIVE, 45)
+    assert len(calls) == 2  # checked plans are kept per choice
+    # at or above the modelled floor nothing changes: the search's plan, checked (bf16 checks at 80, fp8 at 65)
+    above = planner.plan(70)
+    assert (_choices(above), above.predicted_peak_bytes) == (("fp8", "keep"), 65)
+    # check=False keeps the modelled floor
+    with pytest.raises(sh.InfeasibleBudgetError) as unchecked:
+        planner.plan(53, check=False)
+    assert not unchecked.value.checked and unchecked.value.floor_bytes == 55
+
+
+def test_below_the_modelled_floor_the_error_names_it_where_no_checked_plan_peaks_lower(monkeypatch):
+    planner, calls = _faked_planner(monkeypatch, {})  # every check: modelled + 10
+    with pytest.raises(sh.InfeasibleBudgetError) as info:
+        planner.plan(54)
+    assert not info.value.checked and info.value.floor_bytes == 55 and len(calls) == 2
+
+
+def test_a_check_that_fails_warns_and_keeps_the_survey_s_plan(monkeypatch):
+    planner, _ = _faked_planner(monkeypatch, {})
+
+    def fails(*args):
+        raise ValueError("the memory model cannot read this graph")
+
+    monkeypatch.setattr(plan_module, "check_peak", fails)
+    with pytest.warns(UserWarning, match="recompute 0 blocks: not checked: ValueError: the memory model cannot"):
+        planned = planner.plan(70)
+    unchecked = planner.plan(70, check=False)  # the same plan, bf16 modelled at 70
+    assert dataclasses.replace(planned, log=()) == dataclasses.replace(unchecked, log=())
+    assert planned.log[-1] == "kept: recompute 0 blocks, its check failed: the survey's model alone"
+    # below the modelled floor a failing check leaves the modelled floor
+    with pytest.warns(UserWarning, match="not checked"), pytest.raises(sh.InfeasibleBudgetError) as info:
+        planner.plan(50)
+    assert not info.value.checked and info.value.floor_bytes == 55

@@ -121,7 +121,8 @@ class Plan:
         budget_bytes: the budget asked for.
         predicted_peak_bytes: the modelled peak of the planned step.
         baseline_peak_bytes: the modelled peak without hooks.
-        floor_bytes: the lowest modelled peak reachable.
+        floor_bytes: the lowest modelled peak reachable (the survey's model; a
+            plan checked on the graphs compiled with its hooks may peak lower).
         backend: the ``torch.compile`` backend the plan is for.
         log: the search's moves.
         recompute: module paths (relative to the planned model) of the blocks
@@ -196,7 +197,7 @@ class Plan:
         heading = (
             f"plan for {self.backend}: budget {self.budget_bytes / _MiB:.2f} MiB, predicted peak "
             f"{self.predicted_peak_bytes / _MiB:.2f} MiB (no hooks {self.baseline_peak_bytes / _MiB:.2f}, "
-            f"floor {self.floor_bytes / _MiB:.2f}), modelled time {self.seconds * 1e3:.2f} ms per step"
+            f"modelled floor {self.floor_bytes / _MiB:.2f}), modelled time {self.seconds * 1e3:.2f} ms per step"
         )
         recompute = ", ".join(self.recompute) or "none"
         selective = self.recompute and self.recompute_mode == SELECTIVE
