@@ -91,21 +91,29 @@ def _wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
     return fully_shard(model)
 
 
-def planned_step(model: torch.nn.Module, x: torch.Tensor, how: str) -> tuple[int, sh.Plan]:
-    """Plan this rank's step (``sh.planner.Planner`` on the wrapped model), apply the plan, run :func:`step`.
+def planned_step(model: torch.nn.Module, x: torch.Tensor, how: str) -> tuple[int, sh.Plan, int]:
+    """Plan the step on every rank (``sh.planner.Planner`` on the wrapped model), apply the plan, run :func:`step`.
 
     The budget is halfway between the modelled peak without hooks and the
     planner's floor; the first block may be recomputed (one block bounds the
-    surveys: none, selective, whole).
+    surveys: none, selective, whole). The plans are checked, on every rank
+    together (``savedhooks.planner.lockstep``). Then a budget of one byte,
+    which every rank must refuse with the same floor.
 
     Returns:
-        The bytes the measured forward leaves alive for backward, and the plan.
+        The bytes the measured forward leaves alive for backward, the plan, and
+        the floor the one-byte budget's error named.
     """
     prefix = "module." if how == "ddp" else ""
     blocks = (f"{prefix}layers.0",)
     planner = sh.planner.Planner(model, (x,), loss_fn=loss_of, backend="aot_eager", blocks=blocks)
     plan = planner.plan((planner.baseline_bytes + planner.floor_bytes) // 2)
-    return step(plan.apply(model), x, plan.hooks), plan
+    try:
+        planner.plan(1)
+        floor = 0
+    except sh.InfeasibleBudgetError as error:
+        floor = error.floor_bytes
+    return step(plan.apply(model), x, plan.hooks), plan, floor
 
 
 def run(rank: int, world: int, port: int, how: str, out: str, configs: tuple[str, ...] = CONFIGS) -> None:
@@ -117,9 +125,9 @@ def run(rank: int, world: int, port: int, how: str, out: str, configs: tuple[str
         port: a free TCP port on 127.0.0.1 for the rendezvous.
         how: ``"fsdp2"`` (``fully_shard`` per block and at the root) or ``"ddp"``.
         out: where rank 0 writes ``{"grads": {config: [grad per parameter]}, "saved": {config: bytes},
-            "plans": [each rank's plan as JSON], "cpu_s": [each rank's CPU seconds]}`` (``torch.save``;
-            bytes: what rank 0's forward left alive for backward; plans: with the ``"planned"``
-            configuration).
+            "plans": [each rank's plan as JSON], "floors": [the floor each rank's error named for a
+            budget of one byte], "cpu_s": [each rank's CPU seconds]}`` (``torch.save``; bytes: what
+            rank 0's forward left alive for backward; plans and floors: with the ``"planned"`` configuration).
         configs: from :data:`CONFIGS`, and ``"planned"`` (:func:`planned_step`).
 
     Returns:
@@ -136,13 +144,14 @@ def run(rank: int, world: int, port: int, how: str, out: str, configs: tuple[str
     try:
         base, x = model_and_batch()
         local = x.chunk(world)[rank]
-        grads, saved, plans = {}, {}, [None] * world
+        grads, saved, plans, floors = {}, {}, [None] * world, [None] * world
         for config in configs:
             torch._dynamo.reset()
             model = _wrap(copy.deepcopy(base), how)
             if config == "planned":
-                saved[config], plan = planned_step(model, local, how)
+                saved[config], plan, floor = planned_step(model, local, how)
                 dist.all_gather_object(plans, plan.to_json())
+                dist.all_gather_object(floors, floor)
             else:
                 saved[config] = step(model, local, hooks_for(config))
             full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
@@ -150,7 +159,7 @@ def run(rank: int, world: int, port: int, how: str, out: str, configs: tuple[str
         cpu_s = [None] * world
         dist.all_gather_object(cpu_s, time.process_time())  # this process's CPU seconds, imports included
         if rank == 0:
-            torch.save({"grads": grads, "saved": saved, "plans": plans, "cpu_s": cpu_s}, out)
+            torch.save({"grads": grads, "saved": saved, "plans": plans, "floors": floors, "cpu_s": cpu_s}, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()

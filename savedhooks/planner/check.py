@@ -24,12 +24,9 @@ Design notes
   smallest payload too.
   It returns every plan it checked with its checked peak; the planner keeps
   the least modelled time among those (and earlier ones) that meet the budget.
-* Not under ``torch.distributed`` with several processes (FSDP2, DDP): each
-  rank plans its own step, and the number of plans a rank checks depends on
-  its own peaks, so the ranks would run different numbers of compiled steps
-  and their collectives would not match (seen: gloo's "collective mismatch"
-  abort under FSDP2). ``check=None``, the default, checks only in a single
-  process; ``check=True`` there raises.
+* Under ``torch.distributed`` with several processes (FSDP2, DDP) the checks
+  run in lockstep (:mod:`savedhooks.planner.lockstep`): rank 0 decides which
+  plans to check, every rank checks them, and the highest peak counts.
 """
 
 from __future__ import annotations
@@ -47,30 +44,14 @@ from savedhooks.planner.result import Plan
 from savedhooks.planner.step import device_of, loss_peak, record_step
 from savedhooks.planner.survey import Survey
 
-__all__ = ["ROUNDS", "check_peak", "choices_of", "packs_nothing", "resolve_check", "tighten", "world_size"]
+__all__ = ["ROUNDS", "check_peak", "choices_of", "packs_nothing", "resolve_check", "tighten"]
 
 ROUNDS = 3  # plans checked per budget and recompute setting, one compile each (then the all-packed plan)
 _MiB = 1 << 20
 
 
-def world_size() -> int:
-    """The number of processes of the default ``torch.distributed`` group (1 without one).
-
-    Args:
-        None.
-
-    Returns:
-        The world size.
-
-    Raises:
-        Nothing.
-    """
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def resolve_check(check: bool | None) -> bool:
-    """Whether to check plans: ``None`` checks unless several processes run (see the module notes).
+    """Whether to check plans: ``None`` (the default) checks.
 
     Args:
         check: ``True``, ``False`` or ``None``.
@@ -80,18 +61,10 @@ def resolve_check(check: bool | None) -> bool:
 
     Raises:
         TypeError: ``check`` is not a bool or None.
-        ValueError: ``True`` while ``torch.distributed`` runs several processes.
     """
     if check is not None and not isinstance(check, bool):
         raise TypeError(f"plan: check must be True, False or None, got {check!r}")
-    several = world_size() > 1
-    if check and several:
-        raise ValueError(
-            "plan: check=True is not supported under torch.distributed with several processes: each rank checks "
-            "its own plan, and the numbers of compiled steps (and so of collectives) would differ between ranks; "
-            "pass check=None or False"
-        )
-    return not several if check is None else check
+    return check is not False
 
 
 def choices_of(plan: Plan) -> tuple[tuple[str, str], ...]:

@@ -27,7 +27,7 @@ Design notes
   :mod:`savedhooks.planner.fidelity` also takes fp8 (and bf16, by an estimate)
   away from the saved tensors that :func:`savedhooks.sensitivity` finds too
   harmful packed alone; a limit, not a cost traded against time.
-* Checked (in a single process): the chosen plan is compiled once more with
+* Checked: the chosen plan is compiled once more with
   its own hooks and its graphs modelled (:mod:`savedhooks.planner.check`); while they peak above
   the budget the search runs again below it by the excess. The first setting
   (by modelled time) with a checked plan that meets the budget is kept, its
@@ -52,6 +52,7 @@ import torch
 
 from savedhooks.planner.check import check_peak, choices_of, packs_nothing, resolve_check, tighten
 from savedhooks.planner.fidelity import FidelityLimit, check_min_sqnr, measure_limit
+from savedhooks.planner.lockstep import checked_together, follow, is_leader, lead, several
 from savedhooks.planner.recompute import FULL, SELECTIVE, block_seconds, check_mode, find_blocks, resolve_blocks
 from savedhooks.planner.result import InfeasibleBudgetError, Plan, check_budget
 from savedhooks.planner.survey import NotCompiledError, Survey, survey
@@ -211,15 +212,27 @@ class Planner:
 
         Raises:
             TypeError: ``budget_bytes`` is not an int, or ``check`` not a bool or None.
-            ValueError: ``budget_bytes`` is not positive, or ``check=True`` under
-                ``torch.distributed`` with several processes.
+            ValueError: ``budget_bytes`` is not positive.
             InfeasibleBudgetError: the budget is below :attr:`floor_bytes`
                 (with ``check``: and below what every smallest-payload plan
                 checked near that floor peaks at), or (``check``) every plan
                 checked peaks above it.
+            RuntimeError: (several processes, with ``check``) rank 0's search raised.
         """
         check_budget(budget_bytes)
         check = resolve_check(check)
+        if check and several():
+            self.floor_bytes  # noqa: B018  every rank surveys every setting, in order: one step each, together
+            if not is_leader():
+                chosen = follow(self._check_here)
+                if verbose:
+                    print(chosen.report())
+                return chosen
+            return lead(lambda: self._plan(budget_bytes, verbose, check))
+        return self._plan(budget_bytes, verbose, check)
+
+    def _plan(self, budget_bytes: int, verbose: bool, check: bool) -> Plan:
+        """:meth:`plan` in one process, or on rank 0 (its checks run on every rank)."""
         baseline, floor = self.baseline_bytes, self.floor_bytes
         if check and budget_bytes < floor:
             log = [f"{_name(*setting)}: not planned: {why}" for setting, why in self._skipped.items()]
@@ -244,7 +257,7 @@ class Planner:
             best, kept = self._checked_best(ranked, budget_bytes, log)
         else:
             best, kept = ranked[0][2], "the least modelled time"
-            log.append("not checked (check=False, or several torch.distributed processes)")
+            log.append("not checked (check=False)")
         return self._chosen(best, log, kept, verbose)
 
     def _chosen(self, best: Plan, log: list[str], kept: str, verbose: bool) -> Plan:
@@ -337,14 +350,19 @@ class Planner:
         raise InfeasibleBudgetError(budget_bytes, min(lowest, self.baseline_bytes), self.baseline_bytes, checked=True)
 
     def _check(self, setting: tuple[int, str], plan: Plan) -> int:
-        """A plan's checked peak (:func:`~savedhooks.planner.check.check_peak`), once per choice."""
+        """A plan's checked peak, once per choice; with several processes, on every rank (the highest)."""
         key = (setting, choices_of(plan))
         if key not in self._checked:
-            model, inputs, loss_fn, _, seed = self._args
-            # the eager loss's peak on the same output, measured by the survey (0: unknown, measured again)
-            loss = self.survey(*setting).loss_bytes or None
-            self._checked[key] = (plan, check_peak(model, inputs, plan, loss_fn, seed, loss))
+            peak = checked_together(setting, plan, self._check_here) if several() else self._check_here(setting, plan)
+            self._checked[key] = (plan, peak)
         return self._checked[key][1]
+
+    def _check_here(self, setting: tuple[int, str], plan: Plan) -> int:
+        """This process's check of a plan (:func:`~savedhooks.planner.check.check_peak`)."""
+        model, inputs, loss_fn, _, seed = self._args
+        # the eager loss's peak on the same output, measured by the survey (0: unknown, measured again)
+        loss = self.survey(*setting).loss_bytes or None
+        return check_peak(model, inputs, plan, loss_fn, seed, loss)
 
 
 def _uncheckable(log: list[str], name: str, error: Exception) -> None:
@@ -419,9 +437,12 @@ def plan(
             smallest payload checked (those within :data:`FLOOR_MARGIN` of
             it), which can peak lower with their hooks. ``False``: the
             survey's model alone, which does not see how the hooks change the
-            compiled graphs. ``None`` (default): check, unless
-            ``torch.distributed`` runs several processes (their ranks would
-            run different numbers of compiled steps); ``True`` there raises.
+            compiled graphs. ``None`` (default): check. Under
+            ``torch.distributed`` with several processes the checks run on
+            every rank together: rank 0 searches, every rank checks the plans
+            it announces, the highest peak counts, and every rank gets rank
+            0's plan (:mod:`savedhooks.planner.lockstep`); with ``False`` each
+            rank plans its own step alone.
 
     Returns:
         A :class:`Plan`: run it with ``plan.apply(model)`` (the recompute),
@@ -433,13 +454,14 @@ def plan(
             not a bool or None.
         ValueError: ``budget_bytes`` is not positive, ``backend`` is unknown, a
             block path names no submodule, ``min_sqnr_db`` is not finite, the
-            output has no floating tensor and no ``loss_fn``, or ``check=True``
-            under ``torch.distributed`` with several processes.
+            output has no floating tensor and no ``loss_fn``.
         NotCompiledError: the model did not compile (dynamo ran it eagerly).
         InfeasibleBudgetError: the budget is below the lowest peak reachable
             (the error names it: the modelled floor, or with ``check`` the
             lowest checked peak where that is lower), or, with ``check``, every
             plan checked peaks above it.
+        RuntimeError: (several processes, with ``check``) rank 0's search
+            raised; that rank raises the error itself.
     """
     check_budget(budget_bytes)
     planner = Planner(model, example_inputs, loss_fn, backend, seed, blocks, min_sqnr_db)

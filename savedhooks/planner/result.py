@@ -37,11 +37,13 @@ class InfeasibleBudgetError(ValueError):
             payload); with ``checked``, the lowest peak of the plans checked on
             the graphs compiled with their hooks (:mod:`savedhooks.planner.check`).
         checked: whether ``floor_bytes`` comes from checked plans.
+        baseline_bytes: the modelled peak without hooks.
     """
 
     def __init__(self, budget_bytes: int, floor_bytes: int, baseline_bytes: int, checked: bool = False) -> None:
         self.budget_bytes = budget_bytes
         self.floor_bytes = floor_bytes
+        self.baseline_bytes = baseline_bytes
         self.checked = checked
         how = " (modelled on the graphs compiled with a plan's hooks)" if checked else ""
         super().__init__(
