@@ -182,7 +182,7 @@ def test_a_budget_below_the_modelled_floor_is_met_by_a_checked_smallest_payload_
     cheaper = planner.plan(53)
     assert (cheaper.recompute, _choices(cheaper), cheaper.predicted_peak_bytes) == ((), packed, 52)
     assert cheaper.budget_bytes == 53 and cheaper.floor_bytes == 55 and cheaper.log[-1].startswith(
-        "kept: recompute 0 blocks, the least modelled time among the smallest-payload plans"
+        "kept: recompute 0 blocks, the least modelled time among the checked plans that meet it"
     )
     lowest = planner.plan(info.value.floor_bytes)
     assert (lowest.recompute, lowest.recompute_mode, lowest.predicted_peak_bytes) == (("x",), SELECTIVE, 45)
@@ -219,3 +219,61 @@ def test_a_check_that_fails_warns_and_keeps_the_survey_s_plan(monkeypatch):
     with pytest.warns(UserWarning, match="not checked"), pytest.raises(sh.InfeasibleBudgetError) as info:
         planner.plan(50)
     assert not info.value.checked and info.value.floor_bytes == 55
+
+
+def test_just_above_the_modelled_floor_a_plan_that_meets_a_lower_budget_still_meets_it(monkeypatch):
+    """A larger budget must not fail where a smaller one succeeded (found by a review of the change)."""
+    packed = ("fp8", "fp8")
+    planner, _ = _faked_planner(monkeypatch, {("codecs", packed): 60, ("selective", packed): 45})
+    below = planner.plan(54)  # below the modelled floor (55): the selective plan with everything packed
+    assert (below.recompute_mode, below.predicted_peak_bytes) == (SELECTIVE, 45)
+    # at the floor: the codecs' plans check at 65 and 60, above it; the checked 45 still meets it
+    at = planner.plan(55)
+    assert (at.recompute, at.recompute_mode, at.predicted_peak_bytes) == (("x",), SELECTIVE, 45)
+    assert any(line.startswith("recompute 0 blocks: check") for line in at.log)
+
+
+def test_a_check_that_fails_after_a_checked_round_goes_on_to_the_next_setting(monkeypatch):
+    planner, calls = _faked_planner(monkeypatch, {})
+    faked = plan_module.check_peak
+
+    def second_codecs_check_fails(model, inputs, plan, *rest):
+        if not plan.recompute and len(calls) == 1:
+            raise ValueError("unreadable")
+        return faked(model, inputs, plan, *rest)
+
+    monkeypatch.setattr(plan_module, "check_peak", second_codecs_check_fails)
+    with pytest.warns(UserWarning, match="recompute 0 blocks: not checked: ValueError: unreadable"):
+        planned = planner.plan(70)
+    # codecs alone: bf16 checked at 80 (over), then the fp8 check raised; the selective setting's fp8 plan
+    # (modelled 58) checks at 68 and meets the budget
+    assert (planned.recompute_mode, planned.predicted_peak_bytes) == (SELECTIVE, 68)
+    assert planned.log[-1] == "kept: recompute 1 blocks selectively, " + plan_module._CHECKED
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="gloo")
+def test_a_lockstep_check_sorts_what_a_check_raises(tmp_path):
+    """One process of a gloo group: the gather's verdict (two ranks: tests/test_distributed.py)."""
+    import torch.distributed as dist
+
+    from savedhooks.planner.lockstep import CheckFailed, ChecksAborted, checked_together
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert checked_together((0, FULL), "{}", lambda: 123) == 123
+
+        def raises(error):
+            def check():
+                raise error
+
+            return check
+
+        with pytest.raises(CheckFailed, match="unreadable"):
+            checked_together((0, FULL), "{}", raises(ValueError("unreadable")))
+        with pytest.raises(CheckFailed):
+            checked_together((0, FULL), "{}", raises(sh.planner.NotCompiledError("eager")))
+        with pytest.raises(ChecksAborted, match="out of memory") as info:
+            checked_together((0, FULL), "{}", raises(MemoryError("out of memory")))
+        assert isinstance(info.value.__cause__, MemoryError)
+    finally:
+        dist.destroy_process_group()

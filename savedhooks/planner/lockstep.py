@@ -15,25 +15,43 @@ Design notes
   its plan, or its error, and every rank returns or raises the same.
 * The surveys before it already run in lockstep: every rank surveys the same
   recompute settings in the same order, one step each.
-* A check that raises on any rank raises :class:`CheckFailed` on every rank
-  (the flag travels with the peak), so the ranks leave it together.
+* Every rank's peak and error travel in one gather (object collectives,
+  so any backend: gloo, NCCL). A check that raises ``ValueError`` or
+  ``NotCompiledError`` on any rank raises :class:`CheckFailed` on every
+  rank, and the planner goes on without it as in one process; anything else
+  raises :class:`ChecksAborted` on every rank, and the planning stops there.
+* Every rank must call :func:`savedhooks.plan` (or ``Planner.plan``) with
+  the same model, budget and arguments: the ranks get rank 0's plan. A
+  script that plans on one rank only must pass ``check=False``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 from savedhooks.planner.result import InfeasibleBudgetError, Plan
+from savedhooks.planner.step import NotCompiledError
 
-__all__ = ["CheckFailed", "checked_together", "follow", "is_leader", "lead", "several"]
+__all__ = ["CheckFailed", "ChecksAborted", "checked_together", "follow", "is_leader", "lead", "several"]
 
 Setting = tuple[int, str]
 
 
 class CheckFailed(ValueError):
-    """A plan's check raised on some rank; every rank raises this."""
+    """A plan's check raised ``ValueError`` or ``NotCompiledError`` on some rank; every rank raises this.
+
+    As in one process, the planner then warns and goes on without that check.
+    """
+
+
+class ChecksAborted(RuntimeError):
+    """A plan's check raised anything else on some rank; every rank raises this, and the planning stops."""
+
+
+_OK, _FAILED, _ABORTED = 0, 1, 2
 
 
 def several() -> bool:
@@ -74,31 +92,39 @@ def _broadcast(message: object) -> object:
     return box[0]
 
 
-def checked_together(setting: Setting, plan: Plan, check: Callable[[Setting, Plan], int]) -> int:
-    """Check ``plan`` on every rank: rank 0 announces it, each rank checks, the highest peak wins.
+def checked_together(setting: Setting, plan_json: str, check: Callable[[], int]) -> int:
+    """Check a plan on every rank: rank 0 announces it, each rank checks, the highest peak counts.
 
     Args:
         setting: the plan's recompute setting ``(k, mode)``.
-        plan: the plan to check (rank 0's; the other ranks pass what they got).
-        check: this rank's check of a plan (one compile and step).
+        plan_json: the plan (:meth:`Plan.to_json`; rank 0's, the other ranks pass what they got).
+        check: this rank's check of that plan (one compile and step).
 
     Returns:
         The highest checked peak over the ranks.
 
     Raises:
-        CheckFailed: the check raised on some rank.
+        CheckFailed: the check raised ``ValueError`` or ``NotCompiledError`` on some rank.
+        ChecksAborted: it raised anything else on some rank (chained to it on that rank).
+        RuntimeError: the collectives themselves failed.
     """
     if is_leader():
-        _broadcast(("check", setting, plan.to_json()))
+        _broadcast(("check", list(setting), plan_json))
+    peak, kind, error = 0, _OK, None
     try:
-        peak, failed = check(setting, plan), 0
-    except Exception as error:  # noqa: BLE001  the other ranks must still meet this one in the all-reduce
-        peak, failed, why = 0, 1, error
-    flags = torch.tensor([peak, failed], dtype=torch.int64)
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-    if flags[1]:
-        raise CheckFailed(f"the check raised on a rank ({why if failed else 'another rank'})")
-    return int(flags[0])
+        peak = check()
+    except (ValueError, NotCompiledError) as failed:  # the hooked graphs did not compile, or read
+        kind, error = _FAILED, failed
+    except Exception as other:  # noqa: BLE001  the other ranks must still meet this one in the gather
+        kind, error = _ABORTED, other
+    everyone: list[object] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, (peak, kind, repr(error)))
+    worst = max(everyone, key=lambda pkw: pkw[1])
+    if worst[1] == _ABORTED:
+        raise ChecksAborted(f"sh.plan: a check raised on a rank: {worst[2]}") from error
+    if worst[1] == _FAILED:
+        raise CheckFailed(f"the check raised on a rank: {worst[2]}")
+    return max(p for p, _, _ in everyone)
 
 
 def lead(decide: Callable[[], Plan]) -> Plan:
@@ -111,10 +137,13 @@ def lead(decide: Callable[[], Plan]) -> Plan:
         The plan ``decide`` returned.
 
     Raises:
-        Whatever ``decide`` raises, after sending it to the other ranks.
+        Whatever ``decide`` raises, after sending it to the other ranks
+        (:class:`ChecksAborted` is raised on every rank already: not sent).
     """
     try:
         plan = decide()
+    except ChecksAborted:  # every rank raised it together: no one listens any more
+        raise
     except InfeasibleBudgetError as error:
         _broadcast(("infeasible", error.budget_bytes, error.floor_bytes, error.baseline_bytes, error.checked))
         raise
@@ -123,6 +152,11 @@ def lead(decide: Callable[[], Plan]) -> Plan:
         raise
     _broadcast(("plan", plan.to_json()))
     return plan
+
+
+def _check_json(check: Callable[[Setting, Plan], int], setting: Setting, text: str) -> int:
+    """``check`` of the plan in ``text`` (read inside the check: a bad text fails on this rank, not the gather)."""
+    return check(setting, Plan.from_json(text))
 
 
 def follow(check: Callable[[Setting, Plan], int]) -> Plan:
@@ -136,15 +170,16 @@ def follow(check: Callable[[Setting, Plan], int]) -> Plan:
 
     Raises:
         InfeasibleBudgetError: rank 0's search found the budget infeasible.
+        ChecksAborted: a check raised on some rank (not ``ValueError`` or ``NotCompiledError``).
         RuntimeError: rank 0's search raised anything else.
     """
     while True:
         message = _broadcast(None)
         kind, rest = message[0], message[1:]
         if kind == "check":
-            setting, text = rest
+            setting, text = tuple(rest[0]), rest[1]
             try:
-                checked_together(tuple(setting), Plan.from_json(text), check)
+                checked_together(setting, text, functools.partial(_check_json, check, setting, text))
             except CheckFailed:
                 pass  # rank 0 logs it and goes on
         elif kind == "plan":

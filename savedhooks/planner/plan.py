@@ -65,6 +65,7 @@ MAX_STRATEGIES = 5  # recompute settings tried at most (k = 0 .. L blocks, sprea
 # with every candidate packed: the model's error at the floors seen was 8.5 % (gpt2-big) and 9 % (llama)
 FLOOR_MARGIN = 0.10
 _CHECKED = "the first setting by modelled time whose checked plan meets the budget"
+_SMALLEST = "the least modelled time among the checked plans that meet it (every candidate packed, or checked before)"
 
 
 class Planner:
@@ -237,8 +238,7 @@ class Planner:
         if check and budget_bytes < floor:
             log = [f"{_name(*setting)}: not planned: {why}" for setting, why in self._skipped.items()]
             best = self._below_floor(budget_bytes, log)
-            kept = "the least modelled time among the smallest-payload plans whose checked peak meets the budget"
-            return self._chosen(best, log, kept, verbose)
+            return self._chosen(best, log, _SMALLEST, verbose)
         check_budget(budget_bytes, floor, baseline)
         log = [f"{_name(*setting)}: not planned: {why}" for setting, why in self._skipped.items()]
         ranked: list[tuple[tuple[int, str], Survey, Plan]] = []
@@ -254,7 +254,19 @@ class Planner:
             ranked.append((setting, found, candidate))
         ranked.sort(key=lambda r: r[2].seconds)  # stable: ties go to the setting tried first
         if check:
-            best, kept = self._checked_best(ranked, budget_bytes, log)
+            try:
+                best, kept = self._checked_best(ranked, budget_bytes, log)
+            except InfeasibleBudgetError as error:
+                if budget_bytes > floor * (1 + FLOOR_MARGIN):
+                    raise
+                # just above the modelled floor, a plan with every candidate packed may still meet it
+                # (and must, where it meets a lower budget below the floor)
+                try:
+                    best = self._below_floor(budget_bytes, log)
+                except InfeasibleBudgetError as below:  # it names the lowest checked peak if below the floor
+                    lowest = below.floor_bytes if below.checked else error.floor_bytes
+                    raise InfeasibleBudgetError(budget_bytes, lowest, baseline, checked=True) from None
+                kept = _SMALLEST
         else:
             best, kept = ranked[0][2], "the least modelled time"
             log.append("not checked (check=False)")
@@ -285,7 +297,8 @@ class Planner:
         measured 12.7). Each setting whose modelled floor is within
         :data:`FLOOR_MARGIN` of the least is checked with every candidate at
         its smallest payload (one compile and step each, kept per choice); of
-        those whose checked peak meets the budget, the least modelled time wins.
+        those and the plans checked before whose checked peak meets the
+        budget, the least modelled time wins.
 
         Raises:
             InfeasibleBudgetError: none meets the budget; it names the lowest
@@ -294,24 +307,23 @@ class Planner:
         floor = self.floor_bytes
         near = [(s, found) for s, found in self._usable() if found.floor_bytes <= floor * (1 + FLOOR_MARGIN)]
         near.sort(key=lambda sf: sf[1].floor_bytes)  # stable: ties go to the setting tried first
-        meets: list[tuple[Plan, int]] = []
-        lowest = floor
         for setting, found in near:
             smallest = found.plan_smallest(budget_bytes)
             if packs_nothing(smallest):
+                log.append(f"{_name(*setting)}: below its modelled floor: packs nothing")
                 continue
             try:
                 peak = self._check(setting, smallest)
             except (ValueError, NotCompiledError) as error:
-                _uncheckable(log, _name(*setting), error)
+                _uncheckable(log, _name(*setting), error, "not used below the modelled floor")
                 continue
-            lowest = min(lowest, peak)
             log.append(
                 f"{_name(*setting)}: below its modelled floor {found.floor_bytes / _MiB:.2f} MiB: every candidate "
                 f"at its smallest payload, {peak / _MiB:.2f} MiB on the graphs compiled with its hooks"
             )
-            if peak <= budget_bytes:
-                meets.append((smallest, peak))
+        checked = list(self._checked.values())  # these, and every plan checked for earlier budgets
+        meets = [(p, peak) for p, peak in checked if peak <= budget_bytes]
+        lowest = min([floor, *(peak for _, peak in checked)])
         if not meets:
             raise InfeasibleBudgetError(budget_bytes, lowest, self.baseline_bytes, checked=lowest < floor)
         best, peak = min(meets, key=lambda pp: (pp[0].seconds, pp[1]))
@@ -324,28 +336,33 @@ class Planner:
 
         See :mod:`savedhooks.planner.check`. A setting whose check raises
         (its hooked graphs did not compile, or the memory model cannot read
-        them) gives its unchecked plan, with a warning.
+        them) warns; what it checked before still counts, and where it
+        checked nothing, its unchecked plan is kept.
         """
         lowest: int | None = None
         for setting, found, first in ranked:
             name = _name(*setting)
             if packs_nothing(first):
                 log.append(f"{name}: packs nothing: its graphs are those surveyed")
-                return first, _CHECKED
+                return first, "packing nothing: the surveyed graphs, modelled already"
+            failed = False
             try:
                 _, lines = tighten(found, budget_bytes, functools.partial(self._check, setting))
+                log.extend(f"{name}: {line}" for line in lines)
             except (ValueError, NotCompiledError) as error:  # the hooked graphs did not compile, or read
-                _uncheckable(log, name, error)
-                return first, "its check failed: the survey's model alone"
-            log.extend(f"{name}: {line}" for line in lines)
+                _uncheckable(log, name, error, "the survey's model of its plan is kept if nothing else was checked")
+                failed = True
             mine = [checked for (s, _), checked in self._checked.items() if s == setting]
             meets = [(p, peak) for p, peak in mine if peak <= budget_bytes]
             if meets:
                 kept, peak = min(meets, key=lambda pp: (pp[0].seconds, pp[1]))
                 return dataclasses.replace(kept, budget_bytes=budget_bytes, predicted_peak_bytes=peak), _CHECKED
-            least = min(peak for _, peak in mine)
-            lowest = least if lowest is None else min(lowest, least)
-        assert lowest is not None  # ranked is not empty: the budget meets the least floor
+            if failed and not mine:
+                return first, "its check failed: the survey's model alone"
+            if mine:
+                least = min(peak for _, peak in mine)
+                lowest = least if lowest is None else min(lowest, least)
+        assert lowest is not None  # ranked is not empty, and a setting that checked nothing returned
         # packing nothing runs the surveyed graphs: their modelled peak is checked already
         raise InfeasibleBudgetError(budget_bytes, min(lowest, self.baseline_bytes), self.baseline_bytes, checked=True)
 
@@ -353,7 +370,10 @@ class Planner:
         """A plan's checked peak, once per choice; with several processes, on every rank (the highest)."""
         key = (setting, choices_of(plan))
         if key not in self._checked:
-            peak = checked_together(setting, plan, self._check_here) if several() else self._check_here(setting, plan)
+            if several():
+                peak = checked_together(setting, plan.to_json(), functools.partial(self._check_here, setting, plan))
+            else:
+                peak = self._check_here(setting, plan)
             self._checked[key] = (plan, peak)
         return self._checked[key][1]
 
@@ -361,15 +381,17 @@ class Planner:
         """This process's check of a plan (:func:`~savedhooks.planner.check.check_peak`)."""
         model, inputs, loss_fn, _, seed = self._args
         # the eager loss's peak on the same output, measured by the survey (0: unknown, measured again)
-        loss = self.survey(*setting).loss_bytes or None
+        # (never surveyed here: under several processes a survey alone on one rank would run its collectives alone)
+        found = self._surveys.get(setting)
+        loss = found.loss_bytes if found is not None and found.loss_bytes else None
         return check_peak(model, inputs, plan, loss_fn, seed, loss)
 
 
-def _uncheckable(log: list[str], name: str, error: Exception) -> None:
+def _uncheckable(log: list[str], name: str, error: Exception, then: str) -> None:
     """Warn and log that a setting's plan could not be checked (its hooked graphs did not compile, or read)."""
     line = f"{name}: not checked: {type(error).__name__}: {error}"
     log.append(line)
-    warnings.warn(f"sh.plan: {line}; its plan is the survey's model alone", stacklevel=4)
+    warnings.warn(f"sh.plan: {line}; {then}", stacklevel=2)
 
 
 def _name(k: int, mode: str, verb: str = "recompute") -> str:
@@ -441,8 +463,9 @@ def plan(
             ``torch.distributed`` with several processes the checks run on
             every rank together: rank 0 searches, every rank checks the plans
             it announces, the highest peak counts, and every rank gets rank
-            0's plan (:mod:`savedhooks.planner.lockstep`); with ``False`` each
-            rank plans its own step alone.
+            0's plan (:mod:`savedhooks.planner.lockstep`): every rank must
+            call it, with the same arguments; with ``False`` each rank plans
+            its own step alone (and may call it alone).
 
     Returns:
         A :class:`Plan`: run it with ``plan.apply(model)`` (the recompute),
@@ -461,7 +484,9 @@ def plan(
             lowest checked peak where that is lower), or, with ``check``, every
             plan checked peaks above it.
         RuntimeError: (several processes, with ``check``) rank 0's search
-            raised; that rank raises the error itself.
+            raised (that rank raises the error itself), or a check raised
+            other than ``ValueError`` / ``NotCompiledError`` on some rank
+            (:class:`~savedhooks.planner.lockstep.ChecksAborted`, on every rank).
     """
     check_budget(budget_bytes)
     planner = Planner(model, example_inputs, loss_fn, backend, seed, blocks, min_sqnr_db)
