@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -107,13 +109,43 @@ def planned_step(model: torch.nn.Module, x: torch.Tensor, how: str) -> tuple[int
     prefix = "module." if how == "ddp" else ""
     blocks = (f"{prefix}layers.0",)
     planner = sh.planner.Planner(model, (x,), loss_fn=loss_of, backend="aot_eager", blocks=blocks)
-    plan = planner.plan((planner.baseline_bytes + planner.floor_bytes) // 2)
+    budget = (planner.baseline_bytes + planner.floor_bytes) // 2
+    plan = planner.plan(budget)
     try:
         planner.plan(1)
         floor = 0
     except sh.InfeasibleBudgetError as error:
         floor = error.floor_bytes
     return step(plan.apply(model), x, plan.hooks), plan, floor
+
+
+def plan_with_a_failing_check(model: torch.nn.Module, x: torch.Tensor, how: str) -> sh.Plan:
+    """Plan the same budget as :func:`planned_step`, where the first check raises on rank 1 only, after its step.
+
+    (A check that fails before or inside its step, while the other ranks run
+    the step's collectives, cannot be recovered: gloo aborts, or the ranks wait.)
+
+    Returns:
+        The plan (every rank must get rank 0's, its check logged as failed on every rank).
+    """
+    prefix = "module." if how == "ddp" else ""
+    planner = sh.planner.Planner(model, (x,), loss_fn=loss_of, backend="aot_eager", blocks=(f"{prefix}layers.0",))
+    module = sys.modules["savedhooks.planner.plan"]  # the package's ``plan`` attribute is the function
+    original = module.check_peak
+
+    def fails_once(*args, **kwargs):  # after its step: the memory model cannot read the graphs, say
+        module.check_peak = original
+        original(*args, **kwargs)
+        raise ValueError("planted on rank 1")
+
+    if dist.get_rank() == 1:
+        module.check_peak = fails_once
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # rank 0 warns that the check failed; its log says so
+            return planner.plan((planner.baseline_bytes + planner.floor_bytes) // 2)
+    finally:
+        module.check_peak = original
 
 
 def run(rank: int, world: int, port: int, how: str, out: str, configs: tuple[str, ...] = CONFIGS) -> None:
@@ -126,8 +158,9 @@ def run(rank: int, world: int, port: int, how: str, out: str, configs: tuple[str
         how: ``"fsdp2"`` (``fully_shard`` per block and at the root) or ``"ddp"``.
         out: where rank 0 writes ``{"grads": {config: [grad per parameter]}, "saved": {config: bytes},
             "plans": [each rank's plan as JSON], "floors": [the floor each rank's error named for a
-            budget of one byte], "cpu_s": [each rank's CPU seconds]}`` (``torch.save``; bytes: what
-            rank 0's forward left alive for backward; plans and floors: with the ``"planned"`` configuration).
+            budget of one byte], "failed": [each rank's plan, its first check failing on rank 1], "cpu_s":
+            [each rank's CPU seconds]}`` (``torch.save``; bytes: what rank 0's forward left alive for
+            backward; plans, floors and failed: with the ``"planned"`` configuration).
         configs: from :data:`CONFIGS`, and ``"planned"`` (:func:`planned_step`).
 
     Returns:
@@ -144,7 +177,7 @@ def run(rank: int, world: int, port: int, how: str, out: str, configs: tuple[str
     try:
         base, x = model_and_batch()
         local = x.chunk(world)[rank]
-        grads, saved, plans, floors = {}, {}, [None] * world, [None] * world
+        grads, saved, plans, floors, failed = {}, {}, [None] * world, [None] * world, [None] * world
         for config in configs:
             torch._dynamo.reset()
             model = _wrap(copy.deepcopy(base), how)
@@ -152,6 +185,9 @@ def run(rank: int, world: int, port: int, how: str, out: str, configs: tuple[str
                 saved[config], plan, floor = planned_step(model, local, how)
                 dist.all_gather_object(plans, plan.to_json())
                 dist.all_gather_object(floors, floor)
+                torch._dynamo.reset()
+                failing = plan_with_a_failing_check(_wrap(copy.deepcopy(base), how), local, how)
+                dist.all_gather_object(failed, failing.to_json())
             else:
                 saved[config] = step(model, local, hooks_for(config))
             full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
@@ -159,7 +195,8 @@ def run(rank: int, world: int, port: int, how: str, out: str, configs: tuple[str
         cpu_s = [None] * world
         dist.all_gather_object(cpu_s, time.process_time())  # this process's CPU seconds, imports included
         if rank == 0:
-            torch.save({"grads": grads, "saved": saved, "plans": plans, "floors": floors, "cpu_s": cpu_s}, out)
+            result = {"grads": grads, "saved": saved, "plans": plans, "floors": floors, "failed": failed}
+            torch.save({**result, "cpu_s": cpu_s}, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()

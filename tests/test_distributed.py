@@ -90,5 +90,10 @@ def test_the_ranks_plan_their_step_together_with_checks(how, tmp_path):
     assert any(": check 1:" in line for line in plan.log) and "not checked (check=False)" not in plan.log
     # a budget no plan meets: every rank raises, naming the same floor (rank 0's error, sent to the other)
     assert result["floors"][0] == result["floors"][1] > 0
+    # a check that raises on rank 1 only: both ranks leave it together, rank 0 keeps the survey's plan
+    failing = [sh.Plan.from_json(text) for text in result["failed"]]
+    assert failing[0] == failing[1]
+    assert any("not checked: CheckFailed" in line and "planted on rank 1" in line for line in failing[0].log)
+    assert failing[0].log[-1].endswith("its check failed: the survey's model alone")
     assert worst_sqnr(grads["planned"], grads["no hooks"]) >= POLICY_DB
     assert saved["planned"] < saved["no hooks"]

@@ -20,6 +20,12 @@ Design notes
   ``NotCompiledError`` on any rank raises :class:`CheckFailed` on every
   rank, and the planner goes on without it as in one process; anything else
   raises :class:`ChecksAborted` on every rank, and the planning stops there.
+  That holds for a check that raises after its step (the memory model cannot
+  read the graphs). One that raises before or inside its step on one rank
+  (a compile error, an OOM) leaves the others in the step's collectives:
+  gloo aborted under FSDP2 and DDP waited until its timeout, when a test
+  planted such a failure on rank 1 (``tests/distributed_worker.py`` plants
+  it after the step).
 * Every rank must call :func:`savedhooks.plan` (or ``Planner.plan``) with
   the same model, budget and arguments: the ranks get rank 0's plan. A
   script that plans on one rank only must pass ``check=False``.
