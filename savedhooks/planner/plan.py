@@ -34,8 +34,10 @@ Design notes
   checked peak the plan's prediction; checked plans are kept per choice, so
   later budgets reuse them. A budget below every modelled floor is checked
   too: with every candidate packed, the hooked graphs can peak below the
-  modelled floor (:meth:`Planner._below_floor`). A check that raises warns,
-  and its setting's plan is the survey's model alone.
+  modelled floor (:meth:`Planner._below_floor`). A check that raises
+  ``ValueError`` or ``NotCompiledError`` warns: what its setting checked
+  before counts, the next setting is tried, and a setting that checked
+  nothing keeps the survey's model of its plan.
 * Not chosen yet: recompute policies other than "save matrix products and
   attention".
 """
