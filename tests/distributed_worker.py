@@ -93,6 +93,12 @@ def _wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
     return fully_shard(model)
 
 
+def _planner(model: torch.nn.Module, x: torch.Tensor, how: str) -> sh.planner.Planner:
+    """A planner on the wrapped model whose first block may be recomputed (its path below the wrapper)."""
+    prefix = "module." if how == "ddp" else ""
+    return sh.planner.Planner(model, (x,), loss_fn=loss_of, backend="aot_eager", blocks=(f"{prefix}layers.0",))
+
+
 def planned_step(model: torch.nn.Module, x: torch.Tensor, how: str) -> tuple[int, sh.Plan, int]:
     """Plan the step on every rank (``sh.planner.Planner`` on the wrapped model), apply the plan, run :func:`step`.
 
@@ -106,11 +112,8 @@ def planned_step(model: torch.nn.Module, x: torch.Tensor, how: str) -> tuple[int
         The bytes the measured forward leaves alive for backward, the plan, and
         the floor the one-byte budget's error named.
     """
-    prefix = "module." if how == "ddp" else ""
-    blocks = (f"{prefix}layers.0",)
-    planner = sh.planner.Planner(model, (x,), loss_fn=loss_of, backend="aot_eager", blocks=blocks)
-    budget = (planner.baseline_bytes + planner.floor_bytes) // 2
-    plan = planner.plan(budget)
+    planner = _planner(model, x, how)
+    plan = planner.plan((planner.baseline_bytes + planner.floor_bytes) // 2)
     try:
         planner.plan(1)
         floor = 0
@@ -128,8 +131,7 @@ def plan_with_a_failing_check(model: torch.nn.Module, x: torch.Tensor, how: str)
     Returns:
         The plan (every rank must get rank 0's, its check logged as failed on every rank).
     """
-    prefix = "module." if how == "ddp" else ""
-    planner = sh.planner.Planner(model, (x,), loss_fn=loss_of, backend="aot_eager", blocks=(f"{prefix}layers.0",))
+    planner = _planner(model, x, how)
     module = sys.modules["savedhooks.planner.plan"]  # the package's ``plan`` attribute is the function
     original = module.check_peak
 

@@ -237,12 +237,10 @@ class Planner:
     def _plan(self, budget_bytes: int, verbose: bool, check: bool) -> Plan:
         """:meth:`plan` in one process, or on rank 0 (its checks run on every rank)."""
         baseline, floor = self.baseline_bytes, self.floor_bytes
-        if check and budget_bytes < floor:
-            log = [f"{_name(*setting)}: not planned: {why}" for setting, why in self._skipped.items()]
-            best = self._below_floor(budget_bytes, log)
-            return self._chosen(best, log, _SMALLEST, verbose)
-        check_budget(budget_bytes, floor, baseline)
         log = [f"{_name(*setting)}: not planned: {why}" for setting, why in self._skipped.items()]
+        if check and budget_bytes < floor:
+            return self._chosen(self._below_floor(budget_bytes, log), log, _SMALLEST, verbose)
+        check_budget(budget_bytes, floor, baseline)
         ranked: list[tuple[tuple[int, str], Survey, Plan]] = []
         for setting, found in self._usable():
             if budget_bytes < found.floor_bytes:
@@ -328,8 +326,7 @@ class Planner:
         lowest = min([floor, *(peak for _, peak in checked)])
         if not meets:
             raise InfeasibleBudgetError(budget_bytes, lowest, self.baseline_bytes, checked=lowest < floor)
-        best, peak = min(meets, key=lambda pp: (pp[0].seconds, pp[1]))
-        return dataclasses.replace(best, budget_bytes=budget_bytes, predicted_peak_bytes=peak)
+        return _cheapest(meets, budget_bytes)
 
     def _checked_best(
         self, ranked: list[tuple[tuple[int, str], Survey, Plan]], budget_bytes: int, log: list[str]
@@ -357,8 +354,7 @@ class Planner:
             mine = [checked for (s, _), checked in self._checked.items() if s == setting]
             meets = [(p, peak) for p, peak in mine if peak <= budget_bytes]
             if meets:
-                kept, peak = min(meets, key=lambda pp: (pp[0].seconds, pp[1]))
-                return dataclasses.replace(kept, budget_bytes=budget_bytes, predicted_peak_bytes=peak), _CHECKED
+                return _cheapest(meets, budget_bytes), _CHECKED
             if failed and not mine:
                 return first, "its check failed: the survey's model alone"
             if mine:
@@ -387,6 +383,12 @@ class Planner:
         found = self._surveys.get(setting)
         loss = found.loss_bytes if found is not None and found.loss_bytes else None
         return check_peak(model, inputs, plan, loss_fn, seed, loss)
+
+
+def _cheapest(meets: list[tuple[Plan, int]], budget_bytes: int) -> Plan:
+    """Of checked plans ``(plan, checked peak)`` that meet the budget, the least modelled time (then peak), for it."""
+    plan, peak = min(meets, key=lambda pp: (pp[0].seconds, pp[1]))
+    return dataclasses.replace(plan, budget_bytes=budget_bytes, predicted_peak_bytes=peak)
 
 
 def _uncheckable(log: list[str], name: str, error: Exception, then: str) -> None:
