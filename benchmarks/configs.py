@@ -41,13 +41,14 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 import savedhooks as sh
 from benchmarks.models import Workload
 
-__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "lowest_budget", "plan_or_lowest", "planner_for", "torch_fp8_hooks"]
+__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FIDELITY_STEP", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "lowest_budget", "plan_or_lowest", "planner_for", "torch_fp8_hooks"]
 
 FLOAT8 = sh.Float8()  # the codec's configuration: the library default, e4m3 with block scales (128)
 CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8() returns it
 POLICY = sh.policy()  # the library's default policy (fp8 as above, bitmasks, statistics kept)
 POLICY_UNCENTERED = sh.policy(centered=None)  # the same, batch norm inputs not centered under inductor
 TORCH_PATH_FLOAT8 = sh.Float8(granularity="row")  # what torch's own path (make_fx'd hooks) computes
+FIDELITY_STEP = 0.05  # plan_or_lowest raises a budget no plan meets min_sqnr_db within by this share per try
 MEMORY_BUDGET = 0.5  # torch._functorch.config.activation_memory_budget for the "memory budget" configuration
 
 
@@ -387,7 +388,12 @@ def lowest_budget(planner: sh.planner.Planner) -> int:
 
 
 def plan_or_lowest(planner: sh.planner.Planner, budget_bytes: int) -> sh.Plan:
-    """``planner.plan(budget_bytes)``; where every plan checked with its hooks peaks above it, the plan at the lowest checked peak.
+    """``planner.plan(budget_bytes)``, or the plan at the lowest budget above it that the planner meets.
+
+    Where every plan checked with its hooks peaks above the budget, the plan
+    at the lowest checked peak; where no plan within it is predicted to meet
+    the planner's ``min_sqnr_db``, the budget raised by
+    :data:`FIDELITY_STEP` until one is (at most to the modelled no-hook peak).
 
     Args:
         planner: the planner.
@@ -398,14 +404,23 @@ def plan_or_lowest(planner: sh.planner.Planner, budget_bytes: int) -> sh.Plan:
 
     Raises:
         InfeasibleBudgetError: the budget is below the modelled floor.
+        InfeasibleFidelityError: no budget up to the no-hook peak meets ``min_sqnr_db``.
     """
-    try:
-        return planner.plan(budget_bytes)
-    except sh.InfeasibleBudgetError as error:
-        if not error.checked:
-            raise
-        print(f"{error}: planned at the lowest checked peak instead")
-        return planner.plan(error.floor_bytes)
+    budget, tried = budget_bytes, set()
+    while True:
+        tried.add(budget)
+        try:
+            return planner.plan(budget)
+        except sh.InfeasibleBudgetError as error:
+            if not error.checked or error.floor_bytes in tried:
+                raise
+            budget = error.floor_bytes
+            print(f"{error}: planned at the lowest checked peak instead")
+        except sh.InfeasibleFidelityError as error:
+            if budget >= planner.baseline_bytes:
+                raise
+            budget = min(int(budget * (1 + FIDELITY_STEP)), planner.baseline_bytes)
+            print(f"{error}: planned at {budget / 2**20:.2f} MiB instead")
 
 
 def _run_plan(workload: Workload, backend: str, plan: sh.Plan) -> Step:

@@ -16,7 +16,8 @@ under inductor (plain ``torch.compile``), with the loss compiled with the model
   lowest checked peak where a plan with every candidate packed peaks below it
   with its hooks (:func:`benchmarks.configs.lowest_budget`) or every plan
   checked at it peaks above (:func:`benchmarks.configs.plan_or_lowest`); with ``--min-sqnr-db``, every
-  plan under that fidelity limit (``sh.plan(..., min_sqnr_db=...)``).
+  plan under that fidelity limit (``sh.plan(..., min_sqnr_db=...)``; the floor row at the lowest budget
+  found that meets it, and each plan's predicted SQNR printed with its log).
 
 Each row is measured as the main job measures (``benchmarks.run.measure``: one
 warm-up step, the peak of one step, the median of ``--repeats`` steps, the
@@ -105,7 +106,7 @@ def run_model(
             continue
         try:
             plan = plan_or_lowest(planner, budget) if label == "floor" else planner.plan(budget)
-        except sh.InfeasibleBudgetError as error:  # checked: every plan peaks above it with its hooks
+        except (sh.InfeasibleBudgetError, sh.InfeasibleFidelityError) as error:  # checked, or min_sqnr_db
             print(f"{name}: plan {label}: {error}")
             continue
         chosen = "; ".join(line for line in plan.log if line.startswith(("recompute", "kept", "fidelity")))

@@ -18,7 +18,7 @@ from savedhooks import fidelity, memory, schedule
 from savedhooks.fidelity import sensitivity
 from savedhooks.metrics import sqnr
 from savedhooks.compilers import backend, reorder_pass
-from savedhooks.planner import InfeasibleBudgetError, Plan, plan
+from savedhooks.planner import InfeasibleBudgetError, InfeasibleFidelityError, Plan, plan
 from savedhooks.identity import UnfingerprintableError, fingerprint
 from savedhooks.hooks import (
     HookContext,
@@ -69,6 +69,7 @@ __all__ = [
     "plan",
     "Plan",
     "InfeasibleBudgetError",
+    "InfeasibleFidelityError",
     # measuring
     "memory",
     "schedule",

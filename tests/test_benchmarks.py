@@ -449,6 +449,35 @@ def test_pareto_s_floor_is_the_lowest_budget_the_planner_s_error_names():
     assert lowest_budget(Planner()) == 45
 
 
+def test_pareto_s_floor_row_raises_a_budget_until_a_plan_meets_min_sqnr(capsys):
+    import savedhooks as sh
+    from benchmarks.configs import FIDELITY_STEP, plan_or_lowest
+
+    class Planner:  # plans above 120 bytes meet the fidelity limit; checked, 100 bytes peaks at 110
+        baseline_bytes = 200
+
+        def __init__(self):
+            self.asked = []
+
+        def plan(self, budget_bytes):
+            self.asked.append(budget_bytes)
+            if budget_bytes == 100:
+                raise sh.InfeasibleBudgetError(100, 110, 200, checked=True)
+            if budget_bytes < 120:
+                raise sh.InfeasibleFidelityError(budget_bytes, 30.0, 25.0)
+            return budget_bytes
+
+    planner = Planner()
+    assert plan_or_lowest(planner, 100) == 120
+    assert FIDELITY_STEP == 0.05 and planner.asked == [100, 110, 115, 120]  # the checked peak, then 5 % up each
+    assert "predicted to meet min_sqnr_db=30" in capsys.readouterr().out
+    stuck = Planner()
+    stuck.baseline_bytes = 115  # the no-hook peak itself is below 120: the error is raised
+    with pytest.raises(sh.InfeasibleFidelityError):
+        plan_or_lowest(stuck, 111)
+    assert stuck.asked == [111, 115]
+
+
 def test_pareto_passes_its_fidelity_limit_to_the_planner(monkeypatch, tmp_path):
     from benchmarks import pareto
     from benchmarks.configs import planner_for

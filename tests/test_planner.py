@@ -14,7 +14,7 @@ import savedhooks as sh
 from savedhooks.fidelity.select import SavedTensor
 from savedhooks.metrics import worst_sqnr
 from savedhooks.planner.census import GraphTimeline, step_timeline, timeline_of
-from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search
+from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search, search_within, sqnr_db
 
 
 def _units():
@@ -69,6 +69,51 @@ def test_fused_options_also_free_the_reread_spans_and_offload_frees_only_the_spa
     assert result.log[-1] == "no move frees bytes at point 1: the floor is 125 bytes"
     # where the reread spans are low, offload is the floor
     assert search([0, 200, 200, 50, 50, 0], [unit], budget=100).choice == (2,)
+
+
+def _harmful_units():
+    # fp8 is fast and lossy, bf16 slower and 24 dB better, offload slowest and lossless; "a" is sensitive
+    def unit(key, fp8_harm):
+        options = (
+            Option("keep", 100, 0.0),
+            Option("bf16", 50, 2.0, harm=fp8_harm / 256),
+            Option("fp8", 25, 1.0, harm=fp8_harm),
+            Option("offload", 0, 5.0),
+        )
+        return Unit(key, 100, ((0, 2, 100),), options)
+
+    return [unit("a", 5e-3), unit("b", 1e-4), unit("c", 1e-4)]
+
+
+def test_search_within_trades_time_for_fidelity_at_the_least_time():
+    live, units = [300, 300], _harmful_units()
+    fastest = search(live, units, budget=150)
+    assert fastest.choice == (2, 2, 0) and fastest.harm == pytest.approx(5.1e-3)  # ties go to "a": 22.9 dB
+    assert search_within(live, units, 150) == fastest  # no limit: the search itself
+    # 30 dB: not "a" in fp8; "b" and "c" in fp8 free the same 150 bytes in the same time
+    within = search_within(live, units, 150, max_harm=1e-3)
+    assert within.choice == (0, 2, 2) and within.peak == 150 and within.seconds == 2.0
+    assert sqnr_db(within.harm) == pytest.approx(37.0, abs=0.1)
+    assert within.log[-1].startswith("fidelity: price ")
+    # 45 dB: no fp8 at all; bf16 everywhere frees 150, the least time without fp8
+    assert search_within(live, units, 150, max_harm=10**-4.5).choice == (1, 1, 1)
+    # a tighter budget with no fp8: offload where bf16 does not free enough
+    tight = search_within(live, units, 100, max_harm=10**-4.5)
+    assert tight.peak <= 100 and tight.harm <= 10**-4.5 and 2 not in tight.choice and 3 in tight.choice
+    # a limit no choice meets at this budget: the least harm found (offload everywhere has none)
+    assert search_within(live, units, 0, max_harm=0.0).choice == (3, 3, 3)
+
+
+def test_search_within_refuses_a_negative_limit_and_sqnr_db_reads_harm():
+    with pytest.raises(ValueError, match="max_harm must be a non-negative number"):
+        search_within([1], [], 1, max_harm=-1.0)
+    with pytest.raises(ValueError, match="max_harm must be a non-negative number"):
+        search_within([1], [], 1, max_harm=math.nan)
+    with pytest.raises(ValueError, match="tries must be at least 1"):
+        search_within([1], [], 1, max_harm=1.0, tries=0)
+    assert sqnr_db(0.0) == math.inf and sqnr_db(1e-3) == pytest.approx(30.0)
+    with pytest.raises(ValueError, match="harm must be a non-negative number"):
+        sqnr_db(-1.0)
 
 
 def _survey_module():
@@ -309,6 +354,34 @@ def test_a_fidelity_limit_takes_lossy_options_away_by_signature_with_bf16_s_marg
         "unmeasured": ["keep", "bf16", "fp8", "offload"],
     }
     assert lost == 3 and found.units[0].options == options  # the survey itself is unchanged
+    assert restricted.max_harm == pytest.approx(10**-2.5) and found.max_harm is None
+    # no harm measured per byte here: every option is free of harm
+    assert all(o.harm == 0.0 for u in restricted.units for o in u.options)
+    priced = FidelityLimit(25.0, limit.only_db, {("fine", (8, 8), torch.float32): 1e-5})
+    harms = {u.key: {o.name: o.harm for o in u.options} for u in priced.restrict(found)[0].units}
+    assert harms["fine"]["fp8"] == pytest.approx(256e-5)
+    assert harms["fine"]["bf16"] == pytest.approx(256e-5 / 10 ** (BF16_MARGIN_DB / 10))
+    assert harms["fine"]["keep"] == harms["fine"]["offload"] == harms["unmeasured"]["fp8"] == 0.0
+
+
+def test_measure_limit_shares_a_group_s_harm_among_its_tensors_by_bytes(monkeypatch):
+    from savedhooks.fidelity.sensitivity import SavedGroup, Sensitivity
+    from savedhooks.planner import fidelity
+
+    def saved(key, shape, nbytes):
+        return SavedTensor(key, "mm", shape, torch.float32, nbytes)
+
+    small, large, alone = saved("g0:a", (4, 4), 100), saved("g0:b", (8, 8), 300), saved("g0:c", (8, 8), 300)
+    groups = (SavedGroup((small, large), 20.0, 40.0, "w"), SavedGroup((alone,), 30.0, 40.0, "w"))
+    report = Sensitivity(groups, 19.0, "w", 6, sh.fp8())
+    monkeypatch.setattr(fidelity, "sensitivity", lambda *args, **kwargs: report)
+    limit = fidelity.measure_limit(torch.nn.Linear(1, 1), (torch.ones(1),), None, "aot_eager", 0, 25.0)
+    assert limit.only_db == {("mm", (4, 4), torch.float32): 20.0, ("mm", (8, 8), torch.float32): 20.0}
+    # the group's 1e-2 over its 400 bytes; the (8, 8) signature takes the worst of its groups (1e-3 / 300 is less)
+    assert limit.per_byte[("mm", (4, 4), torch.float32)] == pytest.approx(1e-2 / 400)
+    assert limit.per_byte[("mm", (8, 8), torch.float32)] == pytest.approx(1e-2 / 400)
+    assert limit.harm("fp8", [small, large]) == pytest.approx(1e-2)  # the group's own harm back
+    assert limit.harm("offload", [small, large]) == 0.0
 
 
 class _Cancels(torch.autograd.Function):
@@ -353,13 +426,43 @@ def test_plan_with_min_sqnr_keeps_a_planted_sensitive_tensor_exact():
         _, grads = _measured_peak(model, x, planned.hooks)
         sqnr[limit] = worst_sqnr(reference, dict(zip(reference, grads)))[0]
         if limit is None:
-            assert planted[0].choice == "fp8"
+            assert planted[0].choice == "fp8" and planned.predicted_sqnr_db is None
         else:
             assert planted[0].choice == "keep"
             assert any("lost fp8 or bf16" in line for line in planned.log)
             assert any(t.choice == "fp8" for t in planned.tensors), "the rest is still packed"
+            assert 25 <= planned.predicted_sqnr_db <= sqnr[limit]  # the prediction errs low
     assert sqnr[None] < 10
     assert sqnr[25.0] >= 25
+
+
+def test_plan_with_min_sqnr_meets_it_for_the_whole_plan():
+    model, x = _mlp()
+    _loss(model(x)).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    plans, measured = {}, {}
+    for limit in (-100.0, 42.0):  # -100: the harm measured, no limit
+        torch._dynamo.reset()
+        planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager", blocks=(), min_sqnr_db=limit)
+        budget = int(0.6 * planner.baseline_bytes)
+        plans[limit] = planned = planner.plan(budget, check=False)
+        _, grads = _measured_peak(model, x, planned.hooks)
+        measured[limit] = worst_sqnr(reference, dict(zip(reference, grads)))[0]
+        assert planned.predicted_peak_bytes <= budget
+        assert planned.predicted_sqnr_db <= measured[limit]  # the prediction errs low
+        if limit == 42.0:
+            with pytest.raises(sh.InfeasibleFidelityError, match="predicted to meet min_sqnr_db=42") as error:
+                planner.plan(planner.floor_bytes, check=False)
+            assert error.value.best_sqnr_db < 42.0 and error.value.budget_bytes == planner.floor_bytes
+    # the fastest plan for the budget is predicted below 42 dB; the plan that meets 42 costs at least its time
+    assert plans[-100.0].predicted_sqnr_db < 42.0
+    assert plans[42.0].predicted_sqnr_db >= 42.0 and measured[42.0] >= 42.0
+    assert plans[42.0].seconds >= plans[-100.0].seconds
+    assert [t.choice for t in plans[42.0].tensors] != [t.choice for t in plans[-100.0].tensors]
+    assert "predicted worst parameter-gradient SQNR: " in plans[42.0].report()
+    assert any(line.startswith("fidelity: price ") for line in plans[42.0].log)
+    assert sh.Plan.from_json(plans[42.0].to_json()) == plans[42.0]
 
 
 @pytest.mark.parametrize(

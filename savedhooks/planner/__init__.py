@@ -8,8 +8,8 @@ Offload (to pinned host memory) is a choice for tensors on a GPU.
 
 from savedhooks.planner.plan import Planner, plan
 from savedhooks.planner.recompute import find_blocks
-from savedhooks.planner.result import InfeasibleBudgetError, Plan, Planned, PlannedTensor
+from savedhooks.planner.result import InfeasibleBudgetError, InfeasibleFidelityError, Plan, Planned, PlannedTensor
 from savedhooks.planner.survey import NotCompiledError, Survey, survey
 
-__all__ = ["InfeasibleBudgetError", "NotCompiledError", "Plan", "Planned", "PlannedTensor", "Planner", "Survey",
+__all__ = ["InfeasibleBudgetError", "InfeasibleFidelityError", "NotCompiledError", "Plan", "Planned", "PlannedTensor", "Planner", "Survey",
            "find_blocks", "plan", "survey"]

@@ -31,7 +31,9 @@ Design notes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +46,7 @@ from savedhooks.planner.result import Plan
 from savedhooks.planner.step import device_of, loss_peak, record_step
 from savedhooks.planner.survey import Survey
 
-__all__ = ["ROUNDS", "check_peak", "choices_of", "packs_nothing", "resolve_check", "tighten"]
+__all__ = ["ROUNDS", "cheapest", "check_peak", "choices_of", "packs_nothing", "resolve_check", "tighten", "warn_unchecked"]
 
 ROUNDS = 3  # plans checked per budget and recompute setting, one compile each (then the all-packed plan)
 _MiB = 1 << 20
@@ -195,3 +197,40 @@ def tighten(
 def _lowered(target: int, candidate: Plan, excess: int, floor: int) -> int:
     """The next search's target: ``excess`` below the plan's modelled peak (the choice must change), >= ``floor``."""
     return max(min(target, candidate.predicted_peak_bytes) - excess, floor)
+
+
+def cheapest(meets: list[tuple[Plan, int]], budget_bytes: int) -> Plan:
+    """Of checked plans that meet a budget, the least modelled time (then peak), made for that budget.
+
+    Args:
+        meets: ``(plan, checked peak)`` pairs, not empty.
+        budget_bytes: the budget they meet.
+
+    Returns:
+        The plan, its ``budget_bytes`` the budget and its ``predicted_peak_bytes`` its checked peak.
+
+    Raises:
+        ValueError: ``meets`` is empty.
+    """
+    plan, peak = min(meets, key=lambda pp: (pp[0].seconds, pp[1]))
+    return dataclasses.replace(plan, budget_bytes=budget_bytes, predicted_peak_bytes=peak)
+
+
+def warn_unchecked(log: list[str], name: str, error: Exception, then: str) -> None:
+    """Warn and log that a setting's plan could not be checked (its hooked graphs did not compile, or read).
+
+    Args:
+        log: the planner's log (a line is appended).
+        name: the recompute setting, as the log names it.
+        error: what the check raised.
+        then: what the planner does instead (in the warning).
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing (the warning may be turned into an error by a warnings filter).
+    """
+    line = f"{name}: not checked: {type(error).__name__}: {error}"
+    log.append(line)
+    warnings.warn(f"sh.plan: {line}; {then}", stacklevel=3)

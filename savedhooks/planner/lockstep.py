@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from savedhooks.planner.result import InfeasibleBudgetError, Plan
+from savedhooks.planner.result import InfeasibleBudgetError, InfeasibleFidelityError, Plan
 from savedhooks.planner.step import NotCompiledError
 
 __all__ = ["CheckFailed", "ChecksAborted", "checked_together", "follow", "is_leader", "lead", "several"]
@@ -153,6 +153,9 @@ def lead(decide: Callable[[], Plan]) -> Plan:
     except InfeasibleBudgetError as error:
         _broadcast(("infeasible", error.budget_bytes, error.floor_bytes, error.baseline_bytes, error.checked))
         raise
+    except InfeasibleFidelityError as error:
+        _broadcast(("unfaithful", error.budget_bytes, error.min_sqnr_db, error.best_sqnr_db))
+        raise
     except Exception as error:
         _broadcast(("error", f"{type(error).__name__}: {error}"))
         raise
@@ -176,6 +179,7 @@ def follow(check: Callable[[Setting, Plan], int]) -> Plan:
 
     Raises:
         InfeasibleBudgetError: rank 0's search found the budget infeasible.
+        InfeasibleFidelityError: rank 0's search found no plan within it that meets ``min_sqnr_db``.
         ChecksAborted: a check raised on some rank (not ``ValueError`` or ``NotCompiledError``).
         RuntimeError: rank 0's search raised anything else.
     """
@@ -192,5 +196,7 @@ def follow(check: Callable[[Setting, Plan], int]) -> Plan:
             return Plan.from_json(rest[0])
         elif kind == "infeasible":
             raise InfeasibleBudgetError(*rest)
+        elif kind == "unfaithful":
+            raise InfeasibleFidelityError(*rest)
         else:
             raise RuntimeError(f"sh.plan: rank 0's search raised {rest[0]}")

@@ -24,9 +24,11 @@ Design notes
   ``run_and_save_rng_state`` nodes have no fake value under aot_eager, and the
   memory model takes it from their ``getitem`` users.)
 * Fidelity: the policy's keeps are never candidates. With ``min_sqnr_db``,
-  :mod:`savedhooks.planner.fidelity` also takes fp8 (and bf16, by an estimate)
-  away from the saved tensors that :func:`savedhooks.sensitivity` finds too
-  harmful packed alone; a limit, not a cost traded against time.
+  :mod:`savedhooks.planner.fidelity` gives each lossy option a harm measured
+  by :func:`savedhooks.sensitivity`; each setting's search meets the plan's
+  limit at the least time (trading fp8 for bf16 or keep), and a setting
+  whose plan is still predicted below it is not ranked (recompute settings
+  that pack less can win). Checked plans are kept only where they meet it.
 * Checked: the chosen plan is compiled once more with
   its own hooks and its graphs modelled (:mod:`savedhooks.planner.check`); while they peak above
   the budget the search runs again below it by the excess. The first setting
@@ -52,11 +54,19 @@ from typing import Any
 
 import torch
 
-from savedhooks.planner.check import check_peak, choices_of, packs_nothing, resolve_check, tighten
-from savedhooks.planner.fidelity import FidelityLimit, check_min_sqnr, measure_limit
+from savedhooks.planner.check import (
+    cheapest,
+    check_peak,
+    choices_of,
+    packs_nothing,
+    resolve_check,
+    tighten,
+    warn_unchecked,
+)
+from savedhooks.planner.fidelity import FidelityLimit, check_min_sqnr, measure_limit, meets_limit
 from savedhooks.planner.lockstep import checked_together, follow, is_leader, lead, several
 from savedhooks.planner.recompute import FULL, SELECTIVE, block_seconds, check_mode, find_blocks, resolve_blocks
-from savedhooks.planner.result import InfeasibleBudgetError, Plan, check_budget
+from savedhooks.planner.result import InfeasibleBudgetError, InfeasibleFidelityError, Plan, check_budget
 from savedhooks.planner.survey import NotCompiledError, Survey, survey
 
 __all__ = ["FLOOR_MARGIN", "MAX_STRATEGIES", "Planner", "plan"]
@@ -220,6 +230,7 @@ class Planner:
                 (with ``check``: and below what every smallest-payload plan
                 checked near that floor peaks at), or (``check``) every plan
                 checked peaks above it.
+            InfeasibleFidelityError: every plan meeting the budget is predicted below ``min_sqnr_db``.
             RuntimeError: (several processes, with ``check``) rank 0's search raised.
         """
         check_budget(budget_bytes)
@@ -242,6 +253,7 @@ class Planner:
             return self._chosen(self._below_floor(budget_bytes, log), log, _SMALLEST, verbose)
         check_budget(budget_bytes, floor, baseline)
         ranked: list[tuple[tuple[int, str], Survey, Plan]] = []
+        unfaithful: list[Plan] = []
         for setting, found in self._usable():
             if budget_bytes < found.floor_bytes:
                 log.append(f"{_name(*setting)}: floor {found.floor_bytes / _MiB:.2f} MiB is above the budget")
@@ -250,8 +262,14 @@ class Planner:
             log.append(
                 f"{_name(*setting)}: peak {candidate.predicted_peak_bytes / _MiB:.2f} MiB, "
                 f"{candidate.seconds * 1e3:.2f} ms (recompute {candidate.recompute_seconds * 1e3:.2f})"
+                + _db(candidate)
             )
-            ranked.append((setting, found, candidate))
+            if self._faithful(candidate):
+                ranked.append((setting, found, candidate))
+            else:
+                unfaithful.append(candidate)
+        if not ranked:
+            raise self._unfaithful(budget_bytes, unfaithful)
         ranked.sort(key=lambda r: r[2].seconds)  # stable: ties go to the setting tried first
         if check:
             try:
@@ -277,7 +295,8 @@ class Planner:
         setting = (len(best.recompute), best.recompute_mode if best.recompute else FULL)
         if self.min_sqnr_db is not None:
             log.append(
-                f"fidelity: {self._limited.get(setting, 0)} choices (plan keys) lost fp8 or bf16 "
+                f"fidelity: predicted {best.predicted_sqnr_db:.1f} dB (min_sqnr_db {self.min_sqnr_db:g}); "
+                f"{self._limited.get(setting, 0)} choices (plan keys) lost fp8 or bf16 "
                 f"(packed alone below {self.min_sqnr_db:g} dB, measured by sh.sensitivity)"
             )
         log.append(f"kept: {_name(*setting)}, {kept}")
@@ -309,24 +328,25 @@ class Planner:
         near.sort(key=lambda sf: sf[1].floor_bytes)  # stable: ties go to the setting tried first
         for setting, found in near:
             smallest = found.plan_smallest(budget_bytes)
-            if packs_nothing(smallest):
-                log.append(f"{_name(*setting)}: below its modelled floor: packs nothing")
+            if packs_nothing(smallest) or not self._faithful(smallest):
+                why = "packs nothing" if packs_nothing(smallest) else f"every candidate packed{_db(smallest)}"
+                log.append(f"{_name(*setting)}: below its modelled floor: {why}")
                 continue
             try:
                 peak = self._check(setting, smallest)
             except (ValueError, NotCompiledError) as error:
-                _uncheckable(log, _name(*setting), error, "not used below the modelled floor")
+                warn_unchecked(log, _name(*setting), error, "not used below the modelled floor")
                 continue
             log.append(
                 f"{_name(*setting)}: below its modelled floor {found.floor_bytes / _MiB:.2f} MiB: every candidate "
                 f"at its smallest payload, {peak / _MiB:.2f} MiB on the graphs compiled with its hooks"
             )
         checked = list(self._checked.values())  # these, and every plan checked for earlier budgets
-        meets = [(p, peak) for p, peak in checked if peak <= budget_bytes]
-        lowest = min([floor, *(peak for _, peak in checked)])
+        meets = [(p, peak) for p, peak in checked if peak <= budget_bytes and self._faithful(p)]
+        lowest = min([floor, *(peak for p, peak in checked if self._faithful(p))])
         if not meets:
             raise InfeasibleBudgetError(budget_bytes, lowest, self.baseline_bytes, checked=lowest < floor)
-        return _cheapest(meets, budget_bytes)
+        return cheapest(meets, budget_bytes)
 
     def _checked_best(
         self, ranked: list[tuple[tuple[int, str], Survey, Plan]], budget_bytes: int, log: list[str]
@@ -349,12 +369,12 @@ class Planner:
                 _, lines = tighten(found, budget_bytes, functools.partial(self._check, setting))
                 log.extend(f"{name}: {line}" for line in lines)
             except (ValueError, NotCompiledError) as error:  # the hooked graphs did not compile, or read
-                _uncheckable(log, name, error, "the survey's model of its plan is kept if nothing else was checked")
+                warn_unchecked(log, name, error, "the survey's model of its plan is kept if nothing else was checked")
                 failed = True
-            mine = [checked for (s, _), checked in self._checked.items() if s == setting]
+            mine = [(p, peak) for (s, _), (p, peak) in self._checked.items() if s == setting and self._faithful(p)]
             meets = [(p, peak) for p, peak in mine if peak <= budget_bytes]
             if meets:
-                return _cheapest(meets, budget_bytes), _CHECKED
+                return cheapest(meets, budget_bytes), _CHECKED
             if failed and not mine:
                 return first, "its check failed: the survey's model alone"
             if mine:
@@ -363,6 +383,16 @@ class Planner:
         assert lowest is not None  # ranked is not empty, and a setting that checked nothing returned
         # packing nothing runs the surveyed graphs: their modelled peak is checked already
         raise InfeasibleBudgetError(budget_bytes, min(lowest, self.baseline_bytes), self.baseline_bytes, checked=True)
+
+    def _faithful(self, plan: Plan) -> bool:
+        """Whether a plan's predicted SQNR meets ``min_sqnr_db`` (always, without one)."""
+        return meets_limit(plan, self.min_sqnr_db)
+
+    def _unfaithful(self, budget_bytes: int, plans: list[Plan]) -> InfeasibleFidelityError:
+        """The error when every setting's plan for the budget is predicted below ``min_sqnr_db``."""
+        assert self.min_sqnr_db is not None and plans  # a budget above a floor has a plan in some setting
+        best = max(p.predicted_sqnr_db for p in plans if p.predicted_sqnr_db is not None)
+        return InfeasibleFidelityError(budget_bytes, self.min_sqnr_db, best)
 
     def _check(self, setting: tuple[int, str], plan: Plan) -> int:
         """A plan's checked peak, once per choice; with several processes, on every rank (the highest)."""
@@ -385,17 +415,9 @@ class Planner:
         return check_peak(model, inputs, plan, loss_fn, seed, loss)
 
 
-def _cheapest(meets: list[tuple[Plan, int]], budget_bytes: int) -> Plan:
-    """Of checked plans ``(plan, checked peak)`` that meet the budget, the least modelled time (then peak), for it."""
-    plan, peak = min(meets, key=lambda pp: (pp[0].seconds, pp[1]))
-    return dataclasses.replace(plan, budget_bytes=budget_bytes, predicted_peak_bytes=peak)
-
-
-def _uncheckable(log: list[str], name: str, error: Exception, then: str) -> None:
-    """Warn and log that a setting's plan could not be checked (its hooked graphs did not compile, or read)."""
-    line = f"{name}: not checked: {type(error).__name__}: {error}"
-    log.append(line)
-    warnings.warn(f"sh.plan: {line}; {then}", stacklevel=2)
+def _db(plan: Plan) -> str:
+    """A plan's predicted SQNR for the log (empty where fidelity is not measured)."""
+    return "" if plan.predicted_sqnr_db is None else f", predicted {plan.predicted_sqnr_db:.1f} dB"
 
 
 def _name(k: int, mode: str, verb: str = "recompute") -> str:
@@ -417,17 +439,15 @@ def plan(
 ) -> Plan:
     """Choose which blocks to recompute (whole or selectively) and, per saved tensor, keep / bf16 / fp8 / bitmask / offload.
 
-    The choice meets ``budget_bytes``. A :class:`Planner`'s
-    :meth:`~Planner.plan`: per recompute setting one compile and one training
-    step (the survey; gradients cleared, parameters unchanged), then the
-    search, then with ``check`` one compile and step per plan checked (at
-    most :data:`~savedhooks.planner.check.ROUNDS` + 1 per setting tried). The choice minimizes the modelled time (codecs and
-    recompute); what the policy keeps for fidelity (``sh.policy()``'s rules)
-    stays kept, and with ``min_sqnr_db`` what :func:`savedhooks.sensitivity`
-    finds too harmful in fp8 (or bf16) is not packed that way. Offload (to
-    pinned host memory) is a choice for tensors on a GPU only (not yet run on one). To plan several budgets, keep a
-    :class:`Planner`. Each survey ends with ``torch._dynamo.reset()`` (see
-    :mod:`savedhooks.planner.survey`): plan before compiling anything else.
+    The choice meets ``budget_bytes`` at the least modelled time (codecs and
+    recompute). A :class:`Planner`'s :meth:`~Planner.plan`: per recompute
+    setting one compile and training step (the survey; parameters unchanged),
+    the search, then with ``check`` one compile and step per plan checked.
+    What ``sh.policy()`` keeps for fidelity stays kept; with ``min_sqnr_db``
+    the plan's predicted gradient SQNR meets it. Offload (to pinned host
+    memory) is a choice on a GPU only (not yet run on one). To plan several
+    budgets, keep a :class:`Planner`. Each survey ends with
+    ``torch._dynamo.reset()``: plan before compiling anything else.
 
     Args:
         model: the module to train (not compiled: the plan compiles it).
@@ -448,28 +468,21 @@ def plan(
             order; default: the children of the model's largest
             ``nn.ModuleList`` of one class (:func:`~savedhooks.planner.recompute.find_blocks`);
             ``()``: codecs only.
-        min_sqnr_db: None, or the least worst-parameter gradient SQNR (dB) that
-            packing one saved tensor lossily may cost: runs
-            :func:`savedhooks.sensitivity` (fp8) once first (``2 + 2 * groups``
-            compiled steps; :mod:`savedhooks.planner.fidelity`) and takes fp8
-            away where a tensor's is below it (bf16 where it is more than 24 dB
-            below). The limit is per tensor: errors of many packed tensors add.
-        check: check the chosen plan on the graphs compiled with its own hooks
-            (one more compile and step per plan checked) and search again
-            below the budget by the excess while it peaks above it
-            (:mod:`savedhooks.planner.check`); the plan's
-            ``predicted_peak_bytes`` is then its checked peak; a budget below
-            the modelled floor gets the plans with every candidate at its
-            smallest payload checked (those within :data:`FLOOR_MARGIN` of
-            it), which can peak lower with their hooks. ``False``: the
-            survey's model alone, which does not see how the hooks change the
-            compiled graphs. ``None`` (default): check. Under
-            ``torch.distributed`` with several processes the checks run on
-            every rank together: rank 0 searches, every rank checks the plans
-            it announces, the highest peak counts, and every rank gets rank
-            0's plan (:mod:`savedhooks.planner.lockstep`): every rank must
-            call it, with the same arguments; with ``False`` each rank plans
-            its own step alone (and may call it alone).
+        min_sqnr_db: None, or the least worst parameter-gradient SQNR (dB)
+            the plan may be predicted at: runs :func:`savedhooks.sensitivity`
+            (fp8) once first (``2 + 2 * groups`` compiled steps;
+            :mod:`savedhooks.planner.fidelity`), prices each lossy choice by
+            the gradient noise it adds (the noises add up), and meets the
+            limit at the least time (bf16 or keep instead of fp8, or more
+            recompute); ``plan.predicted_sqnr_db`` is the prediction.
+        check: check plans on the graphs compiled with their own hooks (one
+            compile and step each; the module notes; ``predicted_peak_bytes``
+            is then the checked peak). ``False``: the survey's model alone,
+            blind to how the hooks change the compiled graphs. ``None``
+            (default): check. Under ``torch.distributed`` with several
+            processes every rank checks together and gets rank 0's plan
+            (:mod:`savedhooks.planner.lockstep`): every rank must call it,
+            with the same arguments; with ``False`` each rank plans alone.
 
     Returns:
         A :class:`Plan`: run it with ``plan.apply(model)`` (the recompute),
@@ -487,6 +500,8 @@ def plan(
             (the error names it: the modelled floor, or with ``check`` the
             lowest checked peak where that is lower), or, with ``check``, every
             plan checked peaks above it.
+        InfeasibleFidelityError: (``min_sqnr_db``) every plan meeting the
+            budget is predicted below it (the error names the best prediction).
         RuntimeError: (several processes, with ``check``) rank 0's search
             raised (that rank raises the error itself), or a check raised
             other than ``ValueError`` / ``NotCompiledError`` on some rank

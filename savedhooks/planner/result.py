@@ -17,7 +17,7 @@ from savedhooks.planner.recompute import FULL, SELECTIVE, check_mode, checkpoint
 __all__ = ["CODECS", "InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "check_budget"]
 
 _MiB = 1 << 20
-_JSON_VERSION = 3  # 2: recompute, recompute_seconds; 3: recompute_mode
+_JSON_VERSION = 4  # 2: recompute, recompute_seconds; 3: recompute_mode; 4: predicted_sqnr_db
 # the codecs a plan chooses among, by the names its JSON uses
 # (offload: only tensors on an accelerator; every one the plan chooses moves, needed soon or not)
 CODECS: dict[str, Codec] = {
@@ -50,6 +50,26 @@ class InfeasibleBudgetError(ValueError):
             f"sh.plan: a budget of {budget_bytes / _MiB:.2f} MiB cannot be met: the lowest peak the planner "
             f"reaches{how} is {floor_bytes / _MiB:.2f} MiB (no hooks: {baseline_bytes / _MiB:.2f} MiB); "
             f"pass budget_bytes >= {floor_bytes}"
+        )
+
+
+class InfeasibleFidelityError(ValueError):
+    """No plan that meets the budget is predicted to meet ``min_sqnr_db``.
+
+    Attributes:
+        budget_bytes: the budget asked for.
+        min_sqnr_db: the fidelity asked for.
+        best_sqnr_db: the highest predicted SQNR of the plans found for the budget.
+    """
+
+    def __init__(self, budget_bytes: int, min_sqnr_db: float, best_sqnr_db: float) -> None:
+        self.budget_bytes = budget_bytes
+        self.min_sqnr_db = min_sqnr_db
+        self.best_sqnr_db = best_sqnr_db
+        super().__init__(
+            f"sh.plan: no plan within a budget of {budget_bytes / _MiB:.2f} MiB is predicted to meet "
+            f"min_sqnr_db={min_sqnr_db:g}: the best is predicted at {best_sqnr_db:.1f} dB (the errors of the "
+            f"packed tensors add); raise the budget or lower min_sqnr_db"
         )
 
 
@@ -132,6 +152,10 @@ class Plan:
         recompute_seconds: modelled time of those recomputes per step.
         recompute_mode: ``"full"`` (whole blocks) or ``"selective"`` (all but
             their matrix products and attention, which stay saved).
+        predicted_sqnr_db: the worst parameter-gradient SQNR the plan's lossy
+            choices are predicted at (:mod:`savedhooks.planner.fidelity`;
+            ``inf``: none lossy), or None where fidelity was not measured
+            (no ``min_sqnr_db``).
     """
 
     tensors: tuple[PlannedTensor, ...]
@@ -144,6 +168,7 @@ class Plan:
     recompute: tuple[str, ...] = ()
     recompute_seconds: float = 0.0
     recompute_mode: str = FULL
+    predicted_sqnr_db: float | None = None
 
     def __post_init__(self) -> None:
         check_mode(self.recompute_mode, "Plan: recompute_mode")
@@ -205,6 +230,8 @@ class Plan:
         selective = self.recompute and self.recompute_mode == SELECTIVE
         how = " (selective: matrix products and attention saved)" if selective else ""
         heading += f"\nrecomputed blocks: {recompute}{how} ({self.recompute_seconds * 1e3:.2f} ms per step)"
+        if self.predicted_sqnr_db is not None:
+            heading += f"\npredicted worst parameter-gradient SQNR: {self.predicted_sqnr_db:.1f} dB"
         lines = [
             heading,
             "",

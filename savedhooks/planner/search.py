@@ -23,17 +23,48 @@ Design notes
   list order (keep, then the wider ones) up to its choice and takes the first
   that keeps the peak within budget: moves that later moves made unnecessary go,
   and wider (more accurate) options replace narrower ones where the budget allows.
+* Fidelity (:func:`search_within`): an option may carry ``harm``, its
+  modelled share of the gradients' noise power (:mod:`savedhooks.planner.fidelity`);
+  a plan's harm is the sum of its choices'. The search weighs time and harm at
+  a ``price`` (seconds per unit of harm): the greedy's rate is bytes per
+  ``seconds + price * harm`` added, and the relax visits costlier choices
+  first. :func:`search_within` meets a limit on the harm at the least time:
+  price 0 first (the search above), then, while the harm is above the limit,
+  a price raised 16-fold per try, then halved back in the geometric mean
+  (bisection) between the last price above the limit and the first within,
+  keeping the plan with the least time that meets it: a Lagrangian relaxation
+  of "least time under two budgets", exact neither way (the greedy is not).
 * Deterministic; the log lists each move and the peak after it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Option", "SearchResult", "Unit", "floor_of", "peak_of", "result_of", "search"]
+__all__ = ["PRICE_TRIES", "Option", "SearchResult", "Unit", "floor_of", "peak_of", "result_of", "search", "search_within", "sqnr_db"]
+
+PRICE_TRIES = 24  # searches at most per search_within call after the first (raising, then bisecting the price)
+
+
+def sqnr_db(harm: float) -> float:
+    """The worst-parameter gradient SQNR (dB) that a harm predicts (:mod:`savedhooks.planner.fidelity`).
+
+    Args:
+        harm: a sum of noise-to-signal power ratios (non-negative).
+
+    Returns:
+        ``-10 * log10(harm)``; ``inf`` for no harm.
+
+    Raises:
+        ValueError: ``harm`` is negative or NaN.
+    """
+    if not harm >= 0:
+        raise ValueError(f"sqnr_db: harm must be a non-negative number, got {harm}")
+    return math.inf if harm == 0 else -10.0 * math.log10(harm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +77,19 @@ class Option:
         seconds: modelled time added per step (pack and unpack).
         fused: its decode runs inside the readers' kernels (it frees the unit's
             ``reread`` spans too).
+        harm: its modelled share of the gradients' noise power (0 for
+            lossless options, and where fidelity is not measured).
     """
 
     name: str
     payload: int
     seconds: float
     fused: bool = False
+    harm: float = 0.0
+
+    def cost(self, price: float) -> float:
+        """Its time plus its harm at ``price`` seconds per unit of harm."""
+        return self.seconds + price * self.harm if self.harm else self.seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +127,7 @@ class SearchResult:
         at: the timeline point where it is reached (the first such).
         seconds: the modelled time the choice adds.
         log: the moves, in order.
+        harm: the modelled harm of the choice (the sum of its options').
     """
 
     choice: tuple[int, ...]
@@ -96,6 +135,7 @@ class SearchResult:
     at: int
     seconds: float
     log: tuple[str, ...]
+    harm: float = 0.0
 
 
 def _share(spans: Sequence[tuple[int, int, int]], total: int, points: int) -> torch.Tensor:
@@ -135,6 +175,12 @@ def _peak(points: torch.Tensor) -> int:
     return round(float(points.max()))
 
 
+def _totals(units: Sequence[Unit], choice: Sequence[int]) -> tuple[float, float]:
+    """The time and the harm a choice adds."""
+    chosen = [unit.options[o] for unit, o in zip(units, choice)]
+    return sum(o.seconds for o in chosen), sum(o.harm for o in chosen)
+
+
 def result_of(live: Sequence[int], units: Sequence[Unit], choice: Sequence[int], log: Sequence[str] = ()) -> SearchResult:
     """A choice made elsewhere, modelled as :func:`search` models its own.
 
@@ -150,12 +196,12 @@ def result_of(live: Sequence[int], units: Sequence[Unit], choice: Sequence[int],
     Raises:
         IndexError: a choice is not an option of its unit.
     """
-    seconds = sum(unit.options[o].seconds for unit, o in zip(units, choice))
+    seconds, harm = _totals(units, choice)
     if not live:
-        return SearchResult(tuple(choice), 0, 0, seconds, tuple(log))
+        return SearchResult(tuple(choice), 0, 0, seconds, tuple(log), harm)
     timeline = torch.tensor(live, dtype=torch.float64)
     points = _live(timeline, units, [_mask(u, len(live)) for u in units], choice)
-    return SearchResult(tuple(choice), _peak(points), int(points.argmax()), seconds, tuple(log))
+    return SearchResult(tuple(choice), _peak(points), int(points.argmax()), seconds, tuple(log), harm)
 
 
 def peak_of(live: Sequence[int], units: Sequence[Unit], choice: Sequence[int]) -> int:
@@ -190,13 +236,15 @@ def floor_of(units: Sequence[Unit]) -> tuple[int, ...]:
     return tuple(min(range(len(u.options)), key=lambda o, u=u: (u.options[o].payload, o)) for u in units)
 
 
-def search(live: Sequence[int], units: Sequence[Unit], budget: int) -> SearchResult:
-    """Meet ``budget`` at the least modelled time (greedy, then relax; see the module notes).
+def search(live: Sequence[int], units: Sequence[Unit], budget: int, price: float = 0.0) -> SearchResult:
+    """Meet ``budget`` at the least modelled cost (greedy, then relax; see the module notes).
 
     Args:
         live: the timeline's bytes with nothing packed.
         units: the units.
         budget: the peak to meet, in bytes.
+        price: seconds per unit of harm (the cost of an option is
+            ``seconds + price * harm``); 0: time alone.
 
     Returns:
         A :class:`SearchResult`; its peak is above ``budget`` only when the floor is.
@@ -205,7 +253,7 @@ def search(live: Sequence[int], units: Sequence[Unit], budget: int) -> SearchRes
         Nothing.
     """
     if not live:
-        return SearchResult(tuple(0 for _ in units), 0, 0, 0.0, ())
+        return SearchResult(tuple(0 for _ in units), 0, 0, 0.0, (), 0.0)
     timeline = torch.tensor(live, dtype=torch.float64)
     masks = [_mask(u, len(live)) for u in units]
     choice = [0] * len(units)
@@ -229,7 +277,7 @@ def search(live: Sequence[int], units: Sequence[Unit], budget: int) -> SearchRes
                     delta = _saving(unit, o, mask) - _saving(unit, choice[u], mask)
                     if _peak(current - delta) > peak:
                         continue
-                rate = freed / max(option.seconds - here.seconds, 1e-12)
+                rate = freed / max(option.cost(price) - here.cost(price), 1e-12)
                 score = (rate, freed)
                 if best is None or score > best[0]:
                     best = (score, u, o)
@@ -243,7 +291,7 @@ def search(live: Sequence[int], units: Sequence[Unit], budget: int) -> SearchRes
         )
         choice[u] = o
     if _peak(current) <= budget:
-        order = sorted(range(len(units)), key=lambda u: (-units[u].options[choice[u]].seconds, units[u].key))
+        order = sorted(range(len(units)), key=lambda u: (-units[u].options[choice[u]].cost(price), units[u].key))
         for u in order:
             for o in range(choice[u]):
                 delta = _saving(units[u], choice[u], masks[u]) - _saving(units[u], o, masks[u])
@@ -255,5 +303,56 @@ def search(live: Sequence[int], units: Sequence[Unit], budget: int) -> SearchRes
                     )
                     choice[u] = o
                     break
-    seconds = sum(unit.options[o].seconds for unit, o in zip(units, choice))
-    return SearchResult(tuple(choice), _peak(current), int(current.argmax()), seconds, tuple(log))
+    seconds, harm = _totals(units, choice)
+    return SearchResult(tuple(choice), _peak(current), int(current.argmax()), seconds, tuple(log), harm)
+
+
+def search_within(
+    live: Sequence[int], units: Sequence[Unit], budget: int, max_harm: float = math.inf, tries: int = PRICE_TRIES
+) -> SearchResult:
+    """Meet ``budget`` with a harm of at most ``max_harm`` at the least modelled time (see the module notes).
+
+    Args:
+        live: the timeline's bytes with nothing packed.
+        units: the units.
+        budget: the peak to meet, in bytes.
+        max_harm: the most harm the choice may have (``math.inf``: none; :func:`search`).
+        tries: searches at most after the first (at least 1 where ``max_harm`` is finite).
+
+    Returns:
+        A :class:`SearchResult`: of those tried that meet the budget and
+        ``max_harm``, the least time (then harm); where none does, the least
+        harm tried. Its log ends with the price kept.
+
+    Raises:
+        ValueError: ``max_harm`` is negative or NaN, or ``tries`` below 1.
+    """
+    if not max_harm >= 0:
+        raise ValueError(f"search_within: max_harm must be a non-negative number, got {max_harm}")
+    if tries < 1:
+        raise ValueError(f"search_within: tries must be at least 1, got {tries}")
+    first = search(live, units, budget)
+    if first.harm <= max_harm:
+        return first
+    tried = {0.0: first}
+    low, high = 0.0, max(first.seconds, 1e-9) / first.harm  # a price at which the harm costs as much as the time
+    for _ in range(tries):
+        tried[high] = search(live, units, budget, high)
+        if tried[high].harm <= max_harm:
+            break
+        low, high = high, high * 16
+    else:
+        high = math.inf
+    while len(tried) <= tries and high < math.inf:
+        middle = math.sqrt(low * high) if low else high / 16
+        if middle in tried:
+            break
+        tried[middle] = search(live, units, budget, middle)
+        if tried[middle].harm <= max_harm:
+            high = middle
+        else:
+            low = middle
+    meets = [(p, r) for p, r in tried.items() if r.harm <= max_harm and r.peak <= budget]
+    price, kept = min(meets or tried.items(), key=lambda pr: (pr[1].seconds, pr[1].harm) if meets else pr[1].harm)
+    line = f"fidelity: price {price:.3g} s per unit of harm, harm {kept.harm:.3g} (limit {max_harm:.3g}), {len(tried)} searches"
+    return dataclasses.replace(kept, log=(*kept.log, line))

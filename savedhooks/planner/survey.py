@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -62,7 +63,7 @@ from savedhooks.planner.census import GraphTimeline, StepTimeline, key_of_saved,
 from savedhooks.planner.costs import seconds_per_byte
 from savedhooks.planner.recompute import FULL, block_seconds
 from savedhooks.planner.result import CODECS, Plan, PlannedTensor, check_budget
-from savedhooks.planner.search import Option, SearchResult, Unit, floor_of, result_of, search
+from savedhooks.planner.search import Option, SearchResult, Unit, floor_of, result_of, search, search_within, sqnr_db
 from savedhooks.planner.step import NotCompiledError, device_of, loss_peak, record_step
 
 __all__ = ["NotCompiledError", "Survey", "survey"]
@@ -116,6 +117,8 @@ class Survey:
         loss_bytes: the measured peak of the eager loss alone, forward and
             backward, on the model's output (:func:`~savedhooks.planner.step.loss_peak`;
             0 when unknown). A check reuses it rather than measure it again.
+        max_harm: the most harm a plan may have (its options' ``harm`` set by
+            :mod:`savedhooks.planner.fidelity`), or None: fidelity not measured.
     """
 
     units: tuple[Unit, ...]
@@ -126,6 +129,7 @@ class Survey:
     recompute_seconds: float = 0.0
     recompute_mode: str = FULL
     loss_bytes: int = 0
+    max_harm: float | None = None
 
     @property
     def baseline_bytes(self) -> int:
@@ -145,7 +149,10 @@ class Survey:
             verbose: print the report.
 
         Returns:
-            A :class:`Plan`.
+            A :class:`Plan`: with :attr:`max_harm`, the least time whose harm
+            is within it, else the least harm found
+            (:func:`~savedhooks.planner.search.search_within`; compare its
+            ``predicted_sqnr_db``).
 
         Raises:
             TypeError: ``budget_bytes`` is not an int.
@@ -153,7 +160,8 @@ class Survey:
             InfeasibleBudgetError: the budget is below :attr:`floor_bytes`.
         """
         check_budget(budget_bytes, self.floor_bytes, self.baseline_bytes)
-        planned = self._planned(search(self.live, self.units, budget_bytes), budget_bytes)
+        limit = math.inf if self.max_harm is None else self.max_harm
+        planned = self._planned(search_within(self.live, self.units, budget_bytes, limit), budget_bytes)
         if verbose:
             print(planned.report())
         return planned
@@ -212,6 +220,7 @@ class Survey:
             self.recompute,
             self.recompute_seconds,
             self.recompute_mode,
+            None if self.max_harm is None else sqnr_db(result.harm),
         )
 
 
