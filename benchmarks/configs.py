@@ -388,12 +388,13 @@ def lowest_budget(planner: sh.planner.Planner) -> int:
 
 
 def plan_or_lowest(planner: sh.planner.Planner, budget_bytes: int) -> sh.Plan:
-    """``planner.plan(budget_bytes)``, or the plan at the lowest budget above it that the planner meets.
+    """``planner.plan(budget_bytes)``, or the plan at a budget above it that the planner meets.
 
     Where every plan checked with its hooks peaks above the budget, the plan
     at the lowest checked peak; where no plan within it is predicted to meet
     the planner's ``min_sqnr_db``, the budget raised by
-    :data:`FIDELITY_STEP` until one is (at most to the modelled no-hook peak).
+    :data:`FIDELITY_STEP` (at least a byte) per try until one is, at most to
+    the modelled no-hook peak (each try a search, no compile).
 
     Args:
         planner: the planner.
@@ -419,7 +420,7 @@ def plan_or_lowest(planner: sh.planner.Planner, budget_bytes: int) -> sh.Plan:
         except sh.InfeasibleFidelityError as error:
             if budget >= planner.baseline_bytes:
                 raise
-            budget = min(int(budget * (1 + FIDELITY_STEP)), planner.baseline_bytes)
+            budget = min(max(int(budget * (1 + FIDELITY_STEP)), budget + 1), planner.baseline_bytes)
             print(f"{error}: planned at {budget / 2**20:.2f} MiB instead")
 
 

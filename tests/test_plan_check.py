@@ -39,6 +39,19 @@ def test_tighten_searches_again_below_the_budget_by_the_excess():
     assert [line.split(":")[0] for line in log] == ["check 1", "check 2"]
 
 
+def test_tighten_checks_no_plan_below_the_fidelity_limit():
+    found = _survey()
+
+    def faithful(plan):  # a in fp8 is too harmful
+        return dict(zip("ab", _choices(plan)))["a"] != "fp8"
+
+    checked, log = tighten(found, 75, lambda p: p.predicted_peak_bytes + 10, faithful)
+    # as above, the second round searches for 65 MiB and gets a in fp8: not checked, and nothing packed more either
+    assert [(_choices(p), peak) for p, peak in checked] == [(("bf16", "keep"), 80)]
+    assert log[1].endswith("below the fidelity limit, not checked")
+    assert log[2] == "every candidate at its smallest payload: below the fidelity limit, not checked"
+
+
 def test_tighten_checks_every_candidate_packed_when_no_search_meets_the_budget():
     found = _survey()
 

@@ -90,6 +90,7 @@ def test_search_within_trades_time_for_fidelity_at_the_least_time():
     fastest = search(live, units, budget=150)
     assert fastest.choice == (2, 2, 0) and fastest.harm == pytest.approx(5.1e-3)  # ties go to "a": 22.9 dB
     assert search_within(live, units, 150) == fastest  # no limit: the search itself
+    assert search_within(live, units, 150, max_harm=1.0).log[-1] == "fidelity: price 0, harm 0.0051 (limit 1), 1 search"
     # 30 dB: not "a" in fp8; "b" and "c" in fp8 free the same 150 bytes in the same time
     within = search_within(live, units, 150, max_harm=1e-3)
     assert within.choice == (0, 2, 2) and within.peak == 150 and within.seconds == 2.0
@@ -102,6 +103,27 @@ def test_search_within_trades_time_for_fidelity_at_the_least_time():
     assert tight.peak <= 100 and tight.harm <= 10**-4.5 and 2 not in tight.choice and 3 in tight.choice
     # a limit no choice meets at this budget: the least harm found (offload everywhere has none)
     assert search_within(live, units, 0, max_harm=0.0).choice == (3, 3, 3)
+
+
+def test_priced_the_relax_keeps_a_lossless_choice_that_a_harmful_wider_one_would_replace():
+    options = (
+        Option("keep", 100, 0.0),
+        Option("bf16", 50, 2.0, harm=1e-2),
+        Option("fp8", 25, 1.0, harm=1.0),
+        Option("offload", 0, 5.0),
+    )
+    unit = Unit("u", 100, ((0, 1, 100),), options)
+    # time alone: fp8 frees the most per second, then the relax widens it to bf16, which meets 80 too
+    assert search([100], [unit], 80).choice == (1,)
+    # priced: offload frees the most per cost; bf16 would meet the budget but harms and costs more
+    priced = search([100], [unit], 80, price=1000.0)
+    assert priced.choice == (3,) and priced.harm == 0.0
+
+
+def test_an_option_s_harm_is_finite_and_not_negative():
+    for harm in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="harm must be a finite non-negative number"):
+            Option("fp8", 1, 1.0, harm=harm)
 
 
 def test_search_within_refuses_a_negative_limit_and_sqnr_db_reads_harm():
@@ -327,7 +349,7 @@ def test_plan_leaves_what_the_policy_keeps_out_of_its_choices():
     assert any(t.choice == "fp8" for t in planned.tensors)
 
 
-def test_a_fidelity_limit_takes_lossy_options_away_by_signature_with_bf16_s_margin():
+def test_a_fidelity_limit_prices_lossy_options_and_takes_away_those_too_harmful_alone():
     from savedhooks.planner.fidelity import BF16_MARGIN_DB, FidelityLimit
     from savedhooks.planner.survey import Survey
 
@@ -335,6 +357,7 @@ def test_a_fidelity_limit_takes_lossy_options_away_by_signature_with_bf16_s_marg
         return SavedTensor(f"g0:{key}", op, (8, 8), torch.float32, 256)
 
     options = (Option("keep", 256, 0.0), Option("bf16", 128, 1.0), Option("fp8", 72, 2.0), Option("offload", 0, 3.0))
+    # fp8's SQNR with the tensor alone packed: bf16's is BF16_MARGIN_DB better
     ops = {"near": 25.0 - BF16_MARGIN_DB + 1, "far": 25.0 - BF16_MARGIN_DB - 1, "broken": math.nan, "fine": 30.0}
     keys = [*ops, "unmeasured"]
     found = Survey(
@@ -343,25 +366,24 @@ def test_a_fidelity_limit_takes_lossy_options_away_by_signature_with_bf16_s_marg
         live=(256,),
         backend="aot_eager",
     )
-    limit = FidelityLimit(25.0, {(op, (8, 8), torch.float32): db for op, db in ops.items()})
+    per_byte = {(op, (8, 8), torch.float32): math.inf if math.isnan(db) else 10 ** (-db / 10) / 256 for op, db in ops.items()}
+    limit = FidelityLimit(25.0, per_byte)
     restricted, lost = limit.restrict(found)
     kept = {u.key: [o.name for o in u.options] for u in restricted.units}
     assert kept == {
-        "near": ["keep", "bf16", "offload"],  # fp8 too harmful, bf16 within its margin
+        "near": ["keep", "bf16", "offload"],  # fp8 too harmful alone, bf16 within the limit
         "far": ["keep", "offload"],
         "broken": ["keep", "offload"],  # NaN gradients: nothing lossy
         "fine": ["keep", "bf16", "fp8", "offload"],
-        "unmeasured": ["keep", "bf16", "fp8", "offload"],
+        "unmeasured": ["keep", "offload"],  # the worst measured harm per byte ("far"'s)
     }
-    assert lost == 3 and found.units[0].options == options  # the survey itself is unchanged
+    assert lost == 4 and found.units[0].options == options  # the survey itself is unchanged
     assert restricted.max_harm == pytest.approx(10**-2.5) and found.max_harm is None
-    # no harm measured per byte here: every option is free of harm
-    assert all(o.harm == 0.0 for u in restricted.units for o in u.options)
-    priced = FidelityLimit(25.0, limit.only_db, {("fine", (8, 8), torch.float32): 1e-5})
-    harms = {u.key: {o.name: o.harm for o in u.options} for u in priced.restrict(found)[0].units}
-    assert harms["fine"]["fp8"] == pytest.approx(256e-5)
-    assert harms["fine"]["bf16"] == pytest.approx(256e-5 / 10 ** (BF16_MARGIN_DB / 10))
-    assert harms["fine"]["keep"] == harms["fine"]["offload"] == harms["unmeasured"]["fp8"] == 0.0
+    harms = {u.key: {o.name: o.harm for o in u.options} for u in restricted.units}
+    assert harms["fine"]["fp8"] == pytest.approx(1e-3)
+    assert harms["fine"]["bf16"] == pytest.approx(1e-3 / 10 ** (BF16_MARGIN_DB / 10))
+    assert harms["near"]["bf16"] == pytest.approx(10 ** (-(ops["near"] + BF16_MARGIN_DB) / 10))
+    assert harms["fine"]["keep"] == harms["fine"]["offload"] == 0.0
 
 
 def test_measure_limit_shares_a_group_s_harm_among_its_tensors_by_bytes(monkeypatch):
@@ -376,7 +398,7 @@ def test_measure_limit_shares_a_group_s_harm_among_its_tensors_by_bytes(monkeypa
     report = Sensitivity(groups, 19.0, "w", 6, sh.fp8())
     monkeypatch.setattr(fidelity, "sensitivity", lambda *args, **kwargs: report)
     limit = fidelity.measure_limit(torch.nn.Linear(1, 1), (torch.ones(1),), None, "aot_eager", 0, 25.0)
-    assert limit.only_db == {("mm", (4, 4), torch.float32): 20.0, ("mm", (8, 8), torch.float32): 20.0}
+    assert set(limit.per_byte) == {("mm", (4, 4), torch.float32), ("mm", (8, 8), torch.float32)}
     # the group's 1e-2 over its 400 bytes; the (8, 8) signature takes the worst of its groups (1e-3 / 300 is less)
     assert limit.per_byte[("mm", (4, 4), torch.float32)] == pytest.approx(1e-2 / 400)
     assert limit.per_byte[("mm", (8, 8), torch.float32)] == pytest.approx(1e-2 / 400)

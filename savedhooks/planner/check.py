@@ -144,7 +144,11 @@ def check_peak(
 
 
 def tighten(
-    found: Survey, budget_bytes: int, check: Callable[[Plan], int], rounds: int = ROUNDS
+    found: Survey,
+    budget_bytes: int,
+    check: Callable[[Plan], int],
+    faithful: Callable[[Plan], bool] = lambda plan: True,
+    rounds: int = ROUNDS,
 ) -> tuple[list[tuple[Plan, int]], list[str]]:
     """Plan ``budget_bytes`` from ``found``, check, and search again lower until a checked plan meets it.
 
@@ -152,11 +156,14 @@ def tighten(
         found: the survey of the plan's recompute setting.
         budget_bytes: the budget (at least ``found.floor_bytes``).
         check: a plan's checked peak (:func:`check_peak`, cached by the caller).
+        faithful: whether a plan meets the fidelity limit; one that does not
+            is not checked, and ends the rounds (a lower target harms more).
         rounds: at most this many plans checked before the all-packed one (at least 1).
 
     Returns:
-        ``(checked, log)``: each plan checked, with its checked peak, in order;
-        the log says what each round searched for and what it got.
+        ``(checked, log)``: each plan checked, with its checked peak, in order
+        (none where the first is not ``faithful``); the log says what each
+        round searched for and what it got.
 
     Raises:
         ValueError: ``rounds`` is below 1.
@@ -176,6 +183,9 @@ def tighten(
             target = _lowered(target, candidate, excess, found.floor_bytes)
             continue
         seen.add(choices_of(candidate))
+        if not faithful(candidate):
+            log.append(f"searched for {target / _MiB:.2f} MiB: below the fidelity limit, not checked")
+            break
         peak = check(candidate)
         checked.append((candidate, peak))
         log.append(
@@ -188,9 +198,12 @@ def tighten(
         target = _lowered(target, candidate, excess, found.floor_bytes)
     if all(peak > budget_bytes for _, peak in checked):
         candidate = found.plan_smallest(budget_bytes)
-        peak = check(candidate)
-        checked.append((candidate, peak))
-        log.append(f"check: every candidate at its smallest payload, {peak / _MiB:.2f} MiB with its hooks")
+        if faithful(candidate):
+            peak = check(candidate)
+            checked.append((candidate, peak))
+            log.append(f"check: every candidate at its smallest payload, {peak / _MiB:.2f} MiB with its hooks")
+        else:
+            log.append("every candidate at its smallest payload: below the fidelity limit, not checked")
     return checked, log
 
 

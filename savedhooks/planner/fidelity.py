@@ -17,24 +17,29 @@ Design notes
   errors of different tensors are independent, and to first order their
   effects on a gradient add in power: the plan's harm is the sum of its
   choices', and ``-10 * log10(harm)`` its predicted worst-parameter SQNR
-  (``Plan.predicted_sqnr_db``). Summing each group's worst parameter bounds
-  every parameter's sum from above, so the prediction errs low. A group's
-  ``nsr`` is shared among its tensors by bytes (a tensor measured alone has
-  its own). bf16's harm is fp8's divided by ``10 ** (BF16_MARGIN_DB / 10)``:
-  bf16 rounds to 8 significant bits, e4m3 to 4, a relative error bound of
-  2^-8 against 2^-4 (24 dB; an estimate, not measured). Keep, offload and
-  bitmask are lossless: no harm. Unmeasured tensors have none either.
+  (``Plan.predicted_sqnr_db``). A group's ``nsr`` is shared among its tensors
+  by bytes (a tensor measured alone has its own): an estimate. Summing each
+  group's worst parameter over-counts (each parameter's own sum is no
+  larger), so the prediction tends to err low. A tensor the report did not
+  list (a recompute setting can save one the model without recompute does
+  not) takes the worst harm per byte measured. bf16's harm is fp8's divided
+  by ``10 ** (BF16_MARGIN_DB / 10)``: bf16 rounds to 8 significant bits, e4m3
+  to 4, a relative error bound of 2^-8 against 2^-4 (24 dB; an estimate, not
+  measured). Keep, offload and bitmask are lossless: no harm.
 * The limit holds for the plan: the search meets a harm of
   ``10 ** (-min_sqnr_db / 10)`` at the least time
   (:func:`~savedhooks.planner.search.search_within`), trading codec time
-  (bf16 or keep for fp8), and, across recompute settings, the planner (one that saves less
-  packs less) against fidelity. A tensor whose harm alone is above it cannot
-  be in any such plan: fp8 (bf16, NaN) is taken from it before the search.
+  (bf16, keep or offload for fp8) against fidelity, and the planner ranks the
+  recompute settings whose plans meet it (one that saves less packs less). A
+  unit whose option's harm alone is above the limit cannot be in any such
+  plan: the option is taken from it before the search (NaN gradients: an
+  infinite harm).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -51,6 +56,7 @@ __all__ = ["BF16_MARGIN_DB", "FidelityLimit", "check_min_sqnr", "measure_limit",
 
 BF16_MARGIN_DB = 24.0  # bf16's rounding error against e4m3's: 4 more significant bits
 _MARGINS = {"fp8": 0.0, "bf16": BF16_MARGIN_DB}  # lossy options: dB above fp8's measured SQNR
+_DB_SLACK = 1e-9  # a harm at the limit, read back in dB
 
 
 def _signature(t: SavedTensor) -> tuple[Any, ...]:
@@ -64,25 +70,27 @@ def _nsr(db: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class FidelityLimit:
-    """Which lossy options a saved tensor may take.
+    """What lossy options cost in fidelity (their harm), and the most a plan may have.
 
     Attributes:
-        min_sqnr_db: the least worst-parameter gradient SQNR a plan may be
-            predicted at (and a lossy choice cost on its own).
-        only_db: (producing op, shape, dtype) -> the worst SQNR measured with
-            tensors of that signature packed alone in fp8.
+        min_sqnr_db: the least worst-parameter gradient SQNR a plan may be predicted at.
         per_byte: (producing op, shape, dtype) -> fp8's harm per byte of a
-            tensor of that signature (the worst of the groups holding one).
+            tensor of that signature (the worst of the groups holding one;
+            ``inf`` where its gradients were NaN).
     """
 
     min_sqnr_db: float
-    only_db: Mapping[tuple[Any, ...], float]
-    per_byte: Mapping[tuple[Any, ...], float] = dataclasses.field(default_factory=dict)
+    per_byte: Mapping[tuple[Any, ...], float]
 
     @property
     def max_harm(self) -> float:
         """The most harm a plan may have: ``10 ** (-min_sqnr_db / 10)``."""
         return _nsr(self.min_sqnr_db)
+
+    @functools.cached_property
+    def _unmeasured(self) -> float:
+        """The harm per byte of a tensor the report did not list: the worst measured (finite), to be safe."""
+        return max((h for h in self.per_byte.values() if math.isfinite(h)), default=0.0)
 
     def harm(self, option: str, tensors: Iterable[SavedTensor]) -> float:
         """The modelled harm of holding ``tensors`` with ``option`` (see the module notes).
@@ -92,8 +100,9 @@ class FidelityLimit:
             tensors: the census entries it would hold.
 
         Returns:
-            0 for lossless options and unmeasured tensors; else the sum over the
-            tensors of fp8's harm per byte times their bytes, less bf16's margin.
+            0 for lossless options; else the sum over the tensors of fp8's harm
+            per byte (for a tensor the report did not list, the worst measured)
+            times their bytes, less bf16's margin; ``inf`` where one's gradients were NaN.
 
         Raises:
             Nothing.
@@ -101,27 +110,23 @@ class FidelityLimit:
         margin = _MARGINS.get(option)
         if margin is None:
             return 0.0
-        fp8_harm = sum(self.per_byte.get(_signature(t), 0.0) * t.bytes for t in tensors)
+        fp8_harm = sum(self.per_byte.get(_signature(t), self._unmeasured) * t.bytes for t in tensors)
         return fp8_harm * 10.0 ** (-margin / 10.0)
 
     def allows(self, option: str, tensors: Iterable[SavedTensor]) -> bool:
-        """Whether ``option`` may hold ``tensors``: lossless options always; lossy ones if each tensor's estimate meets the limit.
+        """Whether ``option`` may hold ``tensors`` in some plan: its harm alone is within the limit.
 
         Args:
             option: an option name of the survey (``"keep"``, ``"bf16"``, ``"fp8"``, ...).
-            tensors: the census entries the option would hold.
+            tensors: the census entries the option would hold (one unit's).
 
         Returns:
-            False when a tensor's measured fp8 SQNR (plus the option's margin) is
-            below :attr:`min_sqnr_db` or is NaN; True otherwise (unmeasured tensors too).
+            True for lossless options; for lossy ones, whether their harm is at most :attr:`max_harm`.
 
         Raises:
             Nothing.
         """
-        margin = _MARGINS.get(option)
-        if margin is None:
-            return True
-        return all(self.only_db.get(_signature(t), math.inf) + margin >= self.min_sqnr_db for t in tensors)
+        return self.harm(option, tensors) <= self.max_harm
 
     def restrict(self, found: Survey) -> tuple[Survey, int]:
         """``found`` with the options this limit forbids taken out of its units, the others' harm set, and the plan's limit.
@@ -179,7 +184,7 @@ def measure_limit(
     min_sqnr_db: float,
     individually: int = 8,
 ) -> FidelityLimit:
-    """Run :func:`savedhooks.sensitivity` (fp8) and keep each signature's worst "only this packed" SQNR and harm per byte.
+    """Run :func:`savedhooks.sensitivity` (fp8) and keep each signature's harm per byte (the worst of its groups).
 
     Args:
         model: as for :func:`savedhooks.plan`.
@@ -198,15 +203,12 @@ def measure_limit(
             gradient, no floating output and no ``loss_fn``).
     """
     report = sensitivity(model, example_inputs, fp8(), loss_fn, backend, individually, seed, verbose=False)
-    only: dict[tuple[Any, ...], float] = {}
     per_byte: dict[tuple[Any, ...], float] = {}
     for group in report.groups:
         share = _nsr(group.only_db) / max(group.bytes, 1)
         for t in group.tensors:
-            worst = only.get(_signature(t), math.inf)
-            only[_signature(t)] = group.only_db if math.isnan(group.only_db) else min(worst, group.only_db)
             per_byte[_signature(t)] = max(per_byte.get(_signature(t), 0.0), share)
-    return FidelityLimit(float(min_sqnr_db), only, per_byte)
+    return FidelityLimit(float(min_sqnr_db), per_byte)
 
 
 def meets_limit(plan: Plan, min_sqnr_db: float | None) -> bool:
@@ -222,4 +224,6 @@ def meets_limit(plan: Plan, min_sqnr_db: float | None) -> bool:
     Raises:
         Nothing.
     """
-    return min_sqnr_db is None or plan.predicted_sqnr_db is None or plan.predicted_sqnr_db >= min_sqnr_db
+    if min_sqnr_db is None or plan.predicted_sqnr_db is None:
+        return True
+    return plan.predicted_sqnr_db >= min_sqnr_db - _DB_SLACK  # the search compared harms: log10's rounding

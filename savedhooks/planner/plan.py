@@ -26,9 +26,9 @@ Design notes
 * Fidelity: the policy's keeps are never candidates. With ``min_sqnr_db``,
   :mod:`savedhooks.planner.fidelity` gives each lossy option a harm measured
   by :func:`savedhooks.sensitivity`; each setting's search meets the plan's
-  limit at the least time (trading fp8 for bf16 or keep), and a setting
+  limit at the least time (bf16, keep or offload for fp8), and a setting
   whose plan is still predicted below it is not ranked (recompute settings
-  that pack less can win). Checked plans are kept only where they meet it.
+  that pack less can win). Plans below it are neither checked nor kept.
 * Checked: the chosen plan is compiled once more with
   its own hooks and its graphs modelled (:mod:`savedhooks.planner.check`); while they peak above
   the budget the search runs again below it by the excess. The first setting
@@ -269,6 +269,10 @@ class Planner:
             else:
                 unfaithful.append(candidate)
         if not ranked:
+            # a plan checked for an earlier budget may meet this one within the limit
+            reused = [(p, peak) for p, peak in self._checked.values() if peak <= budget_bytes and self._faithful(p)]
+            if check and reused:
+                return self._chosen(cheapest(reused, budget_bytes), log, "a plan checked before", verbose)
             raise self._unfaithful(budget_bytes, unfaithful)
         ranked.sort(key=lambda r: r[2].seconds)  # stable: ties go to the setting tried first
         if check:
@@ -297,7 +301,7 @@ class Planner:
             log.append(
                 f"fidelity: predicted {best.predicted_sqnr_db:.1f} dB (min_sqnr_db {self.min_sqnr_db:g}); "
                 f"{self._limited.get(setting, 0)} choices (plan keys) lost fp8 or bf16 "
-                f"(packed alone below {self.min_sqnr_db:g} dB, measured by sh.sensitivity)"
+                f"(alone predicted below {self.min_sqnr_db:g} dB, from sh.sensitivity)"
             )
         log.append(f"kept: {_name(*setting)}, {kept}")
         chosen = dataclasses.replace(
@@ -366,7 +370,7 @@ class Planner:
                 return first, "packing nothing: the surveyed graphs, modelled already"
             failed = False
             try:
-                _, lines = tighten(found, budget_bytes, functools.partial(self._check, setting))
+                _, lines = tighten(found, budget_bytes, functools.partial(self._check, setting), self._faithful)
                 log.extend(f"{name}: {line}" for line in lines)
             except (ValueError, NotCompiledError) as error:  # the hooked graphs did not compile, or read
                 warn_unchecked(log, name, error, "the survey's model of its plan is kept if nothing else was checked")

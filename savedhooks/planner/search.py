@@ -28,7 +28,8 @@ Design notes
   a plan's harm is the sum of its choices'. The search weighs time and harm at
   a ``price`` (seconds per unit of harm): the greedy's rate is bytes per
   ``seconds + price * harm`` added, and the relax visits costlier choices
-  first. :func:`search_within` meets a limit on the harm at the least time:
+  first and, at a positive price, skips a wider option that both harms and
+  costs more than the choice it would replace. :func:`search_within` meets a limit on the harm at the least time:
   price 0 first (the search above), then, while the harm is above the limit,
   a price raised 16-fold per try, then halved back in the geometric mean
   (bisection) between the last price above the limit and the first within,
@@ -87,9 +88,13 @@ class Option:
     fused: bool = False
     harm: float = 0.0
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.harm < math.inf:
+            raise ValueError(f"option {self.name}: harm must be a finite non-negative number, got {self.harm}")
+
     def cost(self, price: float) -> float:
         """Its time plus its harm at ``price`` seconds per unit of harm."""
-        return self.seconds + price * self.harm if self.harm else self.seconds
+        return self.seconds + price * self.harm if self.harm and price else self.seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +298,11 @@ def search(live: Sequence[int], units: Sequence[Unit], budget: int, price: float
     if _peak(current) <= budget:
         order = sorted(range(len(units)), key=lambda u: (-units[u].options[choice[u]].cost(price), units[u].key))
         for u in order:
+            here = units[u].options[choice[u]]
             for o in range(choice[u]):
+                wider = units[u].options[o]
+                if price and wider.harm > here.harm and wider.cost(price) > here.cost(price):
+                    continue  # priced, a wider option that harms more (offload -> fp8) is no relief
                 delta = _saving(units[u], choice[u], masks[u]) - _saving(units[u], o, masks[u])
                 if _peak(current + delta) <= budget:
                     current += delta
@@ -333,6 +342,9 @@ def search_within(
         raise ValueError(f"search_within: tries must be at least 1, got {tries}")
     first = search(live, units, budget)
     if first.harm <= max_harm:
+        if max_harm < math.inf:
+            line = f"fidelity: price 0, harm {first.harm:.3g} (limit {max_harm:.3g}), 1 search"
+            return dataclasses.replace(first, log=(*first.log, line))
         return first
     tried = {0.0: first}
     low, high = 0.0, max(first.seconds, 1e-9) / first.harm  # a price at which the harm costs as much as the time
