@@ -458,7 +458,13 @@ def test_plan_with_min_sqnr_keeps_a_planted_sensitive_tensor_exact():
     assert sqnr[25.0] >= 25
 
 
-def test_plan_with_min_sqnr_meets_it_for_the_whole_plan():
+def test_plan_with_min_sqnr_meets_it_for_the_whole_plan(monkeypatch):
+    from savedhooks.planner.result import CODECS
+
+    # fixed codec costs (about as measured under aot_eager on the project's machine): the plans do not depend on
+    # a timing
+    per_byte = {repr(CODECS["bf16"]): 4.4e-11, repr(CODECS["fp8"]): 2.2e-10, repr(CODECS["offload"]): 1e-9}
+    monkeypatch.setattr(_survey_module(), "seconds_per_byte", lambda codec, *args: per_byte[repr(codec)])
     model, x = _mlp()
     _loss(model(x)).backward()
     reference = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -485,6 +491,35 @@ def test_plan_with_min_sqnr_meets_it_for_the_whole_plan():
     assert "predicted worst parameter-gradient SQNR: " in plans[42.0].report()
     assert any(line.startswith("fidelity: price ") for line in plans[42.0].log)
     assert sh.Plan.from_json(plans[42.0].to_json()) == plans[42.0]
+
+
+def test_a_checked_plan_s_fidelity_is_measured_and_one_below_the_limit_is_refused(monkeypatch):
+    import dataclasses
+
+    from savedhooks.planner.result import CODECS
+
+    per_byte = {repr(CODECS["bf16"]): 4.4e-11, repr(CODECS["fp8"]): 2.2e-10, repr(CODECS["offload"]): 1e-9}
+    monkeypatch.setattr(_survey_module(), "seconds_per_byte", lambda codec, *args: per_byte[repr(codec)])
+    model, x = _mlp()
+    _loss(model(x)).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager", blocks=(), min_sqnr_db=42.0)
+    budget = int(0.6 * planner.baseline_bytes)
+    planned = planner.plan(budget)  # checked: one compile and step, whose gradients are measured
+    _, grads = _measured_peak(model, x, planned.hooks)
+    measured = worst_sqnr(reference, dict(zip(reference, grads)))[0]
+    assert planned.checked_sqnr_db >= 42.0 and planned.checked_sqnr_db == pytest.approx(measured, abs=1.0)
+    assert f"checked {planned.checked_sqnr_db:.1f} dB" in planned.report()
+    # the same plans against a reference 5 % off (26 dB): every checked plan measures below 42 dB and is refused
+    torch._dynamo.reset()
+    off = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager", blocks=(), min_sqnr_db=42.0)
+    wrong = {n: None if g is None else g * 1.05 for n, g in planner.limit().reference.items()}
+    off._limit = dataclasses.replace(planner.limit(), reference=wrong)
+    with pytest.raises(sh.InfeasibleFidelityError, match="on its checked step: the best measured") as error:
+        off.plan(budget)
+    assert error.value.checked and error.value.best_sqnr_db == pytest.approx(26.0, abs=0.5)
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,7 @@ def check_peak(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     seed: int = 0,
     loss_bytes: int | None = None,
+    grads: dict[str, torch.Tensor | None] | None = None,
 ) -> int:
     """The modelled step peak of the graphs compiled with the plan's recompute and hooks.
 
@@ -120,6 +121,7 @@ def check_peak(
         seed: as for :func:`savedhooks.plan`.
         loss_bytes: the eager loss's peak without hooks, as the survey measured
             it (:attr:`Survey.loss_bytes`); None: measured here, on this step's output.
+        grads: filled with the step's parameter gradients (CPU copies), if given.
 
     Returns:
         Bytes above what is alive before the step, as :attr:`Plan.predicted_peak_bytes` counts them.
@@ -131,7 +133,7 @@ def check_peak(
     loss_fn = loss_fn or default_loss
     hooks = functools.partial(saved_tensors_hooks, plan.hooks, reorder=False)  # the recorder places them
     step = record_step(
-        model, example_inputs, loss_fn, plan.backend, seed, hooks, False, plan.recompute, plan.recompute_mode
+        model, example_inputs, loss_fn, plan.backend, seed, hooks, False, plan.recompute, plan.recompute_mode, grads
     )
     # the eager loss's point as the survey models it: its peak measured without hooks, less what the
     # plan's packing of the tensors it saves frees (measured alone under the hooks, on a copy of the

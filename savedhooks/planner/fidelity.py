@@ -48,8 +48,9 @@ import torch
 
 from savedhooks.codecs import fp8
 from savedhooks.fidelity.select import SavedTensor
-from savedhooks.fidelity.sensitivity import sensitivity
+from savedhooks.fidelity.sensitivity import default_loss, sensitivity
 from savedhooks.planner.result import Plan
+from savedhooks.planner.step import train_step
 from savedhooks.planner.survey import Survey
 
 __all__ = ["BF16_MARGIN_DB", "FidelityLimit", "check_min_sqnr", "measure_limit", "meets_limit"]
@@ -77,10 +78,13 @@ class FidelityLimit:
         per_byte: (producing op, shape, dtype) -> fp8's harm per byte of a
             tensor of that signature (the worst of the groups holding one;
             ``inf`` where its gradients were NaN).
+        reference: the parameter gradients of an eager step without hooks
+            (CPU copies), against which a checked plan's are measured.
     """
 
     min_sqnr_db: float
     per_byte: Mapping[tuple[Any, ...], float]
+    reference: Mapping[str, torch.Tensor | None] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def max_harm(self) -> float:
@@ -184,7 +188,7 @@ def measure_limit(
     min_sqnr_db: float,
     individually: int = 8,
 ) -> FidelityLimit:
-    """Run :func:`savedhooks.sensitivity` (fp8) and keep each signature's harm per byte (the worst of its groups).
+    """Run :func:`savedhooks.sensitivity` (fp8) and keep each signature's harm per byte (the worst of its groups), and reference gradients.
 
     Args:
         model: as for :func:`savedhooks.plan`.
@@ -203,27 +207,31 @@ def measure_limit(
             gradient, no floating output and no ``loss_fn``).
     """
     report = sensitivity(model, example_inputs, fp8(), loss_fn, backend, individually, seed, verbose=False)
+    reference: dict[str, torch.Tensor | None] = {}
+    train_step(model, model, example_inputs, loss_fn or default_loss, seed, reference)
     per_byte: dict[tuple[Any, ...], float] = {}
     for group in report.groups:
         share = _nsr(group.only_db) / max(group.bytes, 1)
         for t in group.tensors:
             per_byte[_signature(t)] = max(per_byte.get(_signature(t), 0.0), share)
-    return FidelityLimit(float(min_sqnr_db), per_byte)
+    return FidelityLimit(float(min_sqnr_db), per_byte, reference)
 
 
 def meets_limit(plan: Plan, min_sqnr_db: float | None) -> bool:
-    """Whether a plan's predicted gradient SQNR meets ``min_sqnr_db``.
+    """Whether a plan's gradient SQNR (checked where it was, else predicted) meets ``min_sqnr_db``.
 
     Args:
         plan: a plan.
         min_sqnr_db: the limit, or None.
 
     Returns:
-        True without a limit or a prediction; else whether ``plan.predicted_sqnr_db >= min_sqnr_db``.
+        True without a limit or a figure; else whether ``plan.checked_sqnr_db``
+        (or, unchecked, ``plan.predicted_sqnr_db``) is at least ``min_sqnr_db``.
 
     Raises:
         Nothing.
     """
-    if min_sqnr_db is None or plan.predicted_sqnr_db is None:
+    db = plan.predicted_sqnr_db if plan.checked_sqnr_db is None else plan.checked_sqnr_db
+    if min_sqnr_db is None or db is None:
         return True
-    return plan.predicted_sqnr_db >= min_sqnr_db - _DB_SLACK  # the search compared harms: log10's rounding
+    return db >= min_sqnr_db - _DB_SLACK  # the search compared harms: log10's rounding

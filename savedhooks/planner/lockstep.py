@@ -154,7 +154,7 @@ def lead(decide: Callable[[], Plan]) -> Plan:
         _broadcast(("infeasible", error.budget_bytes, error.floor_bytes, error.baseline_bytes, error.checked))
         raise
     except InfeasibleFidelityError as error:
-        _broadcast(("unfaithful", error.budget_bytes, error.min_sqnr_db, error.best_sqnr_db))
+        _broadcast(("unfaithful", error.budget_bytes, error.min_sqnr_db, error.best_sqnr_db, error.checked))
         raise
     except Exception as error:
         _broadcast(("error", f"{type(error).__name__}: {error}"))

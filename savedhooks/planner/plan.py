@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from savedhooks.metrics import worst_sqnr
 from savedhooks.planner.check import (
     cheapest,
     check_peak,
@@ -298,8 +299,9 @@ class Planner:
         """The plan returned: ``best`` with the planner's baseline and floor, and the driver's log after its own."""
         setting = (len(best.recompute), best.recompute_mode if best.recompute else FULL)
         if self.min_sqnr_db is not None:
+            checked = "" if best.checked_sqnr_db is None else f", checked {best.checked_sqnr_db:.1f} dB"
             log.append(
-                f"fidelity: predicted {best.predicted_sqnr_db:.1f} dB (min_sqnr_db {self.min_sqnr_db:g}); "
+                f"fidelity: predicted {best.predicted_sqnr_db:.1f} dB{checked} (min_sqnr_db {self.min_sqnr_db:g}); "
                 f"{self._limited.get(setting, 0)} choices (plan keys) lost fp8 or bf16 "
                 f"(alone predicted below {self.min_sqnr_db:g} dB, from sh.sensitivity)"
             )
@@ -384,7 +386,9 @@ class Planner:
             if mine:
                 least = min(peak for _, peak in mine)
                 lowest = least if lowest is None else min(lowest, least)
-        assert lowest is not None  # ranked is not empty, and a setting that checked nothing returned
+        if lowest is None:  # every plan checked measured below min_sqnr_db
+            measured = [p.checked_sqnr_db for p, _ in self._checked.values() if p.checked_sqnr_db is not None]
+            raise InfeasibleFidelityError(budget_bytes, self.min_sqnr_db, max(measured), checked=True)
         # packing nothing runs the surveyed graphs: their modelled peak is checked already
         raise InfeasibleBudgetError(budget_bytes, min(lowest, self.baseline_bytes), self.baseline_bytes, checked=True)
 
@@ -405,18 +409,21 @@ class Planner:
             if several():
                 peak = checked_together(setting, plan.to_json(), functools.partial(self._check_here, setting, plan))
             else:
-                peak = self._check_here(setting, plan)
+                grads = None if self.min_sqnr_db is None else {}  # in one process the check measures fidelity too
+                peak = self._check_here(setting, plan, grads)
+                if grads:
+                    plan = dataclasses.replace(plan, checked_sqnr_db=worst_sqnr(self.limit().reference, grads)[0])
             self._checked[key] = (plan, peak)
         return self._checked[key][1]
 
-    def _check_here(self, setting: tuple[int, str], plan: Plan) -> int:
-        """This process's check of a plan (:func:`~savedhooks.planner.check.check_peak`)."""
+    def _check_here(self, setting: tuple[int, str], plan: Plan, grads: dict | None = None) -> int:
+        """This process's check of a plan (:func:`~savedhooks.planner.check.check_peak`); ``grads`` filled if given."""
         model, inputs, loss_fn, _, seed = self._args
         # the eager loss's peak on the same output, measured by the survey (0: unknown, measured again)
         # (never surveyed here: under several processes a survey alone on one rank would run its collectives alone)
         found = self._surveys.get(setting)
         loss = found.loss_bytes if found is not None and found.loss_bytes else None
-        return check_peak(model, inputs, plan, loss_fn, seed, loss)
+        return check_peak(model, inputs, plan, loss_fn, seed, loss, grads)
 
 
 def _db(plan: Plan) -> str:

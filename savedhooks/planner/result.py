@@ -17,7 +17,7 @@ from savedhooks.planner.recompute import FULL, SELECTIVE, check_mode, checkpoint
 __all__ = ["CODECS", "InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "check_budget"]
 
 _MiB = 1 << 20
-_JSON_VERSION = 4  # 2: recompute, recompute_seconds; 3: recompute_mode; 4: predicted_sqnr_db
+_JSON_VERSION = 4  # 2: recompute, recompute_seconds; 3: recompute_mode; 4: predicted_sqnr_db, checked_sqnr_db
 # the codecs a plan chooses among, by the names its JSON uses
 # (offload: only tensors on an accelerator; every one the plan chooses moves, needed soon or not)
 CODECS: dict[str, Codec] = {
@@ -54,22 +54,27 @@ class InfeasibleBudgetError(ValueError):
 
 
 class InfeasibleFidelityError(ValueError):
-    """No plan that meets the budget is predicted to meet ``min_sqnr_db``.
+    """No plan that meets the budget is predicted (or, checked, measured) to meet ``min_sqnr_db``.
 
     Attributes:
         budget_bytes: the budget asked for.
         min_sqnr_db: the fidelity asked for.
-        best_sqnr_db: the highest predicted SQNR of the plans found for the budget.
+        best_sqnr_db: the highest SQNR of the plans found for the budget.
+        checked: whether ``best_sqnr_db`` was measured on checked plans' steps (else predicted).
     """
 
-    def __init__(self, budget_bytes: int, min_sqnr_db: float, best_sqnr_db: float) -> None:
+    def __init__(self, budget_bytes: int, min_sqnr_db: float, best_sqnr_db: float, checked: bool = False) -> None:
         self.budget_bytes = budget_bytes
         self.min_sqnr_db = min_sqnr_db
         self.best_sqnr_db = best_sqnr_db
+        self.checked = checked
+        if checked:
+            what = f"meets min_sqnr_db={min_sqnr_db:g} on its checked step: the best measured {best_sqnr_db:.1f} dB"
+        else:
+            what = f"is predicted to meet min_sqnr_db={min_sqnr_db:g}: the best is predicted at {best_sqnr_db:.1f} dB"
         super().__init__(
-            f"sh.plan: no plan within a budget of {budget_bytes / _MiB:.2f} MiB is predicted to meet "
-            f"min_sqnr_db={min_sqnr_db:g}: the best is predicted at {best_sqnr_db:.1f} dB (the errors of the "
-            f"packed tensors add); raise the budget or lower min_sqnr_db"
+            f"sh.plan: no plan within a budget of {budget_bytes / _MiB:.2f} MiB {what} (the errors of the "
+            "packed tensors add); raise the budget or lower min_sqnr_db"
         )
 
 
@@ -156,6 +161,9 @@ class Plan:
             choices are predicted at (:mod:`savedhooks.planner.fidelity`;
             ``inf``: none lossy), or None where fidelity was not measured
             (no ``min_sqnr_db``).
+        checked_sqnr_db: the worst parameter-gradient SQNR measured on the
+            check's step against a step without hooks (``min_sqnr_db``, in one
+            process), or None.
     """
 
     tensors: tuple[PlannedTensor, ...]
@@ -169,6 +177,7 @@ class Plan:
     recompute_seconds: float = 0.0
     recompute_mode: str = FULL
     predicted_sqnr_db: float | None = None
+    checked_sqnr_db: float | None = None
 
     def __post_init__(self) -> None:
         check_mode(self.recompute_mode, "Plan: recompute_mode")
@@ -232,6 +241,8 @@ class Plan:
         heading += f"\nrecomputed blocks: {recompute}{how} ({self.recompute_seconds * 1e3:.2f} ms per step)"
         if self.predicted_sqnr_db is not None:
             heading += f"\npredicted worst parameter-gradient SQNR: {self.predicted_sqnr_db:.1f} dB"
+        if self.checked_sqnr_db is not None:
+            heading += f", checked {self.checked_sqnr_db:.1f} dB"
         lines = [
             heading,
             "",

@@ -61,7 +61,14 @@ def device_of(example_inputs: Any) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-def train_step(fn: Callable[..., Any], model: torch.nn.Module, example_inputs: Any, loss_fn: Callable, seed: int) -> Any:
+def train_step(
+    fn: Callable[..., Any],
+    model: torch.nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable,
+    seed: int,
+    grads: dict[str, torch.Tensor | None] | None = None,
+) -> Any:
     """One training step (forward, loss, backward) under ``seed``; the model's gradients are cleared after.
 
     Args:
@@ -70,6 +77,8 @@ def train_step(fn: Callable[..., Any], model: torch.nn.Module, example_inputs: A
         example_inputs: as for :func:`savedhooks.plan`.
         loss_fn: turns the output into a scalar.
         seed: ``torch.manual_seed`` before the step (the global RNG is restored after).
+        grads: filled, if given, with each parameter's gradient (a copy on
+            the CPU; None where it has none) before they are cleared.
 
     Returns:
         The model's output, detached.
@@ -82,6 +91,8 @@ def train_step(fn: Callable[..., Any], model: torch.nn.Module, example_inputs: A
         torch.manual_seed(seed)
         output = call_model(fn, example_inputs)
         loss_fn(output).backward()
+    if grads is not None:
+        grads.update((n, None if p.grad is None else p.grad.detach().cpu()) for n, p in model.named_parameters())
     model.zero_grad(set_to_none=True)
     return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, output)
 
@@ -127,6 +138,7 @@ def record_step(
     unhook: bool,
     recompute: Sequence[str] = (),
     recompute_mode: str = FULL,
+    grads: dict[str, torch.Tensor | None] | None = None,
 ) -> RecordedStep:
     """Compile ``model`` afresh with ``backend``, run one step inside ``within()``, and model its graphs.
 
@@ -146,6 +158,7 @@ def record_step(
             hooks (:func:`savedhooks.planner.recording.recording_backend`).
         recompute: module paths of the blocks to checkpoint.
         recompute_mode: ``"full"`` or ``"selective"``.
+        grads: filled with the step's parameter gradients, if given (:func:`train_step`).
 
     Returns:
         A :class:`RecordedStep`.
@@ -163,7 +176,8 @@ def record_step(
     ):
         try:
             with within(), recorder.kernel_order():
-                output = train_step(torch.compile(model, backend=recording), model, example_inputs, loss_fn, seed)
+                compiled = torch.compile(model, backend=recording)
+                output = train_step(compiled, model, example_inputs, loss_fn, seed, grads)
         finally:
             torch._dynamo.reset()
     if not recorder.forwards or len(recorder.forwards) != len(recorder.backwards):
