@@ -53,7 +53,15 @@ from savedhooks.planner.result import Plan
 from savedhooks.planner.step import train_step
 from savedhooks.planner.survey import Survey
 
-__all__ = ["BF16_MARGIN_DB", "FidelityLimit", "check_min_sqnr", "measure_limit", "meets_limit"]
+__all__ = [
+    "BF16_MARGIN_DB",
+    "FidelityLimit",
+    "check_min_sqnr",
+    "fidelity_line",
+    "measure_limit",
+    "meets_limit",
+    "predicted_db",
+]
 
 BF16_MARGIN_DB = 24.0  # bf16's rounding error against e4m3's: 4 more significant bits
 _MARGINS = {"fp8": 0.0, "bf16": BF16_MARGIN_DB}  # lossy options: dB above fp8's measured SQNR
@@ -235,3 +243,39 @@ def meets_limit(plan: Plan, min_sqnr_db: float | None) -> bool:
     if min_sqnr_db is None or db is None:
         return True
     return db >= min_sqnr_db - _DB_SLACK  # the search compared harms: log10's rounding
+
+
+def predicted_db(plan: Plan) -> str:
+    """A plan's predicted SQNR for a log line.
+
+    Args:
+        plan: a plan.
+
+    Returns:
+        ``", predicted 41.3 dB"``, or ``""`` where fidelity was not measured.
+
+    Raises:
+        Nothing.
+    """
+    return "" if plan.predicted_sqnr_db is None else f", predicted {plan.predicted_sqnr_db:.1f} dB"
+
+
+def fidelity_line(plan: Plan, min_sqnr_db: float, lost: int) -> str:
+    """The planner's log line on the kept plan's fidelity.
+
+    Args:
+        plan: the plan kept.
+        min_sqnr_db: the limit.
+        lost: how many of its setting's choices lost a lossy option before the search.
+
+    Returns:
+        The line (``"fidelity: predicted ..."``).
+
+    Raises:
+        Nothing.
+    """
+    checked = "" if plan.checked_sqnr_db is None else f", checked {plan.checked_sqnr_db:.1f} dB"
+    return (
+        f"fidelity:{predicted_db(plan).removeprefix(',')}{checked} (min_sqnr_db {min_sqnr_db:g}); {lost} choices "
+        f"(plan keys) lost fp8 or bf16 (alone predicted below {min_sqnr_db:g} dB, from sh.sensitivity)"
+    )

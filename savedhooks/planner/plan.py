@@ -64,7 +64,14 @@ from savedhooks.planner.check import (
     tighten,
     warn_unchecked,
 )
-from savedhooks.planner.fidelity import FidelityLimit, check_min_sqnr, measure_limit, meets_limit
+from savedhooks.planner.fidelity import (
+    FidelityLimit,
+    check_min_sqnr,
+    fidelity_line,
+    measure_limit,
+    meets_limit,
+    predicted_db,
+)
 from savedhooks.planner.lockstep import checked_together, follow, is_leader, lead, several
 from savedhooks.planner.recompute import FULL, SELECTIVE, block_seconds, check_mode, find_blocks, resolve_blocks
 from savedhooks.planner.result import InfeasibleBudgetError, InfeasibleFidelityError, Plan, check_budget
@@ -263,7 +270,7 @@ class Planner:
             log.append(
                 f"{_name(*setting)}: peak {candidate.predicted_peak_bytes / _MiB:.2f} MiB, "
                 f"{candidate.seconds * 1e3:.2f} ms (recompute {candidate.recompute_seconds * 1e3:.2f})"
-                + _db(candidate)
+                + predicted_db(candidate)
             )
             if self._faithful(candidate):
                 ranked.append((setting, found, candidate))
@@ -274,7 +281,7 @@ class Planner:
             reused = [(p, peak) for p, peak in self._checked.values() if peak <= budget_bytes and self._faithful(p)]
             if check and reused:
                 return self._chosen(cheapest(reused, budget_bytes), log, "a plan checked before", verbose)
-            raise self._unfaithful(budget_bytes, unfaithful)
+            raise InfeasibleFidelityError(budget_bytes, self.min_sqnr_db, max(p.predicted_sqnr_db for p in unfaithful))
         ranked.sort(key=lambda r: r[2].seconds)  # stable: ties go to the setting tried first
         if check:
             try:
@@ -299,12 +306,7 @@ class Planner:
         """The plan returned: ``best`` with the planner's baseline and floor, and the driver's log after its own."""
         setting = (len(best.recompute), best.recompute_mode if best.recompute else FULL)
         if self.min_sqnr_db is not None:
-            checked = "" if best.checked_sqnr_db is None else f", checked {best.checked_sqnr_db:.1f} dB"
-            log.append(
-                f"fidelity: predicted {best.predicted_sqnr_db:.1f} dB{checked} (min_sqnr_db {self.min_sqnr_db:g}); "
-                f"{self._limited.get(setting, 0)} choices (plan keys) lost fp8 or bf16 "
-                f"(alone predicted below {self.min_sqnr_db:g} dB, from sh.sensitivity)"
-            )
+            log.append(fidelity_line(best, self.min_sqnr_db, self._limited.get(setting, 0)))
         log.append(f"kept: {_name(*setting)}, {kept}")
         chosen = dataclasses.replace(
             best, baseline_peak_bytes=self.baseline_bytes, floor_bytes=self.floor_bytes, log=(*best.log, *log)
@@ -316,14 +318,11 @@ class Planner:
     def _below_floor(self, budget_bytes: int, log: list[str]) -> Plan:
         """A budget below every modelled floor, checked: the smallest-payload plans of the settings near the floor.
 
-        The search's floor is modelled on the graphs surveyed without hooks;
-        with every candidate packed, the graphs compiled with the hooks can
-        peak lower (llama at size 1 under inductor: modelled 13.93 MiB,
-        measured 12.7). Each setting whose modelled floor is within
-        :data:`FLOOR_MARGIN` of the least is checked with every candidate at
-        its smallest payload (one compile and step each, kept per choice); of
-        those and the plans checked before whose checked peak meets the
-        budget, the least modelled time wins.
+        With every candidate packed, the hooked graphs can peak below the
+        floor modelled on the graphs surveyed without hooks (llama at size 1:
+        modelled 13.93 MiB, measured 12.7). Each setting whose modelled floor
+        is within :data:`FLOOR_MARGIN` of the least is checked so; of those
+        and the plans checked before that meet the budget, the least modelled time wins.
 
         Raises:
             InfeasibleBudgetError: none meets the budget; it names the lowest
@@ -335,7 +334,7 @@ class Planner:
         for setting, found in near:
             smallest = found.plan_smallest(budget_bytes)
             if packs_nothing(smallest) or not self._faithful(smallest):
-                why = "packs nothing" if packs_nothing(smallest) else f"every candidate packed{_db(smallest)}"
+                why = "packs nothing" if packs_nothing(smallest) else f"every candidate packed{predicted_db(smallest)}"
                 log.append(f"{_name(*setting)}: below its modelled floor: {why}")
                 continue
             try:
@@ -393,14 +392,8 @@ class Planner:
         raise InfeasibleBudgetError(budget_bytes, min(lowest, self.baseline_bytes), self.baseline_bytes, checked=True)
 
     def _faithful(self, plan: Plan) -> bool:
-        """Whether a plan's predicted SQNR meets ``min_sqnr_db`` (always, without one)."""
+        """Whether a plan's SQNR (checked, else predicted) meets ``min_sqnr_db`` (always, without one)."""
         return meets_limit(plan, self.min_sqnr_db)
-
-    def _unfaithful(self, budget_bytes: int, plans: list[Plan]) -> InfeasibleFidelityError:
-        """The error when every setting's plan for the budget is predicted below ``min_sqnr_db``."""
-        assert self.min_sqnr_db is not None and plans  # a budget above a floor has a plan in some setting
-        best = max(p.predicted_sqnr_db for p in plans if p.predicted_sqnr_db is not None)
-        return InfeasibleFidelityError(budget_bytes, self.min_sqnr_db, best)
 
     def _check(self, setting: tuple[int, str], plan: Plan) -> int:
         """A plan's checked peak, once per choice; with several processes, on every rank (the highest)."""
@@ -424,11 +417,6 @@ class Planner:
         found = self._surveys.get(setting)
         loss = found.loss_bytes if found is not None and found.loss_bytes else None
         return check_peak(model, inputs, plan, loss_fn, seed, loss, grads)
-
-
-def _db(plan: Plan) -> str:
-    """A plan's predicted SQNR for the log (empty where fidelity is not measured)."""
-    return "" if plan.predicted_sqnr_db is None else f", predicted {plan.predicted_sqnr_db:.1f} dB"
 
 
 def _name(k: int, mode: str, verb: str = "recompute") -> str:
