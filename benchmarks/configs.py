@@ -48,7 +48,7 @@ CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8() returns it
 POLICY = sh.policy()  # the library's default policy (fp8 as above, bitmasks, statistics kept)
 POLICY_UNCENTERED = sh.policy(centered=None)  # the same, batch norm inputs not centered under inductor
 TORCH_PATH_FLOAT8 = sh.Float8(granularity="row")  # what torch's own path (make_fx'd hooks) computes
-FIDELITY_STEP = 0.05  # plan_or_lowest raises a budget no plan meets min_sqnr_db within by this share per try
+FIDELITY_STEP = 0.02  # plan_or_lowest raises a budget no plan meets min_sqnr_db within by this share per try
 MEMORY_BUDGET = 0.5  # torch._functorch.config.activation_memory_budget for the "memory budget" configuration
 
 

@@ -69,9 +69,9 @@ class InfeasibleFidelityError(ValueError):
         self.best_sqnr_db = best_sqnr_db
         self.checked = checked
         if checked:
-            what = f"meets min_sqnr_db={min_sqnr_db:g} on its checked step: the best measured {best_sqnr_db:.1f} dB"
+            what = f"meets min_sqnr_db={min_sqnr_db:g} on its checked step: the best measured {best_sqnr_db:.2f} dB"
         else:
-            what = f"is predicted to meet min_sqnr_db={min_sqnr_db:g}: the best is predicted at {best_sqnr_db:.1f} dB"
+            what = f"is predicted to meet min_sqnr_db={min_sqnr_db:g}: the best is predicted at {best_sqnr_db:.2f} dB"
         super().__init__(
             f"sh.plan: no plan within a budget of {budget_bytes / _MiB:.2f} MiB {what} (the errors of the "
             "packed tensors add); raise the budget or lower min_sqnr_db"
