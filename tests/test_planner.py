@@ -386,6 +386,20 @@ def test_a_fidelity_limit_prices_lossy_options_and_takes_away_those_too_harmful_
     assert harms["fine"]["keep"] == harms["fine"]["offload"] == 0.0
 
 
+def test_measure_limit_lists_the_saved_tensors_when_inductor_s_caches_are_warm():
+    from savedhooks.planner.fidelity import measure_limit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    x = torch.randn(64, 16)
+    torch._dynamo.reset()
+    cold = sh.sensitivity(model, (x,), sh.fp8(), _loss, "inductor", 0, 0, verbose=False)  # fills the caches
+    torch._dynamo.reset()
+    limit = measure_limit(model, (x,), _loss, "inductor", 0, 30.0, individually=0)
+    # a compile served from a cache traces nothing, and the census is taken while tracing
+    assert len(limit.per_byte) == len({(t.op, t.shape, t.dtype) for g in cold.groups for t in g.tensors}) > 0
+
+
 def test_measure_limit_shares_a_group_s_harm_among_its_tensors_by_bytes(monkeypatch):
     from savedhooks.fidelity.sensitivity import SavedGroup, Sensitivity
     from savedhooks.planner import fidelity

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -214,7 +215,17 @@ def measure_limit(
         ValueError: as :func:`savedhooks.sensitivity` (no parameter gets a
             gradient, no floating output and no ``loss_fn``).
     """
-    report = sensitivity(model, example_inputs, fp8(), loss_fn, backend, individually, seed, verbose=False)
+    # its census of saved tensors is taken while the graphs are traced: a compile served from inductor's FX
+    # graph cache or AOTAutograd's cache traces nothing, and the report came out empty (every harm 0)
+    with (
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+    ):
+        report = sensitivity(model, example_inputs, fp8(), loss_fn, backend, individually, seed, verbose=False)
+    if not report.groups:
+        warnings.warn(
+            "sh.plan: sh.sensitivity listed no saved tensor to pack: min_sqnr_db prices nothing", stacklevel=2
+        )
     reference: dict[str, torch.Tensor | None] = {}
     train_step(model, model, example_inputs, loss_fn or default_loss, seed, reference)
     per_byte: dict[tuple[Any, ...], float] = {}

@@ -385,9 +385,12 @@ class Planner:
             if mine:
                 least = min(peak for _, peak in mine)
                 lowest = least if lowest is None else min(lowest, least)
-        if lowest is None:  # every plan checked measured below min_sqnr_db
-            measured = [p.checked_sqnr_db for p, _ in self._checked.values() if p.checked_sqnr_db is not None]
-            raise InfeasibleFidelityError(budget_bytes, self.min_sqnr_db, max(measured), checked=True)
+        if lowest is None:  # every plan checked measured below min_sqnr_db: the best that meets the budget's peak
+            settings = {setting for setting, _, _ in ranked}
+            checked = [(p, peak) for (s, _), (p, peak) in self._checked.items() if s in settings]
+            within = [p for p, peak in checked if peak <= budget_bytes] or [p for p, _ in checked]
+            best = max(p.checked_sqnr_db for p in within)
+            raise InfeasibleFidelityError(budget_bytes, self.min_sqnr_db, best, checked=True)
         # packing nothing runs the surveyed graphs: their modelled peak is checked already
         raise InfeasibleBudgetError(budget_bytes, min(lowest, self.baseline_bytes), self.baseline_bytes, checked=True)
 
