@@ -472,17 +472,22 @@ def test_plan_with_min_sqnr_keeps_a_planted_sensitive_tensor_exact():
     assert sqnr[25.0] >= 25
 
 
-def test_plan_with_min_sqnr_meets_it_for_the_whole_plan(monkeypatch):
+def _mlp_at_fixed_costs(monkeypatch):
+    """The tests' MLP, its reference gradients, and codec costs fixed (about as measured under aot_eager on the
+    project's machine): the plans do not depend on a timing."""
     from savedhooks.planner.result import CODECS
 
-    # fixed codec costs (about as measured under aot_eager on the project's machine): the plans do not depend on
-    # a timing
     per_byte = {repr(CODECS["bf16"]): 4.4e-11, repr(CODECS["fp8"]): 2.2e-10, repr(CODECS["offload"]): 1e-9}
     monkeypatch.setattr(_survey_module(), "seconds_per_byte", lambda codec, *args: per_byte[repr(codec)])
     model, x = _mlp()
     _loss(model(x)).backward()
     reference = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
+    return model, x, reference
+
+
+def test_plan_with_min_sqnr_meets_it_for_the_whole_plan(monkeypatch):
+    model, x, reference = _mlp_at_fixed_costs(monkeypatch)
     plans, measured = {}, {}
     for limit in (-100.0, 42.0):  # -100: the harm measured, no limit
         torch._dynamo.reset()
@@ -501,7 +506,6 @@ def test_plan_with_min_sqnr_meets_it_for_the_whole_plan(monkeypatch):
     assert plans[-100.0].predicted_sqnr_db < 42.0
     assert plans[42.0].predicted_sqnr_db >= 42.0 and measured[42.0] >= 42.0
     assert plans[42.0].seconds >= plans[-100.0].seconds
-    assert [t.choice for t in plans[42.0].tensors] != [t.choice for t in plans[-100.0].tensors]
     assert "predicted worst parameter-gradient SQNR: " in plans[42.0].report()
     assert any(line.startswith("fidelity: price ") for line in plans[42.0].log)
     assert sh.Plan.from_json(plans[42.0].to_json()) == plans[42.0]
@@ -510,14 +514,7 @@ def test_plan_with_min_sqnr_meets_it_for_the_whole_plan(monkeypatch):
 def test_a_checked_plan_s_fidelity_is_measured_and_one_below_the_limit_is_refused(monkeypatch):
     import dataclasses
 
-    from savedhooks.planner.result import CODECS
-
-    per_byte = {repr(CODECS["bf16"]): 4.4e-11, repr(CODECS["fp8"]): 2.2e-10, repr(CODECS["offload"]): 1e-9}
-    monkeypatch.setattr(_survey_module(), "seconds_per_byte", lambda codec, *args: per_byte[repr(codec)])
-    model, x = _mlp()
-    _loss(model(x)).backward()
-    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
+    model, x, reference = _mlp_at_fixed_costs(monkeypatch)
     torch._dynamo.reset()
     planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager", blocks=(), min_sqnr_db=42.0)
     budget = int(0.6 * planner.baseline_bytes)
