@@ -28,7 +28,8 @@ Design notes
   by :func:`savedhooks.sensitivity`; each setting's search meets the plan's
   limit at the least time (bf16, keep or offload for fp8), and a setting
   whose plan is still predicted below it is not ranked (recompute settings
-  that pack less can win). Plans below it are neither checked nor kept.
+  that pack less can win). Plans predicted below it are not checked; in one
+  process the check measures gradients too, and a plan below it is not kept.
 * Checked: the chosen plan is compiled once more with
   its own hooks and its graphs modelled (:mod:`savedhooks.planner.check`); while they peak above
   the budget the search runs again below it by the excess. The first setting
@@ -238,7 +239,7 @@ class Planner:
                 (with ``check``: and below what every smallest-payload plan
                 checked near that floor peaks at), or (``check``) every plan
                 checked peaks above it.
-            InfeasibleFidelityError: every plan meeting the budget is predicted below ``min_sqnr_db``.
+            InfeasibleFidelityError: every plan meeting the budget is predicted (checked: measured) below ``min_sqnr_db``.
             RuntimeError: (several processes, with ``check``) rank 0's search raised.
         """
         check_budget(budget_bytes)
@@ -476,7 +477,9 @@ def plan(
             :mod:`savedhooks.planner.fidelity`), prices each lossy choice by
             the gradient noise it adds (the noises add up), and meets the
             limit at the least time (bf16 or keep instead of fp8, or more
-            recompute); ``plan.predicted_sqnr_db`` is the prediction.
+            recompute); ``plan.predicted_sqnr_db`` is the prediction. With
+            ``check`` in one process, each checked plan's gradients are
+            measured too (``plan.checked_sqnr_db``) and one below the limit is not kept.
         check: check plans on the graphs compiled with their own hooks (one
             compile and step each; the module notes; ``predicted_peak_bytes``
             is then the checked peak). ``False``: the survey's model alone,
@@ -503,7 +506,8 @@ def plan(
             lowest checked peak where that is lower), or, with ``check``, every
             plan checked peaks above it.
         InfeasibleFidelityError: (``min_sqnr_db``) every plan meeting the
-            budget is predicted below it (the error names the best prediction).
+            budget is predicted (or, checked, measured) below it; the error
+            names the best figure.
         RuntimeError: (several processes, with ``check``) rank 0's search
             raised (that rank raises the error itself), or a check raised
             other than ``ValueError`` / ``NotCompiledError`` on some rank
