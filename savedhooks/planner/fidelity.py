@@ -287,6 +287,6 @@ def fidelity_line(plan: Plan, min_sqnr_db: float, lost: int) -> str:
     """
     checked = "" if plan.checked_sqnr_db is None else f", checked {plan.checked_sqnr_db:.1f} dB"
     return (
-        f"fidelity:{predicted_db(plan).removeprefix(',')}{checked} (min_sqnr_db {min_sqnr_db:g}); {lost} choices "
+        f"fidelity: predicted {plan.predicted_sqnr_db:.1f} dB{checked} (min_sqnr_db {min_sqnr_db:g}); {lost} choices "
         f"(plan keys) lost fp8 or bf16 (alone predicted below {min_sqnr_db:g} dB, from sh.sensitivity)"
     )

@@ -365,6 +365,9 @@ def search_within(
         else:
             low = middle
     meets = [(p, r) for p, r in tried.items() if r.harm <= max_harm and r.peak <= budget]
-    price, kept = min(meets or tried.items(), key=lambda pr: (pr[1].seconds, pr[1].harm) if meets else pr[1].harm)
+    if meets:
+        price, kept = min(meets, key=lambda pr: (pr[1].seconds, pr[1].harm))
+    else:
+        price, kept = min(tried.items(), key=lambda pr: pr[1].harm)
     line = f"fidelity: price {price:.3g} s per unit of harm, harm {kept.harm:.3g} (limit {max_harm:.3g}), {len(tried)} searches"
     return dataclasses.replace(kept, log=(*kept.log, line))
