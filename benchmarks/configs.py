@@ -40,6 +40,7 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
 import savedhooks as sh
 from benchmarks.models import Workload
+from savedhooks.compilers import placed_aot_eager
 
 __all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FIDELITY_STEP", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "lowest_budget", "plan_or_lowest", "planner_for", "torch_fp8_hooks"]
 
@@ -74,15 +75,16 @@ class GraphLog:
             Nothing.
         """
         if backend == "aot_eager":
-            compilers = {"fw_compiler": boxed_nop, "bw_compiler": boxed_nop}
-        elif isinstance(backend, functools.partial) and backend.func is aot_eager:
+            func, compilers = aot_eager, {"fw_compiler": boxed_nop, "bw_compiler": boxed_nop}
+        elif isinstance(backend, functools.partial) and backend.func in (aot_eager, placed_aot_eager):
+            func = backend.func  # placed_aot_eager: sh.backend("aot_eager"), whose codecs know the unpacks move
             compilers = {k: backend.keywords.get(k, boxed_nop) for k in ("fw_compiler", "bw_compiler")}
         else:
             return None
         keywords = dict(backend.keywords) if isinstance(backend, functools.partial) else {}
         keywords["fw_compiler"] = self._keep(compilers["fw_compiler"], self.forward)
         keywords["bw_compiler"] = self._keep(compilers["bw_compiler"], self.backward)
-        return functools.partial(aot_eager, **keywords)
+        return functools.partial(func, **keywords)
 
     @staticmethod
     def _keep(compiler: Callable, graphs: list[torch.fx.GraphModule]) -> Callable:

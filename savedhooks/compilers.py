@@ -8,11 +8,16 @@
   sets, so that plain ``torch.compile`` gets the pass.
 * :func:`backend`: ``sh.backend("aot_eager")`` / ``sh.backend("inductor")``,
   placement without touching configs.
+* :func:`placed_compile`: marks a compile whose compilers will place the unpacks
+  (``sh.backend("aot_eager")``, the planner's recording): the codecs read it
+  (:func:`savedhooks.codecs.placement.unpacks_placed`) while the hooks are traced,
+  before any compiler runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import pathlib
@@ -29,7 +34,7 @@ from savedhooks.input_layout import keep_input_layout, recorded_weights, restore
 from savedhooks.passes import has_hook_chains, is_backward_graph, place_hooks, reorder_for_memory
 from savedhooks.unfuse import join_adjacent, split_late_addmm
 
-__all__ = ["ReorderPass", "backend", "inductor_placement", "reorder_pass"]
+__all__ = ["ReorderPass", "backend", "inductor_placement", "placed_aot_eager", "placed_compile", "placing_requested", "reorder_pass"]
 
 
 class ReorderPass(CustomGraphPass):
@@ -201,6 +206,67 @@ def backend(base: str = "aot_eager"):
     raise ValueError(f"savedhooks.backend: base must be 'aot_eager' or 'inductor', got {base!r}")
 
 
+_PLACED: contextvars.ContextVar[bool] = contextvars.ContextVar("savedhooks_placed_compile", default=False)
+
+
+@contextlib.contextmanager
+def placed_compile() -> Iterator[None]:
+    """Mark the compiles run inside as ones whose graph compilers place each unpack right before its first use.
+
+    AOTAutograd traces the hooks into the graphs (and torch puts every unpack
+    at the start of the backward) before any graph compiler runs, so a codec
+    cannot tell from the graphs whether the unpacks will move. A backend whose
+    compilers move them (``sh.backend("aot_eager")``) compiles inside this.
+
+    Args:
+        None.
+
+    Returns:
+        A context manager.
+
+    Raises:
+        Nothing.
+    """
+    token = _PLACED.set(True)
+    try:
+        yield
+    finally:
+        _PLACED.reset(token)
+
+
+def placing_requested() -> bool:
+    """Whether the running compile is inside :func:`placed_compile`.
+
+    Args:
+        None.
+
+    Returns:
+        True inside :func:`placed_compile`.
+
+    Raises:
+        Nothing.
+    """
+    return _PLACED.get()
+
+
+def placed_aot_eager(gm: torch.fx.GraphModule, example_inputs, **keywords):
+    """torch's ``aot_eager`` run inside :func:`placed_compile`: for graph compilers that place the unpacks.
+
+    Args:
+        gm: the graph dynamo captured.
+        example_inputs: its example inputs.
+        **keywords: passed on to ``aot_eager`` (``fw_compiler``, ``bw_compiler``).
+
+    Returns:
+        What ``aot_eager`` returns.
+
+    Raises:
+        Whatever ``aot_eager`` raises.
+    """
+    with placed_compile():
+        return aot_eager(gm, example_inputs, **keywords)
+
+
 def _placing(is_backward: bool):
     def compiler(gm: torch.fx.GraphModule, example_inputs):
         reorder_for_memory(gm, is_backward)
@@ -230,4 +296,4 @@ _SOURCE_DIGEST = hashlib.sha256(
 _REORDER_PASSES = {(f, h): ReorderPass(forward=f, hooked_only=h) for f in (False, True) for h in (False, True)}
 # torch's own aot_eager (its min-cut partitioner, its input-mutation handling) with
 # placement added: the same graphs as "aot_eager", only reordered.
-_AOT_EAGER_BACKEND = functools.partial(aot_eager, fw_compiler=_placing(False), bw_compiler=_placing(True))
+_AOT_EAGER_BACKEND = functools.partial(placed_aot_eager, fw_compiler=_placing(False), bw_compiler=_placing(True))

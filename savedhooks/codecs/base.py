@@ -15,6 +15,8 @@ Design notes
   innermost dim in memory becomes ``cols``). For any dense tensor, transposed
   or channels_last included, that view needs no copy, and unpack gives back a
   tensor with the original strides by permuting back.
+* Under compile without placement the driver stores overlapping views of one
+  storage as they are (:mod:`savedhooks.codecs.placement`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-import sys
 from typing import Any
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
+from savedhooks.codecs.placement import decodes_twice, inductor_compiling, unpacks_placed
 from savedhooks.hooks import HookPair, hook_context, make_hook_pair
 from savedhooks.kernels import triton_available
 
@@ -279,7 +281,7 @@ def inductor_traces() -> bool:
     Raises:
         Nothing.
     """
-    return hook_context() is not None and _inductor_compiling()
+    return hook_context() is not None and inductor_compiling()
 
 
 def materializes_better(x: torch.Tensor) -> bool:
@@ -302,18 +304,6 @@ def materializes_better(x: torch.Tensor) -> bool:
         Nothing.
     """
     return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
-
-
-def _inductor_compiling() -> bool:
-    """Whether the caller runs inside inductor's ``compile_fx`` (AOTAutograd called by inductor)."""
-    compile_fx = sys.modules.get("torch._inductor.compile_fx")  # never imported: inductor is not compiling
-    main = getattr(compile_fx, "_compile_fx_main", None)
-    frame = sys._getframe(1)
-    while main is not None and frame is not None:
-        if frame.f_code is main.__code__:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def kernel_backend(backend: str) -> str:
@@ -378,7 +368,12 @@ def pack_saved(codec: Codec, x: torch.Tensor) -> tuple[int, Any]:
     """Pack one saved tensor: ``(index of the codec used, payload)``.
 
     Index -1 stores x as is; -2 stores only its sign (see :func:`sign_only_in_backward`).
+    Under compile without placement, a value whose decode would hold bytes
+    twice is stored as is (:func:`savedhooks.codecs.placement.decodes_twice`).
     """
+    ctx = hook_context()
+    if ctx is not None and not unpacks_placed() and decodes_twice(ctx):
+        return _AS_IS, x
     index = codec.choose(x)
     if index < 0:
         return _AS_IS, x

@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from savedhooks.compilers import reorder_pass
+from savedhooks.compilers import placed_aot_eager, reorder_pass
 from savedhooks.passes import is_backward_graph, reorder_for_memory, unhook_names
 
 __all__ = ["REALIZED", "GraphRecorder", "fresh_backend", "recording_backend", "run_in_kernel_order"]
@@ -209,13 +209,15 @@ def fresh_backend(backend: str, **keywords: Any) -> Callable[..., Any]:
         **keywords: passed on to torch's ``aot_eager`` or inductor's ``compile_fx``.
 
     Returns:
-        A ``torch.compile`` backend that compiles as ``backend`` does.
+        A ``torch.compile`` backend that compiles as ``backend`` does; aot_eager
+        inside :func:`savedhooks.compilers.placed_compile`, as the plan runs it
+        (``sh.backend("aot_eager")``), so that the codecs pack what they pack there.
 
     Raises:
         ValueError: another backend.
     """
     if backend == "aot_eager":
-        return functools.partial(aot_eager, **keywords)
+        return functools.partial(placed_aot_eager, **keywords)
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
 

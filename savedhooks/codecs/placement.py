@@ -1,0 +1,118 @@
+"""What a codec knows, while AOTAutograd traces it, about where its unpacks will run.
+
+Design notes
+------------
+* torch puts every inlined unpack at the start of the backward graph. A compiled
+  backward runs in that order unless something moves them: inductor (the reorder
+  pass that entering the hooks installs, and its scheduler, which fuses decodes
+  into their readers) or a savedhooks backend
+  (:func:`savedhooks.compilers.placed_compile`). Neither has run when the hooks
+  are traced, so the codecs ask :func:`unpacks_placed`.
+* Without placement, overlapping views of one storage cost memory: AOTAutograd
+  packs each saved value on its own and each is decoded into a buffer of its
+  own, all at the start of the backward. The vit's attention output (saved by
+  SDPA) and its reshape (saved by the output projection) were decoded twice:
+  its plain aot_eager step peaked at 31.1 MiB against 29.5 without hooks. The
+  driver stores such values as they are (:func:`decodes_twice`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from savedhooks.compilers import placing_requested
+from savedhooks.contract import HookContext
+
+__all__ = ["decodes_twice", "inductor_compiling", "unpacks_placed"]
+
+
+def inductor_compiling() -> bool:
+    """Whether the caller runs inside inductor's ``compile_fx`` (AOTAutograd called by inductor).
+
+    Args:
+        None.
+
+    Returns:
+        True when inductor's ``_compile_fx_main`` is on the call stack.
+
+    Raises:
+        Nothing.
+    """
+    compile_fx = sys.modules.get("torch._inductor.compile_fx")  # never imported: inductor is not compiling
+    main = getattr(compile_fx, "_compile_fx_main", None)
+    frame = sys._getframe(1)
+    while main is not None and frame is not None:
+        if frame.f_code is main.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def unpacks_placed() -> bool:
+    """Whether the graphs being traced will have their unpacks moved to their uses.
+
+    Args:
+        None.
+
+    Returns:
+        True under inductor (the reorder pass that entering the hooks installs,
+        and its scheduler, which fuses decodes into their readers) and inside
+        :func:`savedhooks.compilers.placed_compile` (``sh.backend("aot_eager")``);
+        False elsewhere, for example under plain ``torch.compile(backend="aot_eager")``.
+
+    Raises:
+        Nothing.
+    """
+    return placing_requested() or inductor_compiling()
+
+
+def _tensor(node: Any) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _storage(val: torch.Tensor) -> int | None:
+    try:
+        return val.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):  # storage-less tensors
+        return None
+
+
+def decodes_twice(ctx: HookContext) -> bool:
+    """Whether the forward outputs on the saved value's storage hold more bytes than that storage.
+
+    AOTAutograd packs each saved value on its own, and each is decoded into a
+    buffer of its own. Where several outputs (saved for backward or returned)
+    view one storage and overlap (an attention output and the reshape of it
+    that the output projection saves), their decoded buffers hold some bytes
+    twice, where the step without hooks held the storage once. Views that
+    split a storage (the q, k and v of one projection) decode into no more
+    bytes than it has.
+
+    Args:
+        ctx: the context of the value being packed (:func:`savedhooks.hook_context`);
+            AOTAutograd changes the forward graph's outputs only after every
+            saved value is packed, so they are the original ones here.
+
+    Returns:
+        True when the outputs sharing the storage are known to hold more
+        elements' bytes than the storage (False when the sizes are symbolic
+        and not known to).
+
+    Raises:
+        Nothing.
+    """
+    val = _tensor(ctx.node)
+    mine = None if val is None else _storage(val)
+    if mine is None:
+        return False
+    views = [t for t in map(_tensor, ctx.fw_graph.output_node().args[0]) if t is not None and _storage(t) == mine]
+    if len(views) < 2:
+        return False
+    held = sum(t.numel() * t.element_size() for t in views)
+    return statically_known_true(held > val.untyped_storage().nbytes())
