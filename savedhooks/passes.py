@@ -182,10 +182,10 @@ def reorder_graph(
     if fused:
         sunk = sink_free(problem, result.order)
         if sunk != result.order and peak_of(problem, sunk) <= result.peak:
-            result = dataclasses.replace(result, order=sunk, method=result.method + "+sink")
+            result = dataclasses.replace(result, order=sunk, peak=peak_of(problem, sunk), method=result.method + "+sink")
     hoisted = hoist_frees(problem, result.order) if score == "peak" else result.order
-    if hoisted != result.order:
-        result = dataclasses.replace(result, order=hoisted, method=result.method + "+hoist")
+    if hoisted != result.order:  # hoisting can lower the peak too: report the order's own
+        result = dataclasses.replace(result, order=hoisted, peak=peak_of(problem, hoisted), method=result.method + "+hoist")
     nodes = [n for n in gm.graph.nodes if n.op != _OUTPUT]
     if result.order != list(range(len(nodes))):
         output = gm.graph.output_node()

@@ -325,6 +325,22 @@ def test_reordering_random_programs_keeps_results_and_never_raises_the_peak(data
         assert torch.equal(got, want)
 
 
+def test_reorder_graph_reports_the_peak_of_the_order_it_applies_after_hoisting():
+    """Found by the random programs above: hoist_frees lowered the peak, and the schedule kept reporting the search's."""
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x0, x1 = graph.placeholder("x0"), graph.placeholder("x1")
+    kept = [graph.call_function(aten.mul.Tensor, (x0, 1.5)) for _ in range(20)]  # outputs: alive to the end
+    joined = graph.call_function(aten.cat.default, ([x0, x1],))
+    graph.call_function(aten.cat.default, ([x0, joined],))  # read by nothing: frees what it reads
+    graph.output((graph.call_function(aten.mul.Tensor, (x0, 1.5)), *kept))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    before = sh.memory.estimate_peak(gm, torch.randn(1), torch.randn(1)).peak_bytes
+    result = reorder_graph(gm, exact_budget=500)
+    assert result.method.endswith("+hoist")
+    assert result.peak == sh.memory.estimate_peak(gm).peak_bytes < before
+
+
 def test_writes_and_rng_keep_their_order():
     aten = torch.ops.aten
     graph = torch.fx.Graph()
