@@ -408,3 +408,44 @@ def test_the_fp8_references_scratch_stays_under_256_kib_per_call(op):
     else:
         scratch = _scratch(lambda: torch_fp8_dequantize(q, scale, torch.float32, 128))
     assert 0 < scratch <= 256 * 1024
+
+
+def _patch_conv_weight_grad(g, x, w):
+    return torch.ops.aten.convolution_backward.default(
+        g, x, w, [w.shape[0]], [16, 16], [0, 0], [1, 1], False, [0, 0], 1, [False, True, True]
+    )[1:]
+
+
+def _sdpa_backward(go, q, k, v, out, lse):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(go, q, k, v, out, lse, 0.0, False)
+
+
+def _sdpa_case():
+    q, k, v = (torch.randn(4, 4, 197, 64) for _ in range(3))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v)
+    return _sdpa_backward, (torch.randn_like(out), q, k, v, out, lse)
+
+
+SCRATCH_CASES = {  # the vit's patch embedding (weight gradient only) and attention, at its size-1 shapes
+    "patch_convolution_backward": lambda: (
+        _patch_conv_weight_grad, (torch.randn(4, 256, 14, 14), torch.randn(4, 3, 224, 224), torch.randn(256, 3, 16, 16))
+    ),
+    "sdpa_backward": _sdpa_case,
+}
+
+
+@pytest.mark.parametrize("case", list(SCRATCH_CASES))
+def test_measured_aten_ops_count_their_cpu_scratch(case):
+    """The vit's step under inductor with the codec peaks in its patch convolution's backward (module notes)."""
+    from savedhooks.memory.scratch import MEASURED_ATEN, _scratch
+
+    fn, args = SCRATCH_CASES[case]()
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    (node,) = [n for n in gm.graph.nodes if n.target in MEASURED_ATEN]
+    measured_scratch = _scratch(lambda: fn(*args))
+    assert sh.memory.op_scratch_bytes(node) == measured_scratch > 0
+    # the model of the whole graph: its outputs and the op's scratch over the inputs
+    inputs = sum(a.nbytes for a in args)
+    predicted = sh.memory.estimate_peak(gm).peak_bytes - inputs
+    measured = sh.memory.measure_peak(lambda: gm(*args), device="cpu")
+    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
