@@ -562,3 +562,11 @@ def test_the_torch_2_11_shim_refuses_any_other_torch_and_needs_its_confirmation(
     with pytest.raises(SystemExit) as exit_info:
         torch211_shim.main(["--modify-installed-torch", "--offload-ops", str(tmp_path / "offload_ops.py")])
     assert exit_info.value.code == 2 and f"this is torch {torch.__version__}" in capsys.readouterr().err
+
+
+def test_inductor_prediction_models_inductor_graphs_of_a_benchmark_model():
+    from benchmarks.inductor_prediction import predicted_and_measured
+
+    predicted, measured = predicted_and_measured("gpt2", 1.0, "sh", compiled_loss=True)
+    assert measured > 0
+    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)

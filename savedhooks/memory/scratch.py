@@ -18,17 +18,17 @@ beyond its outputs (the quantize's per-group amax; two chunks of codes with a
 last short block): that figure is counted (``inductor_scratch_bytes``, measured
 equal in ``tests/test_inductor_codec.py``), not the reference's.
 
-Some aten ops allocate inside too, on CPU (:data:`MEASURED_ATEN`): measured
-on 2 cores at the benchmark models' shapes, a 3x3 convolution's backward held
-16.2 MiB above its 8.1 MiB of outputs (32 x 64 x 32 x 32 floats), its forward
-8.1 above 8.0, the vit's 16x16 patch convolution's backward (weight gradient
-only) 7.2 above 0.8, SDPA's CPU backward 1.0 above 2.3, layer norm's backward
-0.8 above 0.8; a matrix product and batch norm's forward nothing. The vit's
-step under inductor with the codec peaks in the patch convolution's backward,
-after every other gradient is made: without it the model put that step at
-12.8 MiB, measured 19.9. These are measured the same way, once per op, shapes,
-strides, dtypes and arguments: the op runs on zeros under the CPU memory
-profiler, and its peak above its outputs is the scratch.
+Some aten ops allocate inside too, on CPU (:data:`MEASURED_ATEN`): a
+convolution's forward and backward hold temporaries of the order of their
+input, SDPA's CPU backward and layer norm's backward less; a matrix product
+nothing. The vit's step under inductor with the codec peaks in its patch
+convolution's backward, after every other gradient is made: without its
+scratch the model put that step at 0.65x of the measured peak
+(``python -m benchmarks.inductor_prediction``). These are measured the same
+way, once per op, shapes, strides, dtypes and arguments: the op runs on zeros
+under the CPU memory profiler, and its peak above its outputs is the scratch.
+Measured in the graph's layout: where inductor runs convolutions
+channels_last (its layout optimization), that can be more than they hold.
 
 One aten op is counted too: ``native_dropout`` in training on CPU draws its
 mask as a float tensor of the input's size and dtype before casting it to bool
