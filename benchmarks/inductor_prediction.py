@@ -25,8 +25,10 @@ from torch._inductor import config as inductor_config
 
 import savedhooks as sh
 from benchmarks.models import MODELS, make_workload
-from savedhooks.planner.census import step_timeline, timeline_of
+from savedhooks.compilers import post_grad_passes
+from savedhooks.planner.census import step_timeline
 from savedhooks.planner.recording import GraphRecorder
+from savedhooks.planner.step import graph_timelines
 
 __all__ = ["CONFIGS", "predicted_and_measured"]
 
@@ -37,8 +39,7 @@ _MiB = 1 << 20
 @contextlib.contextmanager
 def _recording(recorder: GraphRecorder):
     """Append ``recorder`` to inductor's post-grad slot, compile the backward with the forward, keep kernel order."""
-    slot = inductor_config.post_grad_custom_post_pass
-    passes = tuple(slot) if isinstance(slot, (list, tuple)) else (() if slot is None else (slot,))
+    passes = post_grad_passes(inductor_config.post_grad_custom_post_pass)
     with (
         inductor_config.patch(post_grad_custom_post_pass=(*passes, recorder)),
         torch._functorch.config.patch(force_non_lazy_backward_lowering=True),
@@ -86,11 +87,7 @@ def predicted_and_measured(model: str, size: float, config: str, compiled_loss: 
     workload.model.zero_grad(set_to_none=True)
     if not recorder.forwards or len(recorder.forwards) != len(recorder.backwards):
         raise RuntimeError(f"{len(recorder.forwards)} forward and {len(recorder.backwards)} backward graphs recorded")
-    forwards = [
-        timeline_of(fw, {n.name for n in bw.graph.find_nodes(op="placeholder")}, fused=True)
-        for fw, bw in zip(recorder.forwards, reversed(recorder.backwards))
-    ]
-    backwards = [timeline_of(bw, fused=True) for bw in recorder.backwards]
+    forwards, backwards = graph_timelines(recorder, fused=True)
     predicted = max(step_timeline(forwards, backwards, []).live, default=0)
     torch._dynamo.reset()
     return predicted, measured

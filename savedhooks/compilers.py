@@ -34,7 +34,7 @@ from savedhooks.input_layout import keep_input_layout, recorded_weights, restore
 from savedhooks.passes import has_hook_chains, is_backward_graph, place_hooks, reorder_for_memory
 from savedhooks.unfuse import join_adjacent, split_late_addmm
 
-__all__ = ["ReorderPass", "backend", "inductor_placement", "placed_aot_eager", "placed_compile", "placing_requested", "reorder_pass"]
+__all__ = ["ReorderPass", "backend", "inductor_placement", "placed_aot_eager", "placed_compile", "placing_requested", "post_grad_passes", "reorder_pass"]
 
 
 class ReorderPass(CustomGraphPass):
@@ -139,9 +139,24 @@ def reorder_pass(forward: bool = False) -> ReorderPass:
     return _REORDER_PASSES[bool(forward), False]
 
 
+def post_grad_passes(slot) -> tuple:
+    """The passes of inductor's ``post_grad_custom_post_pass`` setting, in the order torch runs them.
+
+    Args:
+        slot: the setting: None, one pass, or a list or tuple of passes.
+
+    Returns:
+        A tuple of passes (empty for None).
+
+    Raises:
+        Nothing.
+    """
+    return tuple(slot) if isinstance(slot, (list, tuple)) else (() if slot is None else (slot,))
+
+
 def _with_pass(slot, ours: ReorderPass):
     """``slot`` (inductor's post-grad pass setting: None, a pass, or a list/tuple) with ``ours`` run last."""
-    passes = tuple(slot) if isinstance(slot, (list, tuple)) else (() if slot is None else (slot,))
+    passes = post_grad_passes(slot)
     if any(isinstance(p, ReorderPass) for p in passes):  # already placed (sh.reorder_pass(), a nested block)
         return slot
     return ours if not passes else (*passes, ours)

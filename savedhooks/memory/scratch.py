@@ -40,6 +40,7 @@ measured that much above the model without it (``tests/test_recompute.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -173,24 +174,29 @@ def op_scratch_bytes(node: torch.fx.Node) -> int:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Zeros:
+    """A tensor argument of a measured call: rebuilt as zeros of this shape, stride and dtype."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
 def _aten_scratch(node: torch.fx.Node) -> int:
     """An op of :data:`MEASURED_ATEN` on CPU: its measured scratch at the node's shapes (0 if they are unknown)."""
-    tensors: list[tuple] = []
 
     def spec(arg):
         if isinstance(arg, torch.fx.Node):
             val = arg.meta.get("val")
             if not isinstance(val, torch.Tensor) or val.device.type != "cpu":
                 raise LookupError
-            tensors.append(None)
-            return ("tensor", tuple(size_hint(d) for d in val.shape), tuple(size_hint(d) for d in val.stride()), val.dtype)
+            return _Zeros(tuple(map(size_hint, val.shape)), tuple(map(size_hint, val.stride())), val.dtype)
         return size_hint(arg) if isinstance(arg, torch.SymInt) else arg
 
     try:
         args = torch.utils._pytree.tree_map(spec, (node.args, node.kwargs))
     except LookupError:
-        return 0
-    if not tensors:
         return 0
     try:
         return _measured_aten_scratch(node.target, _frozen(args))
@@ -200,7 +206,7 @@ def _aten_scratch(node: torch.fx.Node) -> int:
 
 
 def _frozen(value):
-    """Lists as tuples, so that a call's arguments can key a cache."""
+    """Lists as tuples and dicts as sorted pairs, so that a call's arguments can key a cache."""
     if isinstance(value, (list, tuple)):
         return tuple(_frozen(v) for v in value)
     if isinstance(value, dict):
@@ -211,12 +217,9 @@ def _frozen(value):
 @functools.lru_cache(maxsize=256)
 def _measured_aten_scratch(op: torch._ops.OpOverload, frozen: tuple) -> int:
     def real(value):
-        if isinstance(value, tuple) and len(value) == 4 and value[0] == "tensor":
-            _, shape, stride, dtype = value
-            return torch.empty_strided(shape, stride, dtype=dtype).zero_()
-        if isinstance(value, tuple):
-            return [real(v) for v in value]
-        return value
+        if isinstance(value, _Zeros):
+            return torch.empty_strided(value.shape, value.stride, dtype=value.dtype).zero_()
+        return [real(v) for v in value] if isinstance(value, tuple) else value
 
     with unset_fake_temporarily():  # called by compilers, inside AOTAutograd's fake mode
         args, kwargs = real(frozen[0]), {k: real(v) for k, v in frozen[1]}

@@ -19,9 +19,9 @@ from savedhooks.fidelity.sensitivity import call_model
 from savedhooks.memory.measure import measure_peak
 from savedhooks.planner.census import GraphTimeline, timeline_of
 from savedhooks.planner.recompute import FULL, checkpointed
-from savedhooks.planner.recording import recording_backend
+from savedhooks.planner.recording import GraphRecorder, recording_backend
 
-__all__ = ["NotCompiledError", "RecordedStep", "device_of", "loss_peak", "record_step", "train_step"]
+__all__ = ["NotCompiledError", "RecordedStep", "device_of", "graph_timelines", "loss_peak", "record_step", "train_step"]
 
 
 class NotCompiledError(RuntimeError):
@@ -187,9 +187,25 @@ def record_step(
             "(Below a DDP or FSDP2 wrapper dynamo compiles only frames of user code: a model whose forward is "
             "torch's, such as nn.Sequential, runs eagerly, and so does a checkpointed block there.)"
         )
-    forwards = []
-    for fw, bw in zip(recorder.forwards, reversed(recorder.backwards)):
-        saved = {n.name for n in bw.graph.find_nodes(op="placeholder")}
-        forwards.append(timeline_of(fw, saved, fused=fused))
-    backwards = [timeline_of(bw, fused=fused) for bw in recorder.backwards]
+    forwards, backwards = graph_timelines(recorder, fused)
     return RecordedStep(forwards, backwards, output, fused)
+
+
+def graph_timelines(recorder: GraphRecorder, fused: bool) -> tuple[list[GraphTimeline], list[GraphTimeline]]:
+    """The timelines of a recorder's graphs: forwards in trace order, backwards in the order they ran.
+
+    Args:
+        recorder: what one step's compile kept (as many backward graphs as forward graphs).
+        fused: model the graphs as inductor runs them (:func:`savedhooks.planner.census.timeline_of`).
+
+    Returns:
+        ``(forwards, backwards)``; each forward's saved values are its backward's placeholders.
+
+    Raises:
+        ValueError: as :func:`savedhooks.planner.census.timeline_of`.
+    """
+    forwards = [
+        timeline_of(fw, {n.name for n in bw.graph.find_nodes(op="placeholder")}, fused=fused)
+        for fw, bw in zip(recorder.forwards, reversed(recorder.backwards))
+    ]
+    return forwards, [timeline_of(bw, fused=fused) for bw in recorder.backwards]
