@@ -43,7 +43,7 @@ from benchmarks.__main__ import RESULTS
 from benchmarks.configs import CONFIGS, Config, lowest_budget, memory_budget, plan_or_lowest, planned, planner_for
 from benchmarks.models import MODELS, Workload, make_workload
 from benchmarks.report import plot_pareto, table, write_csv
-from benchmarks.run import MIB, Row, measure, reference_grads, with_baselines
+from benchmarks.run import MIB, Row, error_text, measure, reference_grads, row_line, with_baselines
 
 __all__ = ["ALTERNATIVES", "CUDA_ALTERNATIVES", "main", "run_model"]
 
@@ -56,8 +56,17 @@ CUDA_ALTERNATIVES = ("save_on_cpu", "sh offload")
 def _measured(
     workload: Workload, config: Config, device: str, repeats: int, reference, predicted: int | None = None
 ) -> Row:
-    row, _ = measure(workload, config, "inductor", device, repeats, reference)
-    return row if predicted is None else dataclasses.replace(row, predicted_mib=predicted / MIB)
+    try:
+        row, _ = measure(workload, config, "inductor", device, repeats, reference)
+    except Exception as exc:  # one failing alternative must not end the run (the plans' own errors do)
+        if config.name.startswith("plan"):
+            raise
+        row = Row(workload.name, config.name, "inductor", device, error=error_text(exc))
+        print(f"FAILED {workload.name} / {config.name}: {row.error}", flush=True)
+        return row
+    row = row if predicted is None else dataclasses.replace(row, predicted_mib=predicted / MIB)
+    print(row_line(row), flush=True)  # each row as it is measured: a run cut short keeps what it did
+    return row
 
 
 def run_model(

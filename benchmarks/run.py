@@ -160,8 +160,18 @@ def jobs(
     return pairs
 
 
-def _row_line(row: Row) -> str:
-    """One measured row as a line of text (the table's figures, before the baseline ratios)."""
+def row_line(row: Row) -> str:
+    """One measured row as a line of text (the table's figures, before the baseline ratios).
+
+    Args:
+        row: a measured row.
+
+    Returns:
+        ``"measured <model> / <config> / <backend>: <field> <value>, ..."``.
+
+    Raises:
+        Nothing.
+    """
     figures = ", ".join(
         f"{field} {value:.1f}" for field, value in dataclasses.asdict(row).items() if isinstance(value, float)
     )
@@ -355,7 +365,18 @@ def with_baselines(rows: list[Row]) -> list[Row]:
     return out
 
 
-def _error(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
+    """What a failed row's ``error`` column says: the exception's type and first line.
+
+    Args:
+        exc: what building or running a configuration raised (a backend's failure unwrapped).
+
+    Returns:
+        ``"<type>: <first line>"``, at most 160 characters.
+
+    Raises:
+        Nothing.
+    """
     exc = getattr(exc, "inner_exception", None) or exc  # BackendCompilerFailed: what the backend raised
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:160]
@@ -427,12 +448,12 @@ def run(
                 except Exception as exc:  # one failing configuration must not end the run
                     if strict:
                         raise
-                    row = Row(name, config.name, backend, device, error=_error(exc))
+                    row = Row(name, config.name, backend, device, error=error_text(exc))
                     bar.write(f"FAILED {name} / {config.name} / {backend}: {row.error}")
                     bar.write("".join(traceback.format_exception_only(exc)).strip()[-2000:])
                 rows.append(row)
                 if not progress and not row.error:  # each row as it is measured: a run cut short keeps what it did
-                    bar.write(_row_line(row))
+                    bar.write(row_line(row))
                 bar.update()
             del workload
             torch._dynamo.reset()

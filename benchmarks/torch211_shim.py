@@ -12,7 +12,8 @@ on a torch you keep. ``python -m benchmarks.torch211_shim --modify-installed-tor
    entry and default (GB/s).
 3. ``torch._inductor.fx_passes.overlap_scheduling.estimate_roofline_runtime_ms``:
    torch 2.13's name, made of torch 2.11's own estimates (the larger of its
-   analytical matmul time and its memory-bound time). So placement on torch 2.11
+   analytical matmul time and its memory-bound time, each read at the size hints
+   where sizes are symbolic, as torch 2.13 does). So placement on torch 2.11
    times nodes other than matmuls by bytes alone.
 """
 
@@ -25,7 +26,12 @@ import shutil
 _CONFIG_ENTRY = "activation_offload_cpu_gpu_bw: float = 50.0  # benchmarks.torch211_shim (torch 2.13's entry)\n\n"
 _ROOFLINE = (
     "\n\ndef estimate_roofline_runtime_ms(node: fx.Node) -> float:  # benchmarks.torch211_shim\n"
-    "    return max(estimate_runtime_analytical(node), estimate_mem_bound_runtime_ms(node))\n"
+    "    def hinted(ms):  # symbolic sizes at their hints, as torch 2.13's estimate reads them: no guard\n"
+    "        if isinstance(ms, (torch.SymInt, torch.SymFloat)):\n"
+    "            return float(ms.node.hint) if ms.node.has_hint() else 0.0\n"
+    "        return float(ms)\n"
+    "\n"
+    "    return max(hinted(estimate_runtime_analytical(node)), hinted(estimate_mem_bound_runtime_ms(node)))\n"
 )
 
 

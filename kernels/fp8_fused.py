@@ -213,7 +213,20 @@ def fp8_value(code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     else:
         top = 0x80 - (1 << mantissa_bits)  # the all-ones exponent: inf with a zero mantissa, else NaN
         magnitude = torch.where(low >= top, torch.where(low == top, float("inf"), float("nan")), magnitude)
-    return torch.where(code >= 0x80, -magnitude, magnitude)
+    return _apply_sign(magnitude, code)
+
+
+def _apply_sign(magnitude: torch.Tensor, code: torch.Tensor, bitwise: bool | None = None) -> torch.Tensor:
+    """``magnitude`` (float32, sign bit clear) with the sign of int32 ``code``.
+
+    On CPU a negation (few ops: see :func:`fp8_value`). Off the CPU (``bitwise``
+    None and the code not on the CPU, or ``bitwise`` True) the sign is set as a
+    bit: Triton 3.6 compiles a float negation to ``0 - x``, which decoded code
+    0x80 (-0.0) to +0.0 under inductor on an H200 (README "On a GPU").
+    """
+    if not (code.device.type != "cpu" if bitwise is None else bitwise):
+        return torch.where(code >= 0x80, -magnitude, magnitude)
+    return (magnitude.view(torch.int32) | ((code & 0x80) << 24)).view(torch.float32)
 
 
 def _finite_amax_of_bits(x3: torch.Tensor) -> torch.Tensor:

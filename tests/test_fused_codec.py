@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 
 import interpret_kernels as ik
@@ -64,6 +65,20 @@ def test_every_code_round_trips():
         assert int(kept.sum()) == (256 if dtype == E4M3 else 250)
 
 
+def test_the_sign_set_as_a_bit_off_cpu_decodes_every_code_as_the_reference(monkeypatch):
+    """Off the CPU the decode sets the sign bit (no float negation, which Triton makes ``0 - x``); same bits."""
+    from savedhooks.kernels import fp8_fused
+
+    negation = ik._same_bits("", torch.tensor([-0.0]), fp8_fused._apply_sign(torch.zeros(1), torch.tensor([0x80])))
+    assert negation is None  # on the CPU, a true negation
+    monkeypatch.setattr(fp8_fused, "_apply_sign", functools.partial(fp8_fused._apply_sign, bitwise=True))
+    for dtype in (E4M3, E5M2):
+        codes = torch.arange(256, dtype=torch.uint8)
+        got = fp8_value(codes, dtype)
+        assert ik._same_bits(f"{dtype} values", _code_value(codes.view(dtype)), got, nan_payloads=False) is None
+        assert torch.signbit(got[0x80]) and not torch.signbit(got[0])
+
+
 COMPILED = ik.inductor_cases()
 
 
@@ -78,13 +93,13 @@ def _hash_vectorizes(in_dtype: torch.dtype) -> bool:
     return in_dtype == torch.float32 or "avx512" in str(cpu_vec_isa.pick_vec_isa())
 
 
-@pytest.mark.parametrize("case", list(COMPILED))
-def test_fused_is_bit_exact_with_the_reference_under_inductor(case):
+def _compiled_case(case: str, device: str) -> tuple[str | None, list[str]]:
+    """Compile ``COMPILED[case]``'s round trip with inductor on ``device``: (problem or None, inductor's code)."""
     from torch._inductor.utils import run_and_get_code
 
     x, in_dtype, dtype, granularity, block, pow2, seed = COMPILED[case]
-    x = x.to(in_dtype)
-    seed = None if seed is None else torch.tensor(seed)
+    x = x.to(device=device, dtype=in_dtype)
+    seed = None if seed is None else torch.tensor(seed, device=device)
     q, scale = torch_fp8_quantize(x, dtype, granularity, block, pow2, seed)
 
     def roundtrip(x, codes, scale, seed):
@@ -94,19 +109,61 @@ def test_fused_is_bit_exact_with_the_reference_under_inductor(case):
 
     compiled = torch.compile(roundtrip, backend="inductor", fullgraph=True)
     ((got_q, got_scale), got, flat), codes = run_and_get_code(compiled, x, q.view(torch.uint8), scale, seed)
-    if seed is not None and _hash_vectorizes(in_dtype):
-        # the hash vectorizes too (a transformer step, as below, takes ~85 s to compile with it)
-        quantizing = _quantize_kernels(codes[0])
-        assert quantizing and not _scalar(quantizing), _scalar(quantizing)
-        assert all("VectorizedN<int64_t,2>" in body and str(0x21F0AAAD) in body for body in quantizing.values())
     want = torch_fp8_dequantize(q, scale, in_dtype, block)
+    if device != "cpu":  # the sign of a NaN code follows the device's NaN propagation (see the CUDA test)
+        q, got_q = _unsigned_nan_codes(q, dtype), _unsigned_nan_codes(got_q, dtype)
     problem = (
         ik._same_bits("q", q.view(torch.uint8), got_q)
         or ik._same_bits("scale", scale, got_scale)
         or ik._same_bits("dequantized", want, got, nan_payloads=False)
         or ik._same_bits("dequantized in a flat shape", want.view(-1), flat, nan_payloads=False)
     )
+    return problem, codes
+
+
+def _unsigned_nan_codes(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 codes with the sign bit of every NaN code cleared (other codes as they are)."""
+    codes = codes.view(torch.uint8)
+    return torch.where(torch.isnan(codes.view(dtype).float()), codes & 0x7F, codes)
+
+
+@pytest.mark.parametrize("case", list(COMPILED))
+def test_fused_is_bit_exact_with_the_reference_under_inductor(case):
+    problem, codes = _compiled_case(case, "cpu")
+    seed, in_dtype = COMPILED[case][6], COMPILED[case][1]
+    if seed is not None and _hash_vectorizes(in_dtype):
+        # the hash vectorizes too (a transformer step, as below, takes ~85 s to compile with it)
+        quantizing = _quantize_kernels(codes[0])
+        assert quantizing and not _scalar(quantizing), _scalar(quantizing)
+        assert all("VectorizedN<int64_t,2>" in body and str(0x21F0AAAD) in body for body in quantizing.values())
     assert problem is None, problem
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(COMPILED))
+def test_fused_is_bit_exact_with_the_reference_under_inductor_on_cuda(case):
+    """Inductor's Triton code for the decomposed form: the same bytes as the aten reference (on the GPU).
+
+    The edge inputs hold every fp8 code, -0.0 among them: Triton 3.6 compiles a
+    float negation to ``0 - x`` (see "On a GPU", H100), which decoded it to +0.0
+    before the decode set the sign as a bit off the CPU (H200). The sign of a NaN
+    code is not compared: with a NaN scale, ``x / scale`` is a NaN whose sign the
+    device's arithmetic chooses; on the H200 the reference's codes were positive
+    and inductor's negative (127 against 255). Every other code is compared.
+    """
+    problem, codes = _compiled_case(case, "cuda")
+    assert any("@triton.jit" in code for code in codes), "inductor generated no Triton kernel"
+    assert problem is None, problem
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_every_code_decodes_to_its_value_under_inductor_on_cuda(dtype):
+    """All 256 codes, -0.0 among them, decoded by inductor's Triton code: the reference's values, bit for bit."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    decode = torch.compile(lambda c: fp8_value(c, dtype), backend="inductor")
+    got = decode(codes.cuda()).cpu()
+    assert ik._same_bits(f"{dtype} values", _code_value(codes.view(dtype)), got, nan_payloads=False) is None
 
 
 def test_bad_arguments_raise_as_the_reference():
@@ -301,6 +358,29 @@ def test_inductor_fuses_the_dequantize_into_the_gelu_backward_kernel():
     # output, decoded for the weight's gradient in the kernel that sums the bias's, one more (a
     # heavier decode was computed in a kernel of its own into a buffer of its own)
     assert _full_size_float_buffers(fused) == _full_size_float_buffers(opaque) - 2
+
+
+def _triton_kernels(code: str) -> dict[str, str]:
+    """Inductor's Triton kernels in ``code``: name -> source (its ``triton_meta`` signature included)."""
+    return dict(re.findall(r"\n(triton_\w+) = async_compile\.triton\('\w+', r?'''(.*?)'''", code, re.DOTALL))
+
+
+@pytest.mark.gpu
+def test_inductor_fuses_the_dequantize_into_the_gelu_backward_kernel_on_cuda():
+    """Inductor's Triton backward: a GELU-backward kernel reads the uint8 codes; fewer full-size float buffers."""
+    torch.manual_seed(0)
+    model, x = _gelu_mlp().cuda(), torch.randn(32, 16, device="cuda")
+    fused, opaque = (_step_code(model, x, backend)[-1] for backend in ("fused", "aten"))
+    kernels = _triton_kernels(fused)
+    reading = [name for name, body in kernels.items() if "gelu" in name and "'*u8'" in body]
+    assert reading, f"no GELU kernel reads uint8 codes: {list(kernels)}"
+    assert "fp8_dequantize" not in fused and "fp8_dequantize" in opaque
+
+    def float_buffers(code: str) -> int:
+        allocated = len(re.findall(r"empty_strided_cuda\(\(32, 64\), \(64, 1\), torch\.float32\)", code))
+        return allocated + len(re.findall(r"= torch\.ops\.savedhooks\.fp8_dequantize", code))
+
+    assert float_buffers(fused) < float_buffers(opaque), (float_buffers(fused), float_buffers(opaque))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

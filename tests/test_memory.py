@@ -449,3 +449,41 @@ def test_measured_aten_ops_count_their_cpu_scratch(case):
     predicted = sh.memory.estimate_peak(gm).peak_bytes - inputs
     measured = sh.memory.measure_peak(lambda: gm(*args), device="cpu")
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+
+
+def test_cuda_aten_ops_are_measured_on_their_device_and_count_0_without_a_gpu(monkeypatch):
+    """A bias gradient's ``sum(g, [0])`` on CUDA is measured on the GPU (module notes), the same op on CPU is not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from savedhooks.memory import scratch
+
+    def bias_grad(g):
+        return torch.ops.aten.sum.dim_IntList(g, [0], True)
+
+    nodes = {}
+    for device in ("cuda", "cpu"):
+        with FakeTensorMode():
+            gm = make_fx(bias_grad)(torch.empty(2048, 4096, device=device))
+        (nodes[device],) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.sum.dim_IntList]
+    if not torch.cuda.is_available():
+        assert sh.memory.op_scratch_bytes(nodes["cuda"]) == 0  # fake CUDA tensors: nothing to run them on
+    calls = []
+    monkeypatch.setattr(scratch, "_can_measure", lambda device: True)
+    monkeypatch.setattr(scratch, "_measured_aten_scratch", lambda op, frozen: calls.append((op, frozen)) or 12345)
+    assert sh.memory.op_scratch_bytes(nodes["cuda"]) == 12345
+    assert sh.memory.op_scratch_bytes(nodes["cpu"]) == 0  # no scratch on the CPU: not measured
+    ((op, ((zeros, dims, keep), kwargs)),) = calls
+    assert op is torch.ops.aten.sum.dim_IntList and (dims, keep, kwargs) == ((0,), True, ())
+    assert zeros == scratch._Zeros((2048, 4096), (4096, 1), torch.float32, "cuda")
+
+
+@pytest.mark.gpu
+def test_a_cuda_reduction_across_rows_counts_its_staging_buffer():
+    """Measured on the GPU: a tall ``sum(x, [0])`` stages partial sums in torch's allocator (H200: 2x the input)."""
+    from savedhooks.memory.scratch import _scratch
+
+    x = torch.randn(2048, 4096, device="cuda")
+    gm = make_fx(lambda x: torch.ops.aten.sum.dim_IntList(x, [0], True), tracing_mode="fake")(x)
+    (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.sum.dim_IntList]
+    measured = _scratch(lambda: x.sum(0, keepdim=True), "cuda")
+    assert sh.memory.op_scratch_bytes(node) == measured > 0

@@ -189,6 +189,18 @@ def test_symbolic_sizes_are_placed_by_their_hints():
     assert _targets(symbolic) == _targets(static)
 
 
+def test_symbolic_node_times_are_read_at_their_hints_without_a_guard():
+    """A time from symbolic sizes (a SymFloat) is read at its hint: ``float()`` would guard the graph on it."""
+    shape_env = ShapeEnv()
+    x = FakeTensorMode(shape_env=shape_env).from_tensor(torch.empty(N, N), static_shapes=False)
+    ms = x.shape[0] * 0.5  # what an estimate computed from symbolic sizes returns
+    assert isinstance(ms, torch.SymFloat)
+    gm = _trace(lambda host, x: (torch.relu(host), torch.relu(x)), "cpu", "cuda")
+    relu = next(n for n in gm.graph.nodes if n.name == "relu")
+    assert TransferModel(node_seconds=lambda n: ms).seconds(relu) == N * 0.5
+    assert not shape_env.guards, shape_env.guards
+
+
 def test_only_call_functions_take_time():
     gm = _trace(lambda host, x: (torch.relu(host), torch.relu(x)), "cpu", "cuda")
     seconds = {n.name: TransferModel().seconds(n) for n in gm.graph.nodes}

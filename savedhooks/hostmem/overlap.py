@@ -49,7 +49,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.node import _side_effectful_functions
 
-from savedhooks.memory.sizes import size_hint, tensor_nbytes
+from savedhooks.memory.sizes import float_hint, size_hint, tensor_nbytes
 
 __all__ = [
     "Transfer",
@@ -121,14 +121,16 @@ class TransferModel:
         Raises:
             Whatever ``node_seconds`` raises.
         """
+        # a time computed from symbolic sizes is read at their hints: float() or a compare
+        # would add a guard to the graph being compiled (seen with dynamic=True on torch 2.11)
         if self.node_seconds is not None:
-            return float(self.node_seconds(node))
+            return float_hint(self.node_seconds(node))
         if node.op != "call_function":
             return 0.0
         if torch.cuda.is_available() and _on_cuda(node):
             from torch._inductor.fx_passes.overlap_scheduling import estimate_roofline_runtime_ms
 
-            return estimate_roofline_runtime_ms(node) / 1e3
+            return float_hint(estimate_roofline_runtime_ms(node)) / 1e3
         return nominal_seconds(node)
 
 

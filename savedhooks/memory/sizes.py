@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["size_hint", "tensor_nbytes"]
+__all__ = ["float_hint", "size_hint", "tensor_nbytes"]
 
 
 def size_hint(size: Any) -> int:
@@ -31,6 +31,27 @@ def size_hint(size: Any) -> int:
     node = size.node
     hint = getattr(node, "hint", None)
     return int(hint) if hint is not None else int(node.shape_env.size_hint(node.expr))
+
+
+def float_hint(value: Any) -> float:
+    """A number as a float; a ``SymInt``'s or ``SymFloat``'s hint, read without adding a guard.
+
+    Args:
+        value: an ``int``, a ``float``, a ``torch.SymInt`` or a ``torch.SymFloat``.
+
+    Returns:
+        The value, or the symbolic value at its symbols' hints.
+
+    Raises:
+        Nothing.
+    """
+    if isinstance(value, torch.SymInt):
+        return float(size_hint(value))
+    if isinstance(value, torch.SymFloat):
+        node = value.node
+        hint = getattr(node, "hint", None)
+        return float(hint) if hint is not None else float(node.shape_env.size_hint(node.expr))
+    return float(value)
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
