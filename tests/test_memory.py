@@ -487,3 +487,17 @@ def test_a_cuda_reduction_across_rows_counts_its_staging_buffer():
     (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.sum.dim_IntList]
     measured = _scratch(lambda: x.sum(0, keepdim=True), "cuda")
     assert sh.memory.op_scratch_bytes(node) == measured > 0
+
+
+def test_storage_key_is_shared_by_views_only_and_none_without_a_storage():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from savedhooks.memory.sizes import storage_key
+
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    assert storage_key(x) == storage_key(x.t()) == storage_key(x[1:, ::2]) != storage_key(y)
+    assert len({storage_key(x), storage_key(x.view(-1)), storage_key(y)}) == 2  # hashable, by storage
+    with FakeTensorMode():
+        a = torch.empty(8, 8, device="cuda")
+        assert storage_key(a) == storage_key(a.t()) != storage_key(torch.empty(8, 8, device="cuda"))
+    assert storage_key(torch.eye(3).to_sparse()) is None

@@ -27,6 +27,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from savedhooks.compilers import placing_requested
 from savedhooks.contract import HookContext
+from savedhooks.memory.sizes import storage_key
 
 __all__ = ["decodes_twice", "inductor_compiling", "unpacks_placed"]
 
@@ -76,13 +77,6 @@ def _tensor(node: Any) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
-def _storage(val: torch.Tensor) -> int | None:
-    try:
-        return val.untyped_storage()._cdata
-    except (NotImplementedError, RuntimeError):  # storage-less tensors
-        return None
-
-
 def decodes_twice(ctx: HookContext) -> bool:
     """Whether the forward outputs on the saved value's storage hold more bytes than that storage.
 
@@ -108,10 +102,10 @@ def decodes_twice(ctx: HookContext) -> bool:
         Nothing.
     """
     val = _tensor(ctx.node)
-    mine = None if val is None else _storage(val)
+    mine = None if val is None else storage_key(val)
     if mine is None:
         return False
-    views = [t for t in map(_tensor, ctx.fw_graph.output_node().args[0]) if t is not None and _storage(t) == mine]
+    views = [t for t in map(_tensor, ctx.fw_graph.output_node().args[0]) if t is not None and storage_key(t) == mine]
     if len(views) < 2:
         return False
     held = sum(t.numel() * t.element_size() for t in views)

@@ -49,7 +49,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.node import _side_effectful_functions
 
-from savedhooks.memory.sizes import float_hint, size_hint, tensor_nbytes
+from savedhooks.memory.sizes import float_hint, size_hint, storage_key, tensor_nbytes
 
 __all__ = [
     "Transfer",
@@ -173,8 +173,8 @@ def nominal_seconds(node: torch.fx.Node) -> float:
     out = [t for t in pytree.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
     args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta.get("val"), (node.args, node.kwargs))
     ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    storages = {t.untyped_storage()._cdata for t in ins}
-    if not out or all(t.untyped_storage()._cdata in storages for t in out):  # a view or an alias
+    storages = {storage_key(t) for t in ins}
+    if not out or all(storage_key(t) in storages for t in out):  # a view or an alias
         return 0.0
     moved = sum(tensor_nbytes(t) for t in (*ins, *out))
     seconds = moved / _NOMINAL_BYTES_PER_S

@@ -22,6 +22,8 @@ from collections.abc import Collection
 import torch
 import torch.fx
 
+from savedhooks.memory.sizes import storage_key
+
 __all__ = ["inlined_nodes", "is_view"]
 
 _FUSING_TAGS = (torch.Tag.pointwise, torch.Tag.reduction)
@@ -48,10 +50,8 @@ def is_view(node: torch.fx.Node) -> bool:
     val, base = node.meta.get("val"), node.args[0].meta.get("val")
     if not isinstance(val, torch.Tensor) or not isinstance(base, torch.Tensor):
         return False
-    try:
-        return val.untyped_storage()._cdata == base.untyped_storage()._cdata
-    except (NotImplementedError, RuntimeError):  # storage-less tensors
-        return False
+    mine = storage_key(val)
+    return mine is not None and mine == storage_key(base)
 
 
 def _consumers(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -27,11 +27,10 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from savedhooks.memory.fusion import inlined_nodes
 from savedhooks.memory.scratch import op_scratch_bytes
-from savedhooks.memory.sizes import size_hint
+from savedhooks.memory.sizes import size_hint, storage_key
 
 __all__ = ["Buffer", "GraphMemory", "build_graph_memory", "tensor_storages"]
 
@@ -141,13 +140,14 @@ def build_graph_memory(
 
     Raises:
         ValueError: a node that produces tensors has no ``meta["val"]``, or a
-            donated name is not a placeholder.
+            tensor without a storage (sparse, nested), or a donated name is not a
+            placeholder.
     """
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
     unknown = set(donated) - placeholders
     if unknown:
         raise ValueError(f"donated names are not graph inputs: {sorted(unknown)}")
-    storage_to_buffers: dict[StorageWeakRef, set[int]] = {}
+    storage_to_buffers: dict[int, set[int]] = {}
     inlined = inlined_nodes(gm.graph, realized) if fused else set()
     buffers: list[dict[str, Any]] = []
     node_names: list[str] = []
@@ -171,7 +171,9 @@ def build_graph_memory(
         mine: set[int] = set()
         new: list[int] = []
         for t in tensors:
-            ref = StorageWeakRef(t.untyped_storage())
+            ref = storage_key(t)
+            if ref is None:
+                raise ValueError(f"node {node.name}: a {t.layout} tensor has no storage to count")
             if ref not in storage_to_buffers and node in inlined:  # computed in its consumers' kernels
                 storage_to_buffers[ref] = set().union(*(node_buffers.get(a, set()) for a in node.all_input_nodes))
             elif ref not in storage_to_buffers:

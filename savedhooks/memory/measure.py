@@ -24,9 +24,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from savedhooks.memory.graph import tensor_storages
+from savedhooks.memory.sizes import storage_key
 
 __all__ = [
     "Allocation",
@@ -323,8 +323,8 @@ def _run_node(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[torch.fx.
 
 
 def _live_bytes(values: list[Any], device: torch.device) -> int:
-    seen: dict[StorageWeakRef, int] = {}
+    seen: dict[int, int] = {}
     for t in tensor_storages(values):
         if t.device == device or (device.index is None and t.device.type == device.type):  # "cuda" is any CUDA
-            seen[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
+            seen[storage_key(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())

@@ -1,8 +1,10 @@
-"""Concrete byte counts for tensors whose sizes may be symbolic (``dynamic=True``).
+"""Concrete byte counts for tensors whose sizes may be symbolic (``dynamic=True``), and storage identity.
 
 The memory model, the scratch model and the offload placement compare sizes and
 times as plain numbers: a symbolic size is read through its hint (the value seen
-when the graph was traced), never guarded on.
+when the graph was traced), never guarded on. They, the planner's census and the
+codecs' placement rule also ask which values share a storage: one key for that
+(:func:`storage_key`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["float_hint", "size_hint", "tensor_nbytes"]
+__all__ = ["float_hint", "size_hint", "storage_key", "tensor_nbytes"]
 
 
 def size_hint(size: Any) -> int:
@@ -67,3 +69,26 @@ def tensor_nbytes(t: torch.Tensor) -> int:
         Nothing.
     """
     return size_hint(t.numel()) * t.element_size()
+
+
+def storage_key(t: torch.Tensor) -> int | None:
+    """What identifies ``t``'s storage: equal keys for tensors on one storage (views, aliases), real or fake.
+
+    The storage's address, which is what ``StorageWeakRef`` compares storages by,
+    without making a weak reference.
+
+    Args:
+        t: a tensor.
+
+    Returns:
+        An int key (it does not keep the storage alive; a freed storage's key
+        may be reused), or None for a tensor without a storage (sparse, nested,
+        some wrappers).
+
+    Raises:
+        Nothing.
+    """
+    try:
+        return t.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):  # storage-less tensors
+        return None

@@ -45,7 +45,6 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from savedhooks.codecs.base import producing_op
 from savedhooks.fidelity.select import SavedTensor, concrete_size
@@ -53,6 +52,7 @@ from savedhooks.hooks import hook_context
 from savedhooks.memory import build_graph_memory, freed_inputs, saved_activations, simulate
 from savedhooks.memory.estimate import _input_bytes, _report_device
 from savedhooks.memory.fusion import inlined_nodes, is_view
+from savedhooks.memory.sizes import storage_key
 from savedhooks.planner.recording import REALIZED, run_in_kernel_order
 
 __all__ = [
@@ -136,9 +136,9 @@ class GraphTimeline:
     reread: Mapping[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
 
 
-def _storage(node: torch.fx.Node) -> StorageWeakRef | None:
+def _storage(node: torch.fx.Node) -> int | None:
     val = node.meta.get("val")
-    return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
+    return storage_key(val) if isinstance(val, torch.Tensor) else None
 
 
 def _storage_groups(graph: torch.fx.Graph, saved: set[str]) -> dict[str, tuple[str, ...]]:
@@ -150,7 +150,7 @@ def _storage_groups(graph: torch.fx.Graph, saved: set[str]) -> dict[str, tuple[s
     output = graph.find_nodes(op="output")[0]
     held = collections.Counter(_storage(n) for n in pytree.tree_leaves(output.args) if isinstance(n, torch.fx.Node))
     inputs = {_storage(n) for n in graph.find_nodes(op="placeholder")}
-    members: dict[StorageWeakRef, list[str]] = {}
+    members: dict[int, list[str]] = {}
     for node in graph.nodes:
         ref = _storage(node)
         if node.name in saved and node.op != "placeholder" and ref is not None and ref not in inputs:
@@ -227,7 +227,7 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
     # aliases (views, a multi-output op's getitem) compute nothing: inductor's order puts those only the
     # output reads at the end, where the storage was made by the op before them (attention's outputs)
     nodes = {n.name: n for n in gm.graph.nodes}
-    last_read: dict[StorageWeakRef | None, int] = {}
+    last_read: dict[int | None, int] = {}
     for node in gm.graph.nodes:
         if node.name in index and not _is_alias(node):
             for arg in node.all_input_nodes:
