@@ -42,7 +42,11 @@ memory-efficient attention's backward allocated and freed 4 MiB inside the call
 at the step's peak (not measured since it was added). These are
 measured where a GPU is present, on zeros on that device, by the allocator's
 peak after one warm-up call (a first call may set up what later calls reuse);
-without a GPU (fake CUDA tensors) they count 0.
+without a GPU (fake CUDA tensors) they count 0. Measuring resets CUDA's peak
+memory statistics (``torch.cuda.reset_peak_memory_stats``), once per op and
+shapes, while a graph is modelled (inside a compile, or ``sh.plan``): a peak
+read across a step that compiles starts from there. Unlike the CPU profiler's
+case, nothing can tell whether a user is reading that peak.
 
 One aten op is counted too: ``native_dropout`` in training on CPU draws its
 mask as a float tensor of the input's size and dtype before casting it to bool
