@@ -106,7 +106,7 @@ def run_model(
     rows += [_measured(workload, memory_budget(f), device, repeats, reference) for f in memory_budgets]
     planner = planner_for(workload, "inductor", min_sqnr_db)
     checkpoint = next(r for r in rows if r.config == "checkpoint")
-    budgets = {"checkpoint": int(checkpoint.activation_mib * MIB)}
+    budgets = {} if checkpoint.error else {"checkpoint": int(checkpoint.activation_mib * MIB)}
     budgets |= {f"{f:g}": int(f * planner.baseline_bytes) for f in fractions}
     budgets["floor"] = lowest = lowest_budget(planner)
     for label, budget in budgets.items():

@@ -226,7 +226,7 @@ def _apply_sign(magnitude: torch.Tensor, code: torch.Tensor, bitwise: bool | Non
     """
     if not (code.device.type != "cpu" if bitwise is None else bitwise):
         return torch.where(code >= 0x80, -magnitude, magnitude)
-    return (magnitude.view(torch.int32) | ((code & 0x80) << 24)).view(torch.float32)
+    return (magnitude.view(torch.int32) | ((code.int() & 0x80) << 24)).view(torch.float32)
 
 
 def _finite_amax_of_bits(x3: torch.Tensor) -> torch.Tensor:

@@ -472,9 +472,26 @@ def test_cuda_aten_ops_are_measured_on_their_device_and_count_0_without_a_gpu(mo
     monkeypatch.setattr(scratch, "_measured_aten_scratch", lambda op, frozen: calls.append((op, frozen)) or 12345)
     assert sh.memory.op_scratch_bytes(nodes["cuda"]) == 12345
     assert sh.memory.op_scratch_bytes(nodes["cpu"]) == 0  # no scratch on the CPU: not measured
+    # modelled as inductor runs it: inductor compiles the reduction itself (no aten staging buffer)
+    assert sh.memory.op_scratch_bytes(nodes["cuda"], fused=True) == 0
     ((op, ((zeros, dims, keep), kwargs)),) = calls
     assert op is torch.ops.aten.sum.dim_IntList and (dims, keep, kwargs) == ((0,), True, ())
-    assert zeros == scratch._Zeros((2048, 4096), (4096, 1), torch.float32, "cuda")
+    assert zeros == scratch._Zeros((2048, 4096), (4096, 1), torch.float32, str(nodes["cuda"].args[0].meta["val"].device))
+
+
+def test_a_measured_op_of_data_dependent_size_counts_0():
+    """A size with no hint (a mask's count) cannot be rebuilt as zeros: 0, not an error (CPU: the convolution set)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    def masked_conv(x, w):
+        rows = x[x[:, 0, 0, 0] > 0]  # a data-dependent batch
+        return torch.ops.aten.convolution.default(rows, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+
+    with FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True):
+        gm = make_fx(masked_conv, tracing_mode="real")(torch.randn(4, 3, 8, 8), torch.randn(2, 3, 3, 3))
+    (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution.default]
+    assert sh.memory.op_scratch_bytes(node) == 0
 
 
 @pytest.mark.gpu

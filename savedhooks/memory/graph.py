@@ -140,7 +140,7 @@ def build_graph_memory(
 
     Raises:
         ValueError: a node that produces tensors has no ``meta["val"]``, or a
-            tensor without a storage (sparse, nested), or a donated name is not a
+            tensor without a storage (sparse), or a donated name is not a
             placeholder.
     """
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
@@ -188,7 +188,7 @@ def build_graph_memory(
         node_index[node] = len(node_names)
         node_names.append(node.name)
         allocs.append(new)
-        extra = 0 if node in inlined else op_scratch_bytes(node)
+        extra = 0 if node in inlined else op_scratch_bytes(node, fused)
         scratch.append((tensors[0].device, extra) if extra and tensors else None)
         if fused and node.target is operator.getitem and mine:  # inductor: one output's storage, not the tuple
             reads.append(set(mine))

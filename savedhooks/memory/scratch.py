@@ -41,7 +41,10 @@ SDPA's CUDA kernels some of theirs: on llama's floor plan on an H200, the
 memory-efficient attention's backward allocated and freed 4 MiB inside the call
 at the step's peak (not measured since it was added). These are
 measured where a GPU is present, on zeros on that device, by the allocator's
-peak after one warm-up call (a first call may set up what later calls reuse);
+peak after one warm-up call (a first call may set up what later calls reuse).
+Where a graph is modelled as inductor runs it (``fused``), only the ops it
+leaves to aten are (convolutions, SDPA): it compiles reductions and layer
+norm's backward into kernels of its own;
 without a GPU (fake CUDA tensors) they count 0. Measuring resets CUDA's peak
 memory statistics (``torch.cuda.reset_peak_memory_stats``), once per op and
 shapes, while a graph is modelled (inside a compile, or ``sh.plan``): a peak
@@ -68,7 +71,7 @@ from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from savedhooks.kernels.fp8_inductor import inductor_scratch_bytes, inductor_serves
-from savedhooks.memory.sizes import size_hint
+from savedhooks.memory.sizes import float_hint, size_hint
 
 __all__ = ["MEASURED_ATEN", "MEASURED_CUDA_ATEN", "op_scratch_bytes"]
 
@@ -101,7 +104,9 @@ MEASURED_CUDA_ATEN = frozenset({
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_cudnn_attention_backward.default,
 })  # fmt: skip
-_MEASURED = {"cpu": MEASURED_ATEN, "cuda": MEASURED_CUDA_ATEN}
+# of those, the ones inductor leaves to aten on CUDA (extern kernels): it compiles reductions and
+# layer norm's backward into kernels of its own, which stage nothing in torch's allocator this way
+_CUDA_EXTERN = frozenset(op for op in MEASURED_CUDA_ATEN if "convolution" in op.name() or "_scaled_dot" in op.name())
 
 
 def _chunk_rows(rows: int, cols: int) -> int:
@@ -111,15 +116,20 @@ def _chunk_rows(rows: int, cols: int) -> int:
 
 
 def _scratch(run, device: str = "cpu") -> int:
-    """Peak bytes ``run()`` allocates on ``device`` above its own outputs (measured; on CUDA after a warm-up call)."""
+    """Peak bytes ``run()`` allocates on ``device`` above its own outputs (measured; on CUDA after a warm-up call).
+
+    CUDA's allocator counts each block rounded up to 512 bytes: the outputs are subtracted so rounded.
+    """
     from savedhooks.memory.measure import measure_peak
 
-    if device != "cpu":
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
         run()
     held = []
     peak = measure_peak(lambda: held.append(run()), device=device)
     outputs = [t for t in torch.utils._pytree.tree_leaves(held) if isinstance(t, torch.Tensor)]
-    return max(0, peak - sum(t.untyped_storage().nbytes() for t in outputs))
+    sizes = [t.untyped_storage().nbytes() for t in outputs]
+    return max(0, peak - sum(-(-n // 512) * 512 if cuda else n for n in sizes))
 
 
 @functools.lru_cache(maxsize=256)
@@ -152,21 +162,26 @@ def _scale_value(node: torch.fx.Node, quantize: bool):
     return node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
 
 
-def op_scratch_bytes(node: torch.fx.Node) -> int:
-    """Bytes an op allocates and frees inside itself (0 for ops we do not own).
+def op_scratch_bytes(node: torch.fx.Node, fused: bool = False) -> int:
+    """Bytes an op allocates and frees inside itself (0 for the ops not modelled).
 
     Args:
         node: an FX node; its arguments carry ``meta["val"]``.
+        fused: the graph is modelled as inductor runs it: on CUDA only the ops
+            it leaves to aten (convolutions, SDPA) are measured, not the
+            reductions and layer norm's backward it compiles itself.
 
     Returns:
         The scratch bytes of ``savedhooks::fp8_quantize`` / ``fp8_dequantize``
         nodes (their aten reference, or from one chunk of elements on CPU their
-        compiled form) and of ``aten::native_dropout`` training on CPU (see the
-        module notes), else 0.
+        compiled form), of ``aten::native_dropout`` training on CPU, and of the
+        aten ops of :data:`MEASURED_ATEN` on CPU and :data:`MEASURED_CUDA_ATEN`
+        on CUDA where a GPU is present (see the module notes), else 0.
 
     Raises:
-        Nothing: a node whose arguments lack fake values counts 0, and so does
-        any node while a profiler is active (measuring would nest profilers).
+        Nothing: a node whose arguments lack fake values or have data-dependent
+        sizes counts 0, an op that fails to run on zeros counts 0, and so does a
+        measurement on the CPU while a profiler is active (it would nest profilers).
     """
     if node.op != "call_function":
         return 0
@@ -174,16 +189,10 @@ def op_scratch_bytes(node: torch.fx.Node) -> int:
     if dropout or not isinstance(node.target, torch._ops.OpOverload):
         return dropout
     name = node.target.name()
-    measured_aten = node.target in MEASURED_ATEN or node.target in MEASURED_CUDA_ATEN
-    if not measured_aten and name not in ("savedhooks::fp8_quantize", "savedhooks::fp8_dequantize"):
+    if node.target in MEASURED_ATEN or node.target in MEASURED_CUDA_ATEN:
+        return _aten_scratch(node, fused)
+    if name not in ("savedhooks::fp8_quantize", "savedhooks::fp8_dequantize") or _profiling(name):
         return 0
-    if torch._C._autograd._profiler_enabled():
-        # Measuring starts a profiler; a nested one would end the user's session.
-        # Count none (the model without scratch) rather than disturb their trace.
-        log.info("savedhooks: a profiler is active; %s scratch not measured (counted 0)", name)
-        return 0
-    if measured_aten:
-        return _aten_scratch(node)
     first = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     if not isinstance(first, torch.Tensor) or first.dim() != 2:
         return 0
@@ -223,39 +232,57 @@ class _Zeros:
     device: str = "cpu"
 
 
-def _can_measure(device: str) -> bool:
+def _profiling(name: str) -> bool:
+    """Whether a profiler is active: measuring on the CPU starts one, and a nested one would end the user's."""
+    if torch._C._autograd._profiler_enabled():
+        # count none (the model without scratch) rather than disturb their trace
+        log.info("savedhooks: a profiler is active; %s scratch not measured (counted 0)", name)
+        return True
+    return False
+
+
+def _can_measure(device: torch.device) -> bool:
     """Whether aten ops can run on ``device`` here (CUDA: a GPU is present; fake CUDA tensors have none)."""
-    return device == "cpu" or (device == "cuda" and torch.cuda.is_available())
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
 
 
-def _aten_scratch(node: torch.fx.Node) -> int:
+def _measured_on(node: torch.fx.Node, fused: bool) -> torch.device | None:
+    """The device ``node``'s op is measured on: that of all its tensor arguments, if the op is measured there."""
+    vals = [
+        a.meta.get("val")
+        for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+        if isinstance(a, torch.fx.Node)
+    ]
+    if not vals or not all(isinstance(v, torch.Tensor) for v in vals) or len({v.device for v in vals}) != 1:
+        return None
+    device = vals[0].device
+    ops = {"cpu": MEASURED_ATEN, "cuda": _CUDA_EXTERN if fused else MEASURED_CUDA_ATEN}.get(device.type, ())
+    return device if node.target in ops and _can_measure(device) else None
+
+
+def _aten_scratch(node: torch.fx.Node, fused: bool) -> int:
     """An op of :data:`MEASURED_ATEN` on CPU or of :data:`MEASURED_CUDA_ATEN` on CUDA: its measured scratch
     at the node's shapes, on the device of its tensor arguments (0 if they are unknown, on several devices,
     or on one where the op is not measured or cannot run here)."""
-    devices = set()
+    device = _measured_on(node, fused)
+    if device is None or (device.type == "cpu" and _profiling(node.target.name())):
+        return 0
 
     def spec(arg):
         if isinstance(arg, torch.fx.Node):
-            val = arg.meta.get("val")
-            if not isinstance(val, torch.Tensor) or val.device.type not in _MEASURED:
-                raise LookupError
-            devices.add(val.device.type)
+            val = arg.meta["val"]
             shape, stride = tuple(map(size_hint, val.shape)), tuple(map(size_hint, val.stride()))
-            return _Zeros(shape, stride, val.dtype, val.device.type)
+            return _Zeros(shape, stride, val.dtype, str(device))
+        if isinstance(arg, torch.SymFloat):
+            return float_hint(arg)
         return size_hint(arg) if isinstance(arg, torch.SymInt) else arg
 
     try:
         args = torch.utils._pytree.tree_map(spec, (node.args, node.kwargs))
-    except LookupError:
-        return 0
-    (device,) = devices if len(devices) == 1 else (None,)
-    if node.target not in _MEASURED.get(device, ()) or not _can_measure(device):
-        return 0
-    try:
-        return _measured_aten_scratch(node.target, _frozen(args))
-    except (RuntimeError, TypeError, ValueError) as error:  # an argument this measurement cannot rebuild
+    except RuntimeError as error:  # a data-dependent size (no hint)
         log.info("savedhooks: scratch of %s not measured (%s); counted 0", node.target, error)
         return 0
+    return _measured_aten_scratch(node.target, _frozen(args))
 
 
 def _frozen(value):
@@ -269,17 +296,30 @@ def _frozen(value):
 
 @functools.lru_cache(maxsize=256)
 def _measured_aten_scratch(op: torch._ops.OpOverload, frozen: tuple) -> int:
+    """The scratch of ``op`` on zeros (0, cached too, where it fails: an argument it cannot rebuild, no memory)."""
     devices = set()
 
     def real(value):
         if isinstance(value, _Zeros):
-            devices.add(value.device)
+            devices.add(torch.device(value.device))
             return torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device=value.device).zero_()
         return [real(v) for v in value] if isinstance(value, tuple) else value
 
-    with unset_fake_temporarily():  # called by compilers, inside AOTAutograd's fake mode
-        args, kwargs = real(frozen[0]), {k: real(v) for k, v in frozen[1]}
-        return _scratch(lambda: op(*args, **kwargs), devices.pop())
+    try:
+        # compilers call this inside AOTAutograd's fake mode; a random op (dropout in SDPA) must not
+        # advance the user's generators
+        with unset_fake_temporarily(), torch.random.fork_rng(devices=_cuda_indices(frozen)):
+            args, kwargs = real(frozen[0]), {k: real(v) for k, v in frozen[1]}
+            return _scratch(lambda: op(*args, **kwargs), str(devices.pop()))
+    except (RuntimeError, TypeError, ValueError) as error:  # an argument this cannot rebuild, out of memory
+        log.info("savedhooks: scratch of %s not measured (%s); counted 0", op, error)
+        return 0
+
+
+def _cuda_indices(frozen: tuple) -> list[int]:
+    """The CUDA devices of the measured call's tensors (whose generators a random op would advance)."""
+    zeros = [z for z in torch.utils._pytree.tree_leaves(frozen) if isinstance(z, _Zeros)]
+    return sorted({torch.device(z.device).index or 0 for z in zeros if z.device.startswith("cuda")})
 
 
 def _dropout_scratch(node: torch.fx.Node) -> int:

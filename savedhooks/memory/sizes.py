@@ -82,8 +82,8 @@ def storage_key(t: torch.Tensor) -> int | None:
 
     Returns:
         An int key (it does not keep the storage alive; a freed storage's key
-        may be reused), or None for a tensor without a storage (sparse, nested,
-        some wrappers).
+        may be reused), or None for a tensor without a storage (sparse, some
+        wrappers).
 
     Raises:
         Nothing.
