@@ -518,3 +518,18 @@ def test_storage_key_is_shared_by_views_only_and_none_without_a_storage():
         a = torch.empty(8, 8, device="cuda")
         assert storage_key(a) == storage_key(a.t()) != storage_key(torch.empty(8, 8, device="cuda"))
     assert storage_key(torch.eye(3).to_sparse()) is None
+
+
+def test_cuda_buffers_are_counted_as_the_caching_allocator_rounds_them():
+    """torch.cuda.memory_allocated() counts each block rounded up to 512 bytes (0 bytes: no block)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def parts(x):
+        return x * 2, x.sum(), x.new_zeros(0)  # 400 bytes, 4 bytes, none
+
+    for device, sizes in (("cuda", [512, 512, 0]), ("cpu", [400, 4, 0])):
+        with FakeTensorMode():
+            gm = make_fx(parts)(torch.empty(100, device=device))
+        memory = sh.memory.build_graph_memory(gm)
+        made = [memory.buffers[b].nbytes for b in range(len(memory.buffers)) if not memory.buffers[b].is_input]
+        assert made == sizes, (device, made)

@@ -117,8 +117,13 @@ def _value_of_getitems(node: torch.fx.Node) -> tuple[Any, ...] | None:
     return tuple(items.get(i) for i in range(max(items) + 1)) if items else None
 
 
+_CUDA_BLOCK = 512  # CUDA's caching allocator: kMinBlockSize, the granularity of torch.cuda.memory_allocated()
+
+
 def _nbytes(t: torch.Tensor) -> int:
-    return size_hint(t.untyped_storage().nbytes())
+    """A storage's bytes as its device's allocator counts them: CUDA's caching allocator rounds each block up to 512."""
+    nbytes = size_hint(t.untyped_storage().nbytes())
+    return -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK if t.device.type == "cuda" else nbytes
 
 
 def build_graph_memory(
