@@ -570,3 +570,32 @@ def test_inductor_prediction_models_inductor_graphs_of_a_benchmark_model():
     predicted, measured = predicted_and_measured("gpt2", 1.0, "sh", compiled_loss=True)
     assert measured > 0
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+
+
+def test_the_cuda_trace_finds_the_peak_and_the_blocks_alive_there(capsys):
+    from benchmarks import cuda_trace
+
+    def event(action, addr, size, line=1):
+        return {"action": action, "addr": addr, "size": size, "frames": [{"name": "call", "filename": "/x/k.py", "line": line}]}
+
+    events = [
+        event("free_completed", 99, 1 << 20),  # a block from before the trace: ignored
+        event("alloc", 1, 4 << 20, 10),
+        event("segment_alloc", 7, 64 << 20),  # the allocator's own segments: not blocks
+        event("alloc", 2, 16 << 20, 20),
+        event("alloc", 3, 2 << 20, 30),
+        event("free_completed", 2, 16 << 20),
+        event("alloc", 4, 8 << 20, 40),  # 4 + 2 + 8 = 14 MiB: below the 22 MiB peak
+    ]
+    peak = cuda_trace.peak_of_trace(events)
+    assert (peak.nbytes, peak.event) == (22 << 20, 4)
+    assert peak.live == ((16 << 20, ("call@k.py:20",)), (4 << 20, ("call@k.py:10",)), (2 << 20, ("call@k.py:30",)))
+    assert cuda_trace.peak_of_trace([]) == cuda_trace.TracePeak(0, -1, ())
+    for argv, message in ((["--config", "nonsense"], "no configuration"), (["--config", "plan 2"], "no configuration")):
+        with pytest.raises(SystemExit):
+            cuda_trace.main(argv)
+        assert message in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            cuda_trace.main(["--config", "plan floor"])
+        assert "needs a CUDA device" in capsys.readouterr().err
