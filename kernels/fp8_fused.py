@@ -224,7 +224,9 @@ def _apply_sign(magnitude: torch.Tensor, code: torch.Tensor, bitwise: bool | Non
     bit: Triton 3.6 compiles a float negation to ``0 - x``, which decoded code
     0x80 (-0.0) to +0.0 under inductor on an H200 (README "On a GPU").
     """
-    if not (code.device.type != "cpu" if bitwise is None else bitwise):
+    if bitwise is None:
+        bitwise = code.device.type != "cpu"
+    if not bitwise:
         return torch.where(code >= 0x80, -magnitude, magnitude)
     return (magnitude.view(torch.int32) | ((code.int() & 0x80) << 24)).view(torch.float32)
 

@@ -76,6 +76,7 @@ from savedhooks.memory.arena_strategies import (
     linear_scan,
 )
 from savedhooks.memory.graph import GraphMemory, build_graph_memory
+from savedhooks.memory.sizes import CUDA_BLOCK_BYTES
 
 __all__ = [
     "ARENA_STRATEGIES",
@@ -95,7 +96,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CUDA_ALIGNMENT = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 B
+CUDA_ALIGNMENT = CUDA_BLOCK_BYTES  # the CUDA caching allocator rounds every block up to a multiple of 512 B
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 
 from savedhooks.memory.fusion import inlined_nodes
 from savedhooks.memory.scratch import op_scratch_bytes
-from savedhooks.memory.sizes import size_hint, storage_key
+from savedhooks.memory.sizes import allocated_bytes, size_hint, storage_key
 
 __all__ = ["Buffer", "GraphMemory", "build_graph_memory", "tensor_storages"]
 
@@ -117,13 +117,9 @@ def _value_of_getitems(node: torch.fx.Node) -> tuple[Any, ...] | None:
     return tuple(items.get(i) for i in range(max(items) + 1)) if items else None
 
 
-_CUDA_BLOCK = 512  # CUDA's caching allocator: kMinBlockSize, the granularity of torch.cuda.memory_allocated()
-
-
 def _nbytes(t: torch.Tensor) -> int:
-    """A storage's bytes as its device's allocator counts them: CUDA's caching allocator rounds each block up to 512."""
-    nbytes = size_hint(t.untyped_storage().nbytes())
-    return -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK if t.device.type == "cuda" else nbytes
+    """A storage's bytes as its device's allocator counts them (CUDA's rounds each block up)."""
+    return allocated_bytes(size_hint(t.untyped_storage().nbytes()), t.device)
 
 
 def build_graph_memory(

@@ -71,7 +71,7 @@ from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from savedhooks.kernels.fp8_inductor import inductor_scratch_bytes, inductor_serves
-from savedhooks.memory.sizes import float_hint, size_hint
+from savedhooks.memory.sizes import allocated_bytes, float_hint, size_hint
 
 __all__ = ["MEASURED_ATEN", "MEASURED_CUDA_ATEN", "op_scratch_bytes"]
 
@@ -86,8 +86,9 @@ MEASURED_ATEN = frozenset({
     _aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
     _aten.native_layer_norm_backward.default,
 })  # fmt: skip
-# aten ops whose CUDA kernels take temporaries from torch's allocator (module notes)
-MEASURED_CUDA_ATEN = frozenset({
+# aten ops whose CUDA kernels take temporaries from torch's allocator (module notes): those inductor
+# compiles into kernels of its own, which stage nothing there this way, and those it leaves to aten
+_CUDA_LOWERED = frozenset({
     _aten.sum.default,
     _aten.sum.dim_IntList,
     _aten.mean.default,
@@ -95,6 +96,8 @@ MEASURED_CUDA_ATEN = frozenset({
     _aten.amax.default,
     _aten.amin.default,
     _aten.native_layer_norm_backward.default,
+})  # fmt: skip
+_CUDA_EXTERN = frozenset({
     _aten.convolution.default,
     _aten.convolution_backward.default,
     _aten._scaled_dot_product_efficient_attention.default,
@@ -104,9 +107,7 @@ MEASURED_CUDA_ATEN = frozenset({
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_cudnn_attention_backward.default,
 })  # fmt: skip
-# of those, the ones inductor leaves to aten on CUDA (extern kernels): it compiles reductions and
-# layer norm's backward into kernels of its own, which stage nothing in torch's allocator this way
-_CUDA_EXTERN = frozenset(op for op in MEASURED_CUDA_ATEN if "convolution" in op.name() or "_scaled_dot" in op.name())
+MEASURED_CUDA_ATEN = _CUDA_LOWERED | _CUDA_EXTERN
 
 
 def _chunk_rows(rows: int, cols: int) -> int:
@@ -122,14 +123,12 @@ def _scratch(run, device: str = "cpu") -> int:
     """
     from savedhooks.memory.measure import measure_peak
 
-    cuda = torch.device(device).type == "cuda"
-    if cuda:
+    if torch.device(device).type == "cuda":
         run()
     held = []
     peak = measure_peak(lambda: held.append(run()), device=device)
     outputs = [t for t in torch.utils._pytree.tree_leaves(held) if isinstance(t, torch.Tensor)]
-    sizes = [t.untyped_storage().nbytes() for t in outputs]
-    return max(0, peak - sum(-(-n // 512) * 512 if cuda else n for n in sizes))
+    return max(0, peak - sum(allocated_bytes(t.untyped_storage().nbytes(), device) for t in outputs))
 
 
 @functools.lru_cache(maxsize=256)
@@ -296,30 +295,27 @@ def _frozen(value):
 
 @functools.lru_cache(maxsize=256)
 def _measured_aten_scratch(op: torch._ops.OpOverload, frozen: tuple) -> int:
-    """The scratch of ``op`` on zeros (0, cached too, where it fails: an argument it cannot rebuild, no memory)."""
-    devices = set()
+    """The scratch of ``op`` on zeros (0, cached too, where it fails: an argument it cannot rebuild, no memory).
+
+    Every tensor argument is on one device (:func:`_measured_on`).
+    """
 
     def real(value):
         if isinstance(value, _Zeros):
-            devices.add(torch.device(value.device))
             return torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device=value.device).zero_()
         return [real(v) for v in value] if isinstance(value, tuple) else value
 
+    device = torch.device(next(z.device for z in torch.utils._pytree.tree_leaves(frozen) if isinstance(z, _Zeros)))
+    generators = [device.index or 0] if device.type == "cuda" else []
     try:
         # compilers call this inside AOTAutograd's fake mode; a random op (dropout in SDPA) must not
         # advance the user's generators
-        with unset_fake_temporarily(), torch.random.fork_rng(devices=_cuda_indices(frozen)):
+        with unset_fake_temporarily(), torch.random.fork_rng(devices=generators):
             args, kwargs = real(frozen[0]), {k: real(v) for k, v in frozen[1]}
-            return _scratch(lambda: op(*args, **kwargs), str(devices.pop()))
+            return _scratch(lambda: op(*args, **kwargs), str(device))
     except (RuntimeError, TypeError, ValueError) as error:  # an argument this cannot rebuild, out of memory
         log.info("savedhooks: scratch of %s not measured (%s); counted 0", op, error)
         return 0
-
-
-def _cuda_indices(frozen: tuple) -> list[int]:
-    """The CUDA devices of the measured call's tensors (whose generators a random op would advance)."""
-    zeros = [z for z in torch.utils._pytree.tree_leaves(frozen) if isinstance(z, _Zeros)]
-    return sorted({torch.device(z.device).index or 0 for z in zeros if z.device.startswith("cuda")})
 
 
 def _dropout_scratch(node: torch.fx.Node) -> int:

@@ -13,7 +13,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["float_hint", "size_hint", "storage_key", "tensor_nbytes"]
+__all__ = ["CUDA_BLOCK_BYTES", "allocated_bytes", "float_hint", "size_hint", "storage_key", "tensor_nbytes"]
+
+CUDA_BLOCK_BYTES = 512  # CUDA's caching allocator rounds every block up to a multiple of this (kMinBlockSize)
+
+
+def _hint(value: Any) -> Any:
+    """A ``SymInt``'s or ``SymFloat``'s value at its symbols' hints (the traced values), without a guard."""
+    node = value.node
+    hint = getattr(node, "hint", None)
+    return hint if hint is not None else node.shape_env.size_hint(node.expr)
 
 
 def size_hint(size: Any) -> int:
@@ -28,11 +37,7 @@ def size_hint(size: Any) -> int:
     Raises:
         Nothing.
     """
-    if isinstance(size, int):
-        return size
-    node = size.node
-    hint = getattr(node, "hint", None)
-    return int(hint) if hint is not None else int(node.shape_env.size_hint(node.expr))
+    return size if isinstance(size, int) else int(_hint(size))
 
 
 def float_hint(value: Any) -> float:
@@ -47,13 +52,7 @@ def float_hint(value: Any) -> float:
     Raises:
         Nothing.
     """
-    if isinstance(value, torch.SymInt):
-        return float(size_hint(value))
-    if isinstance(value, torch.SymFloat):
-        node = value.node
-        hint = getattr(node, "hint", None)
-        return float(hint) if hint is not None else float(node.shape_env.size_hint(node.expr))
-    return float(value)
+    return float(_hint(value) if isinstance(value, (torch.SymInt, torch.SymFloat)) else value)
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -92,3 +91,22 @@ def storage_key(t: torch.Tensor) -> int | None:
         return t.untyped_storage()._cdata
     except (NotImplementedError, RuntimeError):  # storage-less tensors
         return None
+
+
+def allocated_bytes(nbytes: int, device: torch.device | str) -> int:
+    """What an allocation of ``nbytes`` on ``device`` counts in its allocator's statistics.
+
+    Args:
+        nbytes: the bytes asked for.
+        device: where.
+
+    Returns:
+        On CUDA, ``nbytes`` rounded up to :data:`CUDA_BLOCK_BYTES`, as
+        ``torch.cuda.memory_allocated()`` counts blocks; elsewhere ``nbytes``.
+
+    Raises:
+        Nothing.
+    """
+    if torch.device(device).type != "cuda":
+        return nbytes
+    return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
