@@ -66,3 +66,33 @@ def test_each_codec_and_dtype_is_compiled_past_dynamos_recompile_limit(fresh):
             costs.seconds_per_byte(codec, dtype, "cpu", counting)
             added.append(len(compiled) - before)
     assert all(added), added  # each one compiled, none ran eagerly
+
+
+def _two_blocks(width=16):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 8))
+                                 for _ in range(2)))
+
+
+def test_a_blocks_recompute_time_is_measured_once_per_model_inputs_blocks_and_mode(fresh, monkeypatch):
+    measured = []
+
+    def noisy(model, inputs, paths, mode):  # a clock that never reads the same twice
+        measured.append(mode)
+        return tuple(float(len(measured) + i) for i, _ in enumerate(paths))
+
+    monkeypatch.setattr(costs, "block_seconds", noisy)
+    model, x = _two_blocks(), torch.randn(4, 8)
+    first = costs.recompute_seconds(model, (x,), ["0", "1"], "full")
+    assert first == (1.0, 2.0) and list(json.loads(fresh.read_text()).values()) == [[1.0, 2.0]]
+    monkeypatch.setattr(costs, "_CACHE", {})  # as a new process starts
+    assert costs.recompute_seconds(_two_blocks(), (torch.randn(4, 8),), ["0", "1"], "full") == first
+    assert measured == ["full"]
+    # each of these is another calibration: the mode, the blocks, the input shape, the model's shapes
+    others = [((x,), ["0", "1"], "selective"), ((x,), ["0"], "full"), ((x[:2],), ["0", "1"], "full")]
+    for inputs, paths, mode in others:
+        assert costs.recompute_seconds(model, inputs, paths, mode) != first
+    assert costs.recompute_seconds(_two_blocks(width=32), (x,), ["0", "1"], "full") != first
+    assert len(measured) == 5 and len(json.loads(fresh.read_text())) == 5
+    with pytest.raises(ValueError, match="mode"):
+        costs.recompute_seconds(model, (x,), ["0"], "sometimes")

@@ -511,6 +511,28 @@ def test_plan_with_min_sqnr_meets_it_for_the_whole_plan(monkeypatch):
     assert sh.Plan.from_json(plans[42.0].to_json()) == plans[42.0]
 
 
+def test_a_second_planner_reuses_the_recompute_times_and_makes_the_same_plan(monkeypatch, tmp_path):
+    from savedhooks.planner import costs
+
+    model, x, _ = _mlp_at_fixed_costs(monkeypatch)
+    monkeypatch.setenv("SAVEDHOOKS_CACHE_DIR", str(tmp_path))
+    readings = iter([1e-9, 1e-9, 1.0, 1.0])  # a clock whose readings differ: recompute free, then dear
+
+    def noisy(model, inputs, paths, mode):
+        return (next(readings),) * len(paths)
+
+    monkeypatch.setattr(costs, "block_seconds", noisy)
+    plans = []
+    for _ in range(2):
+        monkeypatch.setattr(costs, "_CACHE", {})  # as a new process starts
+        torch._dynamo.reset()
+        planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager", blocks=("0",))
+        plans.append(planner.plan(int(0.6 * planner.baseline_bytes), check=False))
+    assert plans[0].recompute == ("0",)  # free recompute is taken
+    assert plans[1] == plans[0]
+    assert next(readings) == 1.0  # measured once per mode (selective, full), by the first planner
+
+
 def test_a_checked_plan_s_fidelity_is_measured_and_one_below_the_limit_is_refused(monkeypatch):
     import dataclasses
 

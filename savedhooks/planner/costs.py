@@ -1,4 +1,4 @@
-"""What a codec costs in time: seconds per byte, measured once per codec, dtype and device.
+"""What a plan's choices cost in time, measured once per machine: codecs per byte, blocks per recompute.
 
 Design notes
 ------------
@@ -20,10 +20,22 @@ Design notes
   and in every rank of a machine. Entries are keyed by torch version, host,
   device name, codec, dtype and backend; a file that cannot be read is
   measured over (with a warning), and it is replaced atomically.
+* A block's recompute time (:func:`savedhooks.planner.recompute.block_seconds`)
+  is kept the same way (:func:`recompute_seconds`), keyed by torch version,
+  host, device name, recompute mode, the block paths and a digest of the model
+  (its module tree as printed, each module class's source, its parameters' and
+  buffers' names, shapes and dtypes) and of the example inputs' shapes. Measured
+  per run it was noise: two runs of the main job on unchanged code chose
+  different plans for the mlp and the vit under aot_eager. A
+  changed ``forward`` changes the class source and is measured again; code
+  that the digest does not see (a function the model calls) is not: delete
+  the file to measure again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import os
 import pathlib
@@ -31,15 +43,19 @@ import platform
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from savedhooks.codecs.base import Codec
+from savedhooks.planner.recompute import FULL, block_seconds, check_mode
 
-__all__ = ["cache_file", "seconds_per_byte"]
+__all__ = ["cache_file", "recompute_seconds", "seconds_per_byte"]
 
-_CACHE: dict[str, float] = {}
+_Cost = float | tuple[float, ...]
+_CACHE: dict[str, _Cost] = {}
 _ELEMENTS = 1 << 20
 _ENV = "SAVEDHOOKS_CACHE_DIR"
 
@@ -69,20 +85,26 @@ def _device_name(device: torch.device) -> str:
     return f"{device.type}:{platform.machine()}:{os.cpu_count()} cores"
 
 
-def _read(path: pathlib.Path) -> dict[str, float]:
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _read(path: pathlib.Path) -> dict[str, _Cost]:
     try:
         data = json.loads(path.read_text())
-        if not isinstance(data, dict) or not all(isinstance(v, (int, float)) for v in data.values()):
-            raise ValueError("not a mapping of names to seconds per byte")
-        return data
+        if not isinstance(data, dict) or not all(
+            _is_number(v) or (isinstance(v, list) and all(map(_is_number, v))) for v in data.values()
+        ):
+            raise ValueError("not a mapping of names to seconds")
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as error:
-        warnings.warn(f"savedhooks: codec costs in {path} unreadable ({error}); measuring again", stacklevel=3)
+        warnings.warn(f"savedhooks: measured costs in {path} unreadable ({error}); measuring again", stacklevel=4)
         return {}
 
 
-def _write(path: pathlib.Path, key: str, value: float) -> None:
+def _write(path: pathlib.Path, key: str, value: _Cost) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {**_read(path), key: value}
@@ -90,7 +112,19 @@ def _write(path: pathlib.Path, key: str, value: float) -> None:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(f.name, path)
     except OSError as error:
-        warnings.warn(f"savedhooks: could not keep codec costs in {path} ({error})", stacklevel=3)
+        warnings.warn(f"savedhooks: could not keep measured costs in {path} ({error})", stacklevel=4)
+
+
+def _kept(key: str, measure: Callable[[], _Cost], on_disk: bool = True) -> _Cost:
+    """The cost kept under ``key`` (in the process, then in :func:`cache_file`), else ``measure()``'s, kept."""
+    path = cache_file() if on_disk else None
+    if key not in _CACHE and path is not None:
+        _CACHE.update(_read(path))
+    if key not in _CACHE:
+        _CACHE[key] = measure()
+        if path is not None:
+            _write(path, key, _CACHE[key])
+    return _CACHE[key]
 
 
 def _sample(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -129,10 +163,8 @@ def seconds_per_byte(
         raise ValueError(f"seconds_per_byte: repeats must be positive, got {repeats}")
     device = torch.device(device)
     key = "|".join((torch.__version__, platform.node(), _device_name(device), repr(codec), str(dtype), str(backend)))
-    path = cache_file() if isinstance(backend, str) else None  # a backend object names no run but this one
-    if key not in _CACHE and path is not None:
-        _CACHE.update(_read(path))
-    if key not in _CACHE:
+
+    def measure() -> float:
         x = _sample(dtype, device)
         if not codec.accepts(x):
             raise ValueError(f"seconds_per_byte: {codec!r} does not accept {dtype}")
@@ -147,7 +179,53 @@ def seconds_per_byte(
                 round_trip(x)
                 _sync(x.device)
                 best = min(best, time.perf_counter() - start)
-        _CACHE[key] = best / (x.numel() * x.element_size())
-        if path is not None:
-            _write(path, key, _CACHE[key])
-    return _CACHE[key]
+        return best / (x.numel() * x.element_size())
+
+    return _kept(key, measure, on_disk=isinstance(backend, str))  # a backend object names no run but this one
+
+
+def recompute_seconds(
+    model: torch.nn.Module, example_inputs: Any, paths: Sequence[str], mode: str = FULL
+) -> tuple[float, ...]:
+    """Each block's recompute time (:func:`~savedhooks.planner.recompute.block_seconds`), measured once per machine.
+
+    Args:
+        model: the module.
+        example_inputs: as for :func:`savedhooks.plan`.
+        paths: the blocks' module paths.
+        mode: ``"full"`` or ``"selective"``.
+
+    Returns:
+        Seconds per block, in the order of ``paths`` (kept in the process and
+        in :func:`cache_file`, keyed by the model's and inputs' digest, the
+        paths, the mode and the device; see the design notes).
+
+    Raises:
+        ValueError: a path names no submodule, or an unknown ``mode``.
+        RuntimeError: a block did not run in the forward.
+    """
+    check_mode(mode)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    key = "|".join((torch.__version__, platform.node(), _device_name(device), "recompute", mode, ",".join(paths),
+                    _digest(model, example_inputs)))
+    return _kept(key, lambda: block_seconds(model, example_inputs, paths, mode=mode))
+
+
+def _digest(model: torch.nn.Module, example_inputs: Any) -> str:
+    """A digest of what a block's time depends on: the module tree, its classes' sources, tensors' shapes."""
+    parts = [repr(model)]
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):  # defined in an interpreter session, or built in
+            source = ""
+        parts.append(f"{cls.__module__}.{cls.__qualname__}:{source}")
+    named = [*model.named_parameters(), *model.named_buffers()]
+    leaves = [(name, t) for name, t in named] + [(str(i), t) for i, t in enumerate(pytree.tree_leaves(example_inputs))]
+    for name, t in leaves:
+        if isinstance(t, torch.Tensor):
+            parts.append(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.device.type}:{t.requires_grad}")
+        else:
+            parts.append(f"{name}:{type(t).__name__}:{t!r}" if isinstance(t, (bool, int, float, str, type(None)))
+                         else f"{name}:{type(t).__name__}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]

@@ -65,6 +65,7 @@ from savedhooks.planner.check import (
     tighten,
     warn_unchecked,
 )
+from savedhooks.planner.costs import recompute_seconds
 from savedhooks.planner.fidelity import (
     FidelityLimit,
     check_min_sqnr,
@@ -74,7 +75,7 @@ from savedhooks.planner.fidelity import (
     predicted_db,
 )
 from savedhooks.planner.lockstep import checked_together, follow, is_leader, lead, several
-from savedhooks.planner.recompute import FULL, SELECTIVE, block_seconds, check_mode, find_blocks, resolve_blocks
+from savedhooks.planner.recompute import FULL, SELECTIVE, check_mode, find_blocks, resolve_blocks
 from savedhooks.planner.result import InfeasibleBudgetError, InfeasibleFidelityError, Plan, check_budget
 from savedhooks.planner.survey import NotCompiledError, Survey, survey
 
@@ -146,7 +147,6 @@ class Planner:
         self._surveys: dict[tuple[int, str], Survey] = {}
         # settings not planned (nothing compiled, or graphs the memory model cannot read), and why
         self._skipped: dict[tuple[int, str], str] = {}
-        self._block_seconds: dict[str, tuple[float, ...]] = {}
         # plans checked on the graphs compiled with their hooks: (setting, choices) -> (plan, checked peak)
         self._checked: dict[tuple[tuple[int, str], tuple], tuple[Plan, int]] = {}
 
@@ -171,9 +171,7 @@ class Planner:
         mode = mode if k else FULL
         if (k, mode) not in self._surveys:
             model, inputs, loss_fn, backend, seed = self._args
-            if k and mode not in self._block_seconds:
-                self._block_seconds[mode] = block_seconds(model, inputs, self.blocks, mode=mode)
-            seconds = sum(self._block_seconds[mode][:k]) if k else 0.0
+            seconds = sum(recompute_seconds(model, inputs, self.blocks, mode)[:k]) if k else 0.0
             found = survey(model, inputs, loss_fn, backend, seed, self.blocks[:k], seconds, mode)
             if self.min_sqnr_db is not None:
                 found, self._limited[k, mode] = self.limit().restrict(found)

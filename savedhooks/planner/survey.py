@@ -60,8 +60,9 @@ from savedhooks.fidelity.sensitivity import default_loss
 from savedhooks.hooks import saved_tensors_hooks
 from savedhooks.memory.sizes import tensor_nbytes
 from savedhooks.planner.census import GraphTimeline, StepTimeline, key_of_saved, step_timeline
+from savedhooks.planner.costs import recompute_seconds as blocks_recompute_seconds
 from savedhooks.planner.costs import seconds_per_byte
-from savedhooks.planner.recompute import FULL, block_seconds
+from savedhooks.planner.recompute import FULL
 from savedhooks.planner.result import CODECS, Plan, PlannedTensor, check_budget
 from savedhooks.planner.search import Option, SearchResult, Unit, floor_of, result_of, search, search_within, sqnr_db
 from savedhooks.planner.step import NotCompiledError, device_of, loss_peak, record_step
@@ -250,7 +251,7 @@ def survey(
         recompute: module paths of blocks to checkpoint during the survey (as
             the plan will run them: :meth:`Plan.apply`).
         recompute_seconds: their recompute time per step; ``None``: measured
-            (:func:`savedhooks.planner.recompute.block_seconds`).
+            once per machine (:func:`savedhooks.planner.costs.recompute_seconds`).
         recompute_mode: ``"full"`` or ``"selective"``
             (:func:`savedhooks.planner.recompute.checkpoint_blocks`).
 
@@ -268,7 +269,7 @@ def survey(
     loss_fn = loss_fn or default_loss
     recompute = tuple(recompute)
     if recompute_seconds is None:
-        seconds = block_seconds(model, example_inputs, recompute, mode=recompute_mode) if recompute else ()
+        seconds = blocks_recompute_seconds(model, example_inputs, recompute, recompute_mode) if recompute else ()
         recompute_seconds = sum(seconds, 0.0)
     with keyed_run() as run:
         census = functools.partial(saved_tensors_hooks, Census(Policy()).hooks(), reorder=False)
