@@ -1,0 +1,107 @@
+"""``sh.plan``: one budget, planned by a :class:`~savedhooks.planner.plan.Planner` made for the call.
+
+The planner's design notes are in :mod:`savedhooks.planner.plan`; keep a
+``Planner`` to plan several budgets without surveying again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from savedhooks.planner.plan import Planner
+from savedhooks.planner.result import Plan, check_budget
+
+__all__ = ["plan"]
+
+
+def plan(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    budget_bytes: int,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    backend: str = "inductor",
+    seed: int = 0,
+    verbose: bool = False,
+    blocks: Sequence[str] | None = None,
+    min_sqnr_db: float | None = None,
+    check: bool | None = None,
+) -> Plan:
+    """Choose which blocks to recompute (whole or selectively) and, per saved tensor, keep / bf16 / fp8 / bitmask / offload.
+
+    The choice meets ``budget_bytes`` at the least modelled time (codecs and
+    recompute). A :class:`Planner`'s :meth:`~Planner.plan`: per recompute
+    setting one compile and training step (the survey; parameters unchanged),
+    the search, then with ``check`` one compile and step per plan checked.
+    What ``sh.policy()`` keeps for fidelity stays kept; with ``min_sqnr_db``
+    the plan's predicted gradient SQNR meets it. Offload (to pinned host
+    memory) is a choice on a GPU only (not yet run on one). To plan several
+    budgets, keep a :class:`Planner`. Each survey ends with
+    ``torch._dynamo.reset()``: plan before compiling anything else.
+
+    Args:
+        model: the module to train (not compiled: the plan compiles it).
+        example_inputs: a tuple of positional arguments, a dict of keyword
+            arguments, or one tensor, of the shapes training uses.
+        budget_bytes: the peak to meet, in bytes above what is alive before the
+            step (parameters, inputs, optimizer state excluded), as the memory
+            model predicts it for the compiled graphs with placement.
+        loss_fn: turns the model's output into a scalar (run eagerly, as in a
+            training loop); default: the output if it is a scalar, else the mean
+            square of its floating tensors.
+        backend: ``"inductor"`` (plain ``torch.compile``) or ``"aot_eager"``
+            (run the plan with ``sh.backend("aot_eager")``); the plan's keys are
+            those of this backend's graphs.
+        seed: ``torch.manual_seed`` before each step.
+        verbose: print the report.
+        blocks: module paths of the blocks the plan may recompute, in forward
+            order; default: the children of the model's largest
+            ``nn.ModuleList`` of one class (:func:`~savedhooks.planner.recompute.find_blocks`);
+            ``()``: codecs only.
+        min_sqnr_db: None, or the least worst parameter-gradient SQNR (dB)
+            the plan may be predicted at: runs :func:`savedhooks.sensitivity`
+            (fp8) once first (``2 + 2 * groups`` compiled steps;
+            :mod:`savedhooks.planner.fidelity`), prices each lossy choice by
+            the gradient noise it adds (the noises add up), and meets the
+            limit at the least time (bf16 or keep instead of fp8, or more
+            recompute); ``plan.predicted_sqnr_db`` is the prediction. With
+            ``check`` in one process, each checked plan's gradients are
+            measured too (``plan.checked_sqnr_db``) and one below the limit is not kept.
+        check: check plans on the graphs compiled with their own hooks (one
+            compile and step each; the module notes; ``predicted_peak_bytes``
+            is then the checked peak). ``False``: the survey's model alone,
+            blind to how the hooks change the compiled graphs. ``None``
+            (default): check. Under ``torch.distributed`` with several
+            processes every rank checks together and gets rank 0's plan
+            (:mod:`savedhooks.planner.lockstep`): every rank must call it,
+            with the same arguments; with ``False`` each rank plans alone.
+
+    Returns:
+        A :class:`Plan`: run it with ``plan.apply(model)`` (the recompute),
+        then ``torch.compile`` inside ``sh.saved_tensors_hooks(plan.hooks)``.
+
+    Raises:
+        TypeError: ``model`` is not a module, ``budget_bytes`` not an int,
+            ``blocks`` a string, ``min_sqnr_db`` not a number, or ``check``
+            not a bool or None.
+        ValueError: ``budget_bytes`` is not positive, ``backend`` is unknown, a
+            block path names no submodule, ``min_sqnr_db`` is not finite, the
+            output has no floating tensor and no ``loss_fn``.
+        NotCompiledError: the model did not compile (dynamo ran it eagerly).
+        InfeasibleBudgetError: the budget is below the lowest peak reachable
+            (the error names it: the modelled floor, or with ``check`` the
+            lowest checked peak where that is lower), or, with ``check``, every
+            plan checked peaks above it.
+        InfeasibleFidelityError: (``min_sqnr_db``) every plan meeting the
+            budget is predicted (or, checked, measured) below it; the error
+            names the best figure.
+        RuntimeError: (several processes, with ``check``) rank 0's search
+            raised (that rank raises the error itself), or a check raised
+            other than ``ValueError`` / ``NotCompiledError`` on some rank
+            (:class:`~savedhooks.planner.lockstep.ChecksAborted`, on every rank).
+    """
+    check_budget(budget_bytes)
+    planner = Planner(model, example_inputs, loss_fn, backend, seed, blocks, min_sqnr_db)
+    return planner.plan(budget_bytes, verbose, check)
