@@ -96,3 +96,23 @@ def test_a_blocks_recompute_time_is_measured_once_per_model_inputs_blocks_and_mo
     assert len(measured) == 5 and len(json.loads(fresh.read_text())) == 5
     with pytest.raises(ValueError, match="mode"):
         costs.recompute_seconds(model, (x,), ["0"], "sometimes")
+
+
+def test_the_file_s_other_entries_survive_a_bad_one_and_the_process_keeps_what_it_measured(fresh, monkeypatch):
+    bf16 = CODECS["bf16"]
+    first = costs.seconds_per_byte(bf16, torch.float32, "cpu", "aot_eager")
+    kept = json.loads(fresh.read_text())
+    (key,) = kept
+    # another writer's entries: one this version cannot read, and another figure for the key this process holds
+    fresh.write_text(json.dumps({key: first * 2, "other|kind": "fast", "other|seconds": 1.5}))
+    model, x = _two_blocks(), torch.randn(4, 8)
+    monkeypatch.setattr(costs, "block_seconds", lambda model, inputs, paths, mode: (0.25,) * len(paths))
+    costs.recompute_seconds(model, (x,), ["0"], "full")  # reads the file: a key this process lacks
+    assert costs._CACHE["other|seconds"] == 1.5 and "other|kind" not in costs._CACHE
+    assert costs.seconds_per_byte(bf16, torch.float32, "cpu", "aot_eager") == first  # the process's own figure
+    assert json.loads(fresh.read_text())["other|kind"] == "fast"  # writing keeps what it cannot read
+    # a kept figure of the wrong kind for its key (a number where a block list belongs) is measured over
+    recompute_key = next(k for k in json.loads(fresh.read_text()) if "|recompute|" in k)
+    fresh.write_text(json.dumps({recompute_key: 3.0}))
+    monkeypatch.setattr(costs, "_CACHE", {})
+    assert costs.recompute_seconds(model, (x,), ["0"], "full") == (0.25,)

@@ -131,8 +131,9 @@ class Float8(Codec):
         if rows.shape[1] % self.block_size == 0:  # one block per row: the reference chunks by rows
             # through (rows, blocks, block_size): inductor indexes the two views of a value it computes
             # affinely, but the one view through ``(block * b + i) % cols``, which it leaves unsimplified
-            # (gpt2's GELU + quantize kernel loaded its input one lane at a time: README, "Under inductor")
-            rows = rows.view(rows.shape[0], -1, self.block_size).view(-1, self.block_size)
+            # (gpt2's GELU + quantize kernel loaded its input one lane at a time: README, "Kernels")
+            blocks = rows.shape[1] // self.block_size
+            rows = rows.view(rows.shape[0], blocks, self.block_size).view(-1, self.block_size)
         elif rows.shape[1] > self.block_size and rows.numel() % self.block_size == 0:
             rows = rows.reshape(-1, self.block_size)
         return rows

@@ -61,7 +61,7 @@ _ENV = "SAVEDHOOKS_CACHE_DIR"
 
 
 def cache_file() -> pathlib.Path | None:
-    """Where measured codec costs are kept between processes.
+    """Where measured costs (codecs, block recomputes) are kept between processes.
 
     Args:
         None.
@@ -90,24 +90,30 @@ def _is_number(value: Any) -> bool:
 
 
 def _read(path: pathlib.Path) -> dict[str, _Cost]:
+    """The file's costs; an entry that is not seconds (a number, or a list of them) is left out, the rest kept."""
     try:
         data = json.loads(path.read_text())
-        if not isinstance(data, dict) or not all(
-            _is_number(v) or (isinstance(v, list) and all(map(_is_number, v))) for v in data.values()
-        ):
-            raise ValueError("not a mapping of names to seconds")
-        return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as error:
-        warnings.warn(f"savedhooks: measured costs in {path} unreadable ({error}); measuring again", stacklevel=4)
+        data = error
+    if not isinstance(data, dict):
+        why = data if isinstance(data, Exception) else "not a mapping of names to seconds"
+        warnings.warn(f"savedhooks: measured costs in {path} unreadable ({why}); measuring again", stacklevel=4)
         return {}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
+            if _is_number(v) or (isinstance(v, list) and all(map(_is_number, v)))}
 
 
 def _write(path: pathlib.Path, key: str, value: _Cost) -> None:
+    """Add ``key`` to the file, keeping every entry it has (also those :func:`_read` leaves out)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {**_read(path), key: value}
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):  # none yet, or unreadable (already warned about by _read)
+            data = {}
+        data = {**(data if isinstance(data, dict) else {}), key: value}
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(f.name, path)
@@ -115,12 +121,18 @@ def _write(path: pathlib.Path, key: str, value: _Cost) -> None:
         warnings.warn(f"savedhooks: could not keep measured costs in {path} ({error})", stacklevel=4)
 
 
-def _kept(key: str, measure: Callable[[], _Cost], on_disk: bool = True) -> _Cost:
-    """The cost kept under ``key`` (in the process, then in :func:`cache_file`), else ``measure()``'s, kept."""
+def _kept(key: str, measure: Callable[[], _Cost], fits: Callable[[_Cost], bool], on_disk: bool = True) -> _Cost:
+    """The cost kept under ``key`` (in the process, then in :func:`cache_file`), else ``measure()``'s, kept.
+
+    What the process holds wins over the file (another process may have
+    measured the same key since); a kept value that does not ``fit`` (another
+    kind of cost under the key) is measured over.
+    """
     path = cache_file() if on_disk else None
     if key not in _CACHE and path is not None:
-        _CACHE.update(_read(path))
-    if key not in _CACHE:
+        for k, v in _read(path).items():
+            _CACHE.setdefault(k, v)
+    if key not in _CACHE or not fits(_CACHE[key]):
         _CACHE[key] = measure()
         if path is not None:
             _write(path, key, _CACHE[key])
@@ -181,7 +193,8 @@ def seconds_per_byte(
                 best = min(best, time.perf_counter() - start)
         return best / (x.numel() * x.element_size())
 
-    return _kept(key, measure, on_disk=isinstance(backend, str))  # a backend object names no run but this one
+    # a backend object names no run but this one: kept for the process only
+    return _kept(key, measure, _is_number, on_disk=isinstance(backend, str))
 
 
 def recompute_seconds(
@@ -205,15 +218,19 @@ def recompute_seconds(
         RuntimeError: a block did not run in the forward.
     """
     check_mode(mode)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
     key = "|".join((torch.__version__, platform.node(), _device_name(device), "recompute", mode, ",".join(paths),
                     _digest(model, example_inputs)))
-    return _kept(key, lambda: block_seconds(model, example_inputs, paths, mode=mode))
+
+    def fits(value: _Cost) -> bool:
+        return isinstance(value, tuple) and len(value) == len(paths)
+
+    return _kept(key, lambda: block_seconds(model, example_inputs, paths, mode=mode), fits)
 
 
 def _digest(model: torch.nn.Module, example_inputs: Any) -> str:
     """A digest of what a block's time depends on: the module tree, its classes' sources, tensors' shapes."""
-    parts = [repr(model)]
+    parts = [repr(model), f"training={model.training}"]
     for cls in sorted({type(m) for m in model.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
         try:
             source = inspect.getsource(cls)

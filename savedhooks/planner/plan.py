@@ -1,4 +1,4 @@
-"""``sh.plan``: meet a peak-memory budget at the least modelled time, mixing recompute and codecs.
+"""The ``Planner`` behind ``sh.plan``: meet a peak-memory budget at the least modelled time, mixing recompute and codecs.
 
 Design notes
 ------------
