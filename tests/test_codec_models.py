@@ -250,7 +250,7 @@ class TestOffloadGraph(expecttest.TestCase):
         self.assertExpectedInline(pack.code.strip(), """\
 def forward(self, arg0_1):
     view = torch.ops.aten.view.default(arg0_1, [-1, 256]);  arg0_1 = None
-    view_1 = torch.ops.aten.view.default(view, [4, -1, 128]);  view = None
+    view_1 = torch.ops.aten.view.default(view, [4, 2, 128]);  view = None
     view_2 = torch.ops.aten.view.default(view_1, [-1, 128]);  view_1 = None
     triton_fp8_quantize = torch.ops.savedhooks.triton_fp8_quantize.default(view_2, torch.float8_e4m3fn, 'block', 128, False);  view_2 = None
     getitem = triton_fp8_quantize[0]
