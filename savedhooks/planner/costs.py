@@ -89,18 +89,22 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _read(path: pathlib.Path) -> dict[str, _Cost]:
-    """The file's costs; an entry that is not seconds (a number, or a list of them) is left out, the rest kept."""
+def _load(path: pathlib.Path) -> tuple[dict[str, Any], str | None]:
+    """The file's mapping as it is (``{}`` where there is none), and why it could not be read (None: it could)."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        return {}
+        return {}, None
     except (OSError, ValueError) as error:
-        data = error
-    if not isinstance(data, dict):
-        why = data if isinstance(data, Exception) else "not a mapping of names to seconds"
+        return {}, str(error)
+    return (data, None) if isinstance(data, dict) else ({}, "not a mapping of names to seconds")
+
+
+def _read(path: pathlib.Path) -> dict[str, _Cost]:
+    """The file's costs; an entry that is not seconds (a number, or a list of them) is left out, the rest kept."""
+    data, why = _load(path)
+    if why is not None:
         warnings.warn(f"savedhooks: measured costs in {path} unreadable ({why}); measuring again", stacklevel=4)
-        return {}
     return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
             if _is_number(v) or (isinstance(v, list) and all(map(_is_number, v)))}
 
@@ -109,11 +113,7 @@ def _write(path: pathlib.Path, key: str, value: _Cost) -> None:
     """Add ``key`` to the file, keeping every entry it has (also those :func:`_read` leaves out)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):  # none yet, or unreadable (already warned about by _read)
-            data = {}
-        data = {**(data if isinstance(data, dict) else {}), key: value}
+        data = {**_load(path)[0], key: value}  # an unreadable file was warned about by _read
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(f.name, path)
