@@ -9,8 +9,8 @@ Design notes
   RNG and side effects). A buffer is freed after the last node touching it, as in
   :func:`savedhooks.memory.simulate_order`; inputs count from the start.
 * Strategies share one signature, ``strategy(problem) -> order``, as inductor's
-  ``memory.py``: input order, least peak memory first, BFS, DFS and bytes-freed
-  list scheduling. Each is scored raw and after the hook placement post-pass
+  ``memory.py``: input order, least peak memory first, BFS, two DFS (from the
+  sinks, and inductor's smallest-first one) and bytes-freed list scheduling. Each is scored raw and after the hook placement post-pass
   (:func:`place`); :func:`schedule` keeps the lowest modelled peak, the input
   order winning ties, so the result is never worse than the input. The winner
   is placed once more when that does not raise its peak: among orders of equal
@@ -41,7 +41,17 @@ from collections.abc import Callable, Iterable
 from savedhooks.schedule.problem import Problem, build_problem, check_order, live_profile, peak_of
 from savedhooks.schedule.score import arena_of, problem_lifetimes
 from savedhooks.schedule.search import SearchResult, beam, exact_search
-from savedhooks.schedule.strategies import bfs, bytes_freed, dfs, hoist_frees, input_order, lpmf, place, sink_free
+from savedhooks.schedule.strategies import (
+    bfs,
+    bytes_freed,
+    dfs,
+    dfs_smallest,
+    hoist_frees,
+    input_order,
+    lpmf,
+    place,
+    sink_free,
+)
 
 __all__ = [
     "SCORES",
@@ -56,6 +66,7 @@ __all__ = [
     "bytes_freed",
     "check_order",
     "dfs",
+    "dfs_smallest",
     "exact_search",
     "hoist_frees",
     "input_order",
@@ -76,6 +87,7 @@ STRATEGIES: dict[str, Callable[[Problem], list[int]]] = {
     "lpmf": lpmf,
     "bfs": bfs,
     "dfs": dfs,
+    "dfs_smallest": dfs_smallest,
     "bytes_freed": bytes_freed,
     "beam": beam,
 }

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from savedhooks.schedule.problem import Problem, live_profile
 
-__all__ = ["bfs", "bytes_freed", "dfs", "hoist_frees", "input_order", "lpmf", "place", "sink_free"]
+__all__ = ["bfs", "bytes_freed", "dfs", "dfs_smallest", "hoist_frees", "input_order", "lpmf", "place", "sink_free"]
 
 
 # --- list scheduling --------------------------------------------------------------------------
@@ -123,6 +123,32 @@ def dfs(problem: Problem) -> list[int]:
     return order
 
 
+@_strategy
+def dfs_smallest(problem: Problem) -> list[int]:
+    """Depth first by size, after inductor's ``topological_sort_dfs``: smallest nodes first, each after its ancestors.
+
+    Nodes are visited from the smallest, and each one's unscheduled
+    predecessors before it, the smallest first, recursively. Unlike :func:`dfs`,
+    which starts from the sinks and follows the largest branch, this runs what
+    is cheap to hold early and large producers only when something small needs
+    them. A node's size is the bytes of the buffers it reads plus twice those it
+    makes: what it makes stays alive after it, what it reads may die there.
+    Inductor's own sort counts what it makes once; on gpt2-big's backward at
+    batch 1 (``tests/test_schedule.py``) the modelled peaks were 237.2 MiB with
+    this weight and 243.2 with inductor's (measured activation peaks 123.2 and
+    129.2 MiB), where every other strategy modelled 253.7 or more (measured
+    138.5; README, "Reordering for memory").
+"""
+    size = [made + sum(problem.sizes[b] for b in touched) for made, touched in zip(problem.alloc, problem.touched)]
+
+    def smallest_first(v: int) -> tuple[int, int]:
+        return size[v], v
+
+    done = set(problem.fixed)
+    order = list(problem.fixed)
+    for root in sorted(range(problem.size), key=smallest_first):  # predecessors pushed last run first
+        _after_predecessors(root, lambda v: sorted(problem.preds[v], key=smallest_first, reverse=True), done, order)
+    return order
 
 
 # --- hook placement post-pass -----------------------------------------------------------------
