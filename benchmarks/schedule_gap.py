@@ -151,7 +151,8 @@ def main() -> None:
               f"{best.peak} | {'yes' if best.optimal else f'bound {best.lower_bound}'} | {100 * gap:.2f} % |")
 
     big = random_problem(5000, seed=0)
-    print(f"portfolio (input, LPMF, BFS, DFS, bytes-freed, beam; each raw and placed) on a 5000-node DAG: "
+    print(f"portfolio (input, LPMF, BFS, DFS, smallest-first DFS, bytes-freed, beam; each raw and placed) "
+          f"on a 5000-node DAG: "
           f"{_best_time(lambda: schedule(big, exact_budget=0)):.2f} s (best of 3)")
     gm, inputs = random_graph(5000)
     sh.memory.estimate_peak(gm, *inputs)  # fills meta["val"]

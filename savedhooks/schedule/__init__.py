@@ -10,7 +10,8 @@ Design notes
   :func:`savedhooks.memory.simulate_order`; inputs count from the start.
 * Strategies share one signature, ``strategy(problem) -> order``, as inductor's
   ``memory.py``: input order, least peak memory first, BFS, two DFS (from the
-  sinks, and inductor's smallest-first one) and bytes-freed list scheduling. Each is scored raw and after the hook placement post-pass
+  sinks, and smallest first as inductor's), bytes-freed list scheduling and a
+  beam search. Each is scored raw and after the hook placement post-pass
   (:func:`place`); :func:`schedule` keeps the lowest modelled peak, the input
   order winning ties, so the result is never worse than the input. The winner
   is placed once more when that does not raise its peak: among orders of equal
