@@ -52,8 +52,10 @@ def record_problems(model: str, size: float = 1.0, config: str = "sh") -> list[P
     with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": cache}), \
             mock.patch.object(passes, "schedule", recording):  # fmt: skip
         step = CONFIGS[config].build(workload, "inductor")
-        step.forward().backward()
-        step.close()
+        try:
+            step.forward().backward()
+        finally:
+            step.close()
     return problems
 
 
@@ -67,7 +69,8 @@ def load_problems(path: str | Path) -> list[Problem]:
         The problems.
 
     Raises:
-        OSError, ValueError: the file cannot be read or is not such a file.
+        OSError, ValueError: the file cannot be read or is not JSON.
+        TypeError: an entry is not a problem's fields.
     """
     with gzip.open(path, "rt") as f:
         records = json.load(f)
@@ -80,6 +83,7 @@ def _tuples(value):
 
 
 def main() -> None:
+    """Record one step's problems and write them (see the module docstring and ``--help``)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.problem_dump", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2-big")
     parser.add_argument("--size", type=float, default=1.0)
@@ -87,7 +91,9 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the .json.gz file to write")
     args = parser.parse_args()
     problems = record_problems(args.model, args.size, args.config)
-    records = [{k: sorted(v) if isinstance(v, frozenset) else v for k, v in dataclasses.asdict(p).items()} for p in problems]
+    records = [
+        {k: sorted(v) if isinstance(v, frozenset) else v for k, v in dataclasses.asdict(p).items()} for p in problems
+    ]
     with gzip.open(args.out, "wt") as f:
         json.dump(records, f, separators=(",", ":"))
     print(f"{len(problems)} problems ({', '.join(str(p.size) + ' nodes' for p in problems)}) -> {args.out}")

@@ -371,8 +371,11 @@ def test_dfs_smallest_finds_the_lowest_order_of_gpt2_big_s_backward():
 
     Recorded with ``python -m benchmarks.problem_dump --model gpt2-big --size 1
     --config sh --out tests/data/gpt2_big_sh_problems.json.gz``. Without
-    ``dfs_smallest`` the portfolio's best modelled peak was 5 % higher, and the
-    measured activation peak 138.5 MiB against 123.2 (README, "Reordering for memory").
+    ``dfs_smallest`` the portfolio chose ``dfs`` (262.6 MiB modelled, 10 %
+    higher), and the measured activation peak was 138.5 MiB against 123.2
+    (README, "Results at ``--size 1``"). Weighing what a node makes once, as
+    inductor does, models 243.2 MiB (0.926 of ``dfs``): the bound below tells
+    the two weights apart.
     """
     from pathlib import Path
 
@@ -381,25 +384,46 @@ def test_dfs_smallest_finds_the_lowest_order_of_gpt2_big_s_backward():
     (problem,) = load_problems(Path(__file__).parent / "data" / "gpt2_big_sh_problems.json.gz")
     ours = STRATEGIES["dfs_smallest"](problem)
     check_order(problem, ours)
-    others = [order for name, s in STRATEGIES.items() if name != "dfs_smallest" for order in (s(problem), place(problem, s(problem)))]
-    best_other = min(peak_of(problem, o) for o in others)
-    assert peak_of(problem, ours) < 0.96 * best_other
+    others = [
+        order
+        for name, strategy in STRATEGIES.items()
+        if name != "dfs_smallest"
+        for order in (strategy(problem), place(problem, strategy(problem)))
+    ]
+    assert peak_of(problem, ours) < 0.92 * min(peak_of(problem, o) for o in others)
     chosen = schedule(problem, exact_budget=0)
     assert chosen.method.startswith("dfs_smallest") and chosen.peak == peak_of(problem, ours)
 
 
-def test_dfs_smallest_visits_the_smallest_node_first_after_its_ancestors():
-    # 0: input; 1 (big) and 2 (small) read 0; 3 reads 1; 4 reads 2 and is the smallest node
+def test_dfs_smallest_weighs_what_a_node_makes_twice_and_visits_the_smallest_predecessor_first():
+    # inputs 0 (16 B) and 1 (60 B); node 2 reads 0 and makes 40 B, node 3 reads 1 and makes 1 B;
+    # node 4 reads both. Sizes (reads + 2 x made): 2: 96, 3: 62, 4: 43 -> 4 first, after 3 then 2.
+    # Weighing what is made once (inductor's 56, 61, 42) would run 2 before 3, as the input order does.
     problem = Problem(
-        preds=((), (0,), (0,), (1,), (2,)),
-        fixed=(0,),
-        alloc=(0, 64, 8, 4, 1),
-        sizes=(16, 64, 8, 4, 1),
-        touchers=((0, 1, 2), (1, 3), (2, 4), (3,), (4,)),
-        freeable=(False, True, True, False, False),
-        base=16,
+        preds=((), (), (0,), (1,), (2, 3)),
+        fixed=(0, 1),
+        alloc=(0, 0, 40, 1, 1),
+        sizes=(16, 60, 40, 1, 1),
+        touchers=((0, 2), (1, 3), (2, 4), (3, 4), (4,)),
+        freeable=(False, False, True, True, False),
+        base=76,
         early=frozenset(),
         late=frozenset(),
     )
-    # sizes (reads + 2 x made): 1: 16+128, 2: 16+16, 3: 64+8, 4: 8+2 -> 4 first (after 2), then 3 (after 1)
-    assert STRATEGIES["dfs_smallest"](problem) == [0, 2, 4, 1, 3]
+    assert STRATEGIES["dfs_smallest"](problem) == [0, 1, 3, 2, 4]
+
+
+def test_dfs_smallest_refuses_a_cycle():
+    problem = Problem(
+        preds=((), (0, 2), (1,)),
+        fixed=(0,),
+        alloc=(0, 1, 1),
+        sizes=(1, 1, 1),
+        touchers=((0, 1), (1, 2), (2, 1)),
+        freeable=(False, True, True),
+        base=1,
+        early=frozenset(),
+        late=frozenset(),
+    )
+    with pytest.raises(ValueError, match="cycle"):
+        STRATEGIES["dfs_smallest"](problem)
