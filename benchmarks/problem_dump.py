@@ -21,7 +21,7 @@ from unittest import mock
 from savedhooks import passes
 from savedhooks.schedule import Problem
 
-__all__ = ["load_problems", "record_problems"]
+__all__ = ["load_problems", "record_problems", "save_problems"]
 
 
 def record_problems(model: str, size: float = 1.0, config: str = "sh") -> list[Problem]:
@@ -59,8 +59,28 @@ def record_problems(model: str, size: float = 1.0, config: str = "sh") -> list[P
     return problems
 
 
+def save_problems(problems: list[Problem], path: str | Path) -> None:
+    """Write problems as gzipped JSON (tuples as lists, the frozensets sorted), for :func:`load_problems`.
+
+    Args:
+        problems: the problems.
+        path: the ``.json.gz`` file to write.
+
+    Returns:
+        None.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    records = [
+        {k: sorted(v) if isinstance(v, frozenset) else v for k, v in dataclasses.asdict(p).items()} for p in problems
+    ]
+    with gzip.open(path, "wt") as f:
+        json.dump(records, f, separators=(",", ":"))
+
+
 def load_problems(path: str | Path) -> list[Problem]:
-    """Read problems written by this module's ``main``.
+    """Read problems written by :func:`save_problems`.
 
     Args:
         path: a ``.json.gz`` file.
@@ -91,11 +111,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the .json.gz file to write")
     args = parser.parse_args()
     problems = record_problems(args.model, args.size, args.config)
-    records = [
-        {k: sorted(v) if isinstance(v, frozenset) else v for k, v in dataclasses.asdict(p).items()} for p in problems
-    ]
-    with gzip.open(args.out, "wt") as f:
-        json.dump(records, f, separators=(",", ":"))
+    save_problems(problems, args.out)
     print(f"{len(problems)} problems ({', '.join(str(p.size) + ' nodes' for p in problems)}) -> {args.out}")
 
 

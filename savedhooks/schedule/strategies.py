@@ -115,12 +115,8 @@ def bfs(problem: Problem) -> list[int]:
 def dfs(problem: Problem) -> list[int]:
     """Depth first from the sinks: each node right after its unscheduled ancestors, largest branch first.
 """
-    done = set(problem.fixed)
-    order = list(problem.fixed)
     sinks = [v for v in range(problem.size) if not problem.succs[v]]
-    for sink in sinks:  # pushed last runs first: the predecessor allocating most goes first
-        _after_predecessors(sink, lambda v: sorted(problem.preds[v], key=lambda p: (problem.alloc[p], -p)), done, order)
-    return order
+    return _depth_first(problem, sinks, lambda p: (-problem.alloc[p], p))  # the predecessor allocating most first
 
 
 @_strategy
@@ -144,10 +140,15 @@ def dfs_smallest(problem: Problem) -> list[int]:
     def smallest_first(v: int) -> tuple[int, int]:
         return size[v], v
 
+    return _depth_first(problem, sorted(range(problem.size), key=smallest_first), smallest_first)
+
+
+def _depth_first(problem: Problem, roots: list[int], first: Callable[[int], tuple[int, int]]) -> list[int]:
+    """The fixed nodes, then each root in turn after its unscheduled ancestors; predecessors by ascending ``first``."""
     done = set(problem.fixed)
     order = list(problem.fixed)
-    for root in sorted(range(problem.size), key=smallest_first):  # predecessors pushed last run first
-        _after_predecessors(root, lambda v: sorted(problem.preds[v], key=smallest_first, reverse=True), done, order)
+    for root in roots:  # pushed last runs first
+        _after_predecessors(root, lambda v: sorted(problem.preds[v], key=first, reverse=True), done, order)
     return order
 
 
