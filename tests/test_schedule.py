@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import random
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from savedhooks.schedule import (
     schedule,
     sink_free,
 )
+from savedhooks.schedule.strategies import _segment_profile
 
 CPU = torch.device("cpu")
 
@@ -259,6 +261,27 @@ def test_hoist_frees_never_raises_the_peak_nor_the_area(nodes, seed, window):
     assert max(after) <= max(before) and sum(after) <= sum(before)
     assert max(after) == peak_of(problem, hoisted)
     assert (hoisted == order) == (sum(after) == sum(before))
+
+
+@_on_random_problems
+def test_hoist_frees_profile_of_a_reordered_stretch_equals_the_whole_profile(nodes, seed, window):
+    # hoist_frees judges a move by the profile of the stretch it reorders, the rest kept from before
+    problem, order = _scheduled(nodes, seed, window)
+    rng = random.Random(seed)
+    profile, position = live_profile(problem, order), {v: i for i, v in enumerate(order)}
+    fixed = len(problem.fixed)
+    assert problem.size > fixed
+    for _ in range(10):
+        start = rng.randrange(fixed, problem.size)
+        stop = rng.randrange(start, problem.size) + 1
+        pending, segment = list(order[start:stop]), []
+        while pending:  # a random topological order of the stretch
+            ready = [u for u in pending if not any(p in pending for p in problem.preds[u])]
+            segment.append(pending.pop(pending.index(rng.choice(ready))))
+        moved = order[:start] + segment + order[stop:]
+        live = profile[start] - problem.peak_alloc[order[start]]
+        spliced = profile[:start] + _segment_profile(problem, segment, start, position, live) + profile[stop:]
+        assert spliced == live_profile(problem, moved)
 
 
 def test_bad_input_raises():

@@ -275,8 +275,8 @@ def hoist_frees(problem: Problem, order: list[int], min_gain: float = 0.0) -> li
     profile = live_profile(problem, order)
     peak, area = max(profile, default=problem.base), sum(profile)
     floor, descendants = len(problem.fixed) - 1, problem.descendants
+    position = {u: i for i, u in enumerate(order)}
     for v in list(order):
-        position = {u: i for i, u in enumerate(order)}
         here = position[v]
         freed = [b for b in problem.touched[v]
                  if problem.freeable[b] and max(position[u] for u in problem.touchers[b]) == here]  # fmt: skip
@@ -289,11 +289,54 @@ def hoist_frees(problem: Problem, order: list[int], min_gain: float = 0.0) -> li
         if len(movers) == here - after:  # nothing else in between: already there
             continue
         moving = set(movers)
-        candidate = order[: after + 1] + movers + [u for u in order[after + 1 :] if u not in moving]
-        profile = live_profile(problem, candidate)
-        if max(profile) <= peak and sum(profile) < area:
-            order, peak, area = candidate, max(profile), sum(profile)
+        segment = movers + [u for u in order[after + 1 : here + 1] if u not in moving]
+        live = profile[after + 1] - problem.peak_alloc[order[after + 1]]  # live bytes before the segment runs
+        moved = profile[: after + 1] + _segment_profile(problem, segment, after + 1, position, live) + profile[here + 1 :]
+        if max(moved) <= peak and sum(moved) < area:
+            order = order[: after + 1] + segment + order[here + 1 :]
+            profile, peak, area = moved, max(moved), sum(moved)
+            position = {u: i for i, u in enumerate(order)}
     return order
+
+
+def _segment_profile(problem: Problem, segment: list[int], start: int, position: dict[int, int], live: int) -> list[int]:
+    """:func:`live_profile` over ``segment``, run from position ``start`` on, the rest of the order unchanged.
+
+    A reordered stretch of an order changes the profile inside it only: the
+    nodes before and after it, and so the bytes live when it starts, stay. A
+    buffer is freed inside it when its last toucher is there (the touchers
+    outside keep ``position``, the order's positions before the change).
+
+    Args:
+        problem: the problem.
+        segment: the stretch's nodes in their new order (the same nodes as at
+            positions ``start`` to ``start + len(segment) - 1`` before).
+        start: the stretch's first position in the order.
+        position: each node's position in the order before the change.
+        live: the bytes live before the stretch's first node runs.
+
+    Returns:
+        The live bytes while each node of ``segment`` runs, as :func:`live_profile` gives them.
+
+    Raises:
+        Nothing.
+    """
+    new = {u: start + k for k, u in enumerate(segment)}
+    frees = [0] * len(segment)
+    seen: set[int] = set()
+    for u in segment:
+        for b in problem.touched[u]:
+            if b in seen or not problem.freeable[b]:
+                continue
+            seen.add(b)
+            last = max(new.get(t, position[t]) for t in problem.touchers[b])
+            if last - start < len(segment):  # last >= start: u touches b
+                frees[last - start] += problem.sizes[b]
+    during = []
+    for u, freed in zip(segment, frees):
+        during.append(live + problem.peak_alloc[u])
+        live += problem.alloc[u] - freed
+    return during
 
 
 def _after_predecessors(root: int, predecessors: Callable[[int], list[int]], done: set[int], out: list[int]) -> None:
