@@ -263,25 +263,61 @@ def test_hoist_frees_never_raises_the_peak_nor_the_area(nodes, seed, window):
     assert (hoisted == order) == (sum(after) == sum(before))
 
 
+def _random_topological_order(problem: Problem, nodes: list[int], rng: random.Random) -> list[int]:
+    """``nodes`` in a random order that runs each after its predecessors among them."""
+    pending, out = list(nodes), []
+    while pending:
+        ready = [u for u in pending if not any(p in pending for p in problem.preds[u])]
+        out.append(pending.pop(pending.index(rng.choice(ready))))
+    return out
+
+
 @_on_random_problems
 def test_hoist_frees_profile_of_a_reordered_stretch_equals_the_whole_profile(nodes, seed, window):
     # hoist_frees judges a move by the profile of the stretch it reorders, the rest kept from before
     problem, order = _scheduled(nodes, seed, window)
     rng = random.Random(seed)
     profile, position = live_profile(problem, order), {v: i for i, v in enumerate(order)}
-    fixed = len(problem.fixed)
-    assert problem.size > fixed
     for _ in range(10):
-        start = rng.randrange(fixed, problem.size)
+        start = rng.randrange(len(problem.fixed), problem.size)
         stop = rng.randrange(start, problem.size) + 1
-        pending, segment = list(order[start:stop]), []
-        while pending:  # a random topological order of the stretch
-            ready = [u for u in pending if not any(p in pending for p in problem.preds[u])]
-            segment.append(pending.pop(pending.index(rng.choice(ready))))
-        moved = order[:start] + segment + order[stop:]
+        segment = _random_topological_order(problem, order[start:stop], rng)
         live = profile[start] - problem.peak_alloc[order[start]]
         spliced = profile[:start] + _segment_profile(problem, segment, start, position, live) + profile[stop:]
-        assert spliced == live_profile(problem, moved)
+        assert spliced == live_profile(problem, order[:start] + segment + order[stop:])
+
+
+def _hoist_frees_by_whole_profiles(problem: Problem, order: list[int], min_gain: float) -> list[int]:
+    """hoist_frees as first written: every candidate order's whole profile computed and checked."""
+    profile = live_profile(problem, order)
+    peak, area = max(profile), sum(profile)
+    floor, descendants = len(problem.fixed) - 1, problem.descendants
+    for v in list(order):
+        position = {u: i for i, u in enumerate(order)}
+        here = position[v]
+        freed = [b for b in problem.touched[v]
+                 if problem.freeable[b] and max(position[u] for u in problem.touchers[b]) == here]  # fmt: skip
+        gain = sum(problem.sizes[b] for b in freed) - problem.alloc[v]
+        if here <= floor or gain <= 0 or gain < peak * min_gain:
+            continue
+        largest = max(freed, key=problem.sizes.__getitem__)
+        after = max([floor] + [position[u] for u in problem.touchers[largest] if u != v and not descendants[u] >> v & 1])
+        movers = [u for u in order[after + 1 : here + 1] if u == v or descendants[u] >> v & 1]
+        candidate = order[: after + 1] + movers + [u for u in order[after + 1 :] if u not in set(movers)]
+        profile = live_profile(problem, candidate)  # checks that the candidate is topological
+        if max(profile) <= peak and sum(profile) < area:
+            order, peak, area = candidate, max(profile), sum(profile)
+    return order
+
+
+@_on_random_problems
+def test_hoist_frees_moves_as_with_whole_profiles(nodes, seed, window):
+    problem, scheduled = _scheduled(nodes, seed, window)
+    rng = random.Random(seed)
+    shuffled = list(problem.fixed) + _random_topological_order(problem, scheduled[len(problem.fixed) :], rng)
+    for order in (scheduled, shuffled):
+        for min_gain in (0.0, 1 / 16):
+            assert hoist_frees(problem, order, min_gain) == _hoist_frees_by_whole_profiles(problem, order, min_gain)
 
 
 def test_bad_input_raises():

@@ -273,7 +273,7 @@ def hoist_frees(problem: Problem, order: list[int], min_gain: float = 0.0) -> li
         ValueError: ``order`` is not a topological order of ``problem``.
     """
     profile = live_profile(problem, order)
-    peak, area = max(profile, default=problem.base), sum(profile)
+    peak = max(profile, default=problem.base)
     floor, descendants = len(problem.fixed) - 1, problem.descendants
     position = {u: i for i, u in enumerate(order)}
     for v in list(order):
@@ -289,17 +289,21 @@ def hoist_frees(problem: Problem, order: list[int], min_gain: float = 0.0) -> li
         if len(movers) == here - after:  # nothing else in between: already there
             continue
         moving = set(movers)
-        segment = movers + [u for u in order[after + 1 : here + 1] if u not in moving]
-        live = profile[after + 1] - problem.peak_alloc[order[after + 1]]  # live bytes before the segment runs
-        moved = profile[: after + 1] + _segment_profile(problem, segment, after + 1, position, live) + profile[here + 1 :]
-        if max(moved) <= peak and sum(moved) < area:
-            order = order[: after + 1] + segment + order[here + 1 :]
-            profile, peak, area = moved, max(moved), sum(moved)
+        start, stop = after + 1, here + 1  # the stretch that changes; the rest of the profile stays
+        segment = movers + [u for u in order[start:stop] if u not in moving]
+        live = profile[start] - problem.peak_alloc[order[start]]  # live bytes before the stretch runs
+        stretch = _segment_profile(problem, segment, start, position, live)
+        if max(stretch) <= peak and sum(stretch) < sum(profile[start:stop]):
+            order = order[:start] + segment + order[stop:]
+            profile[start:stop] = stretch
+            peak = max(profile)
             position = {u: i for i, u in enumerate(order)}
     return order
 
 
-def _segment_profile(problem: Problem, segment: list[int], start: int, position: dict[int, int], live: int) -> list[int]:
+def _segment_profile(
+    problem: Problem, segment: list[int], start: int, position: dict[int, int], live: int
+) -> list[int]:
     """:func:`live_profile` over ``segment``, run from position ``start`` on, the rest of the order unchanged.
 
     A reordered stretch of an order changes the profile inside it only: the
