@@ -28,8 +28,8 @@ from savedhooks.schedule import (
     place,
     schedule,
     sink_free,
+    stretch_profile,
 )
-from savedhooks.schedule.strategies import _segment_profile
 
 CPU = torch.device("cpu")
 
@@ -283,7 +283,7 @@ def test_hoist_frees_profile_of_a_reordered_stretch_equals_the_whole_profile(nod
         stop = rng.randrange(start, problem.size) + 1
         segment = _random_topological_order(problem, order[start:stop], rng)
         live = profile[start] - problem.peak_alloc[order[start]]
-        spliced = profile[:start] + _segment_profile(problem, segment, start, position, live) + profile[stop:]
+        spliced = profile[:start] + stretch_profile(problem, segment, start, position, live) + profile[stop:]
         assert spliced == live_profile(problem, order[:start] + segment + order[stop:])
 
 

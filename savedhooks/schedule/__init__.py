@@ -39,7 +39,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 
-from savedhooks.schedule.problem import Problem, build_problem, check_order, live_profile, peak_of
+from savedhooks.schedule.problem import Problem, build_problem, check_order, live_profile, peak_of, stretch_profile
 from savedhooks.schedule.score import arena_of, problem_lifetimes
 from savedhooks.schedule.search import SearchResult, beam, exact_search
 from savedhooks.schedule.strategies import (
@@ -78,6 +78,7 @@ __all__ = [
     "problem_lifetimes",
     "schedule",
     "sink_free",
+    "stretch_profile",
 ]
 
 log = logging.getLogger(__name__)

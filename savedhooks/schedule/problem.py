@@ -6,7 +6,7 @@ import dataclasses
 import functools
 from collections.abc import Iterable
 
-__all__ = ["Problem", "build_problem", "check_order", "live_profile", "peak_of"]
+__all__ = ["Problem", "build_problem", "check_order", "live_profile", "peak_of", "stretch_profile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,15 +198,51 @@ def live_profile(problem: Problem, order: list[int]) -> list[int]:
         ValueError: ``order`` is not a topological order of ``problem``.
     """
     check_order(problem, order)
-    position = {v: i for i, v in enumerate(order)}
-    frees = [0] * len(order)
-    for b, nodes in enumerate(problem.touchers):
-        if problem.freeable[b] and nodes:
-            frees[max(position[v] for v in nodes)] += problem.sizes[b]
-    live, during = problem.base, []
-    for i, v in enumerate(order):
-        during.append(live + problem.peak_alloc[v])
-        live += problem.alloc[v] - frees[i]
+    return stretch_profile(problem, order, 0, {v: i for i, v in enumerate(order)}, problem.base)
+
+
+def stretch_profile(
+    problem: Problem, segment: list[int], start: int, position: dict[int, int], live: int
+) -> list[int]:
+    """:func:`live_profile` over ``segment``, run from position ``start`` on, the rest of the order unchanged.
+
+    A reordered stretch of an order changes the profile inside it only: the
+    nodes before and after it, and so the bytes live when it starts, stay. A
+    buffer is freed inside it when its last toucher is there (the touchers
+    outside keep ``position``, the order's positions before the change).
+    The whole order is the stretch from 0 with ``problem.base`` live
+    (:func:`live_profile`); :func:`savedhooks.schedule.hoist_frees` judges its
+    moves by the stretch they reorder.
+
+    Args:
+        problem: the problem.
+        segment: the stretch's nodes in their new order (the same nodes as at
+            positions ``start`` to ``start + len(segment) - 1`` before).
+        start: the stretch's first position in the order.
+        position: each node's position in the order before the change.
+        live: the bytes live before the stretch's first node runs.
+
+    Returns:
+        The live bytes while each node of ``segment`` runs, as :func:`live_profile` gives them.
+
+    Raises:
+        Nothing.
+    """
+    new = {u: start + k for k, u in enumerate(segment)}
+    frees = [0] * len(segment)
+    seen: set[int] = set()
+    for u in segment:
+        for b in problem.touched[u]:
+            if b in seen or not problem.freeable[b]:
+                continue
+            seen.add(b)
+            last = max(new.get(t, position[t]) for t in problem.touchers[b])
+            if last - start < len(segment):  # last >= start: u touches b
+                frees[last - start] += problem.sizes[b]
+    during = []
+    for u, freed in zip(segment, frees):
+        during.append(live + problem.peak_alloc[u])
+        live += problem.alloc[u] - freed
     return during
 
 

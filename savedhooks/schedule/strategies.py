@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
-from savedhooks.schedule.problem import Problem, live_profile
+from savedhooks.schedule.problem import Problem, live_profile, stretch_profile
 
 __all__ = ["bfs", "bytes_freed", "dfs", "dfs_smallest", "hoist_frees", "input_order", "lpmf", "place", "sink_free"]
 
@@ -292,55 +292,13 @@ def hoist_frees(problem: Problem, order: list[int], min_gain: float = 0.0) -> li
         start, stop = after + 1, here + 1  # the stretch that changes; the rest of the profile stays
         segment = movers + [u for u in order[start:stop] if u not in moving]
         live = profile[start] - problem.peak_alloc[order[start]]  # live bytes before the stretch runs
-        stretch = _segment_profile(problem, segment, start, position, live)
+        stretch = stretch_profile(problem, segment, start, position, live)
         if max(stretch) <= peak and sum(stretch) < sum(profile[start:stop]):
             order = order[:start] + segment + order[stop:]
             profile[start:stop] = stretch
             peak = max(profile)
             position = {u: i for i, u in enumerate(order)}
     return order
-
-
-def _segment_profile(
-    problem: Problem, segment: list[int], start: int, position: dict[int, int], live: int
-) -> list[int]:
-    """:func:`live_profile` over ``segment``, run from position ``start`` on, the rest of the order unchanged.
-
-    A reordered stretch of an order changes the profile inside it only: the
-    nodes before and after it, and so the bytes live when it starts, stay. A
-    buffer is freed inside it when its last toucher is there (the touchers
-    outside keep ``position``, the order's positions before the change).
-
-    Args:
-        problem: the problem.
-        segment: the stretch's nodes in their new order (the same nodes as at
-            positions ``start`` to ``start + len(segment) - 1`` before).
-        start: the stretch's first position in the order.
-        position: each node's position in the order before the change.
-        live: the bytes live before the stretch's first node runs.
-
-    Returns:
-        The live bytes while each node of ``segment`` runs, as :func:`live_profile` gives them.
-
-    Raises:
-        Nothing.
-    """
-    new = {u: start + k for k, u in enumerate(segment)}
-    frees = [0] * len(segment)
-    seen: set[int] = set()
-    for u in segment:
-        for b in problem.touched[u]:
-            if b in seen or not problem.freeable[b]:
-                continue
-            seen.add(b)
-            last = max(new.get(t, position[t]) for t in problem.touchers[b])
-            if last - start < len(segment):  # last >= start: u touches b
-                frees[last - start] += problem.sizes[b]
-    during = []
-    for u, freed in zip(segment, frees):
-        during.append(live + problem.peak_alloc[u])
-        live += problem.alloc[u] - freed
-    return during
 
 
 def _after_predecessors(root: int, predecessors: Callable[[int], list[int]], done: set[int], out: list[int]) -> None:
