@@ -29,10 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=float, default=1.0)
     parser.add_argument("--backend", default="aot_eager", help='torch.compile backend, or "eager" for none')
     parser.add_argument("--individually", type=int, default=6)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (default) or cuda")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
     for name in args.models:
         torch._dynamo.reset()  # models share forward code: start each from static shapes
-        workload = make_workload(name, args.size)
+        workload = make_workload(name, args.size, args.device)
         print(f"\n### {name} ({workload.description}), backend {args.backend}\n", flush=True)
         backend = None if args.backend == "eager" else args.backend
         sh.sensitivity(workload.model, workload.inputs, CODECS[args.codec](), workload.loss_of, backend, args.individually)

@@ -407,11 +407,14 @@ def test_pareto_plot_joins_the_plans_and_marks_the_others(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
-def test_pareto_on_cuda_needs_a_cuda_device(capsys):
-    from benchmarks import pareto
+def test_pareto_and_sensitivity_on_cuda_need_a_cuda_device(capsys):
+    from benchmarks import pareto, sensitivity
 
     with pytest.raises(SystemExit) as exit_info:
         pareto.main(["--device", "cuda", "--models", "mlp"])
+    assert exit_info.value.code == 2 and "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        sensitivity.main(["--device", "cuda", "--models", "mlp"])
     assert exit_info.value.code == 2 and "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
     # on CUDA the plans are measured next to host offload too, torch's and ours, both CUDA-only configurations
     assert pareto.CUDA_ALTERNATIVES == ("save_on_cpu", "sh offload")
