@@ -63,25 +63,25 @@ def test_saved_bytes_match_the_analytic_count(quick_run):
     width, batch, blocks, classes = 512, 1024, 4, 10  # models.mlp at --quick (size 0.5)
     # each Linear + GELU block saves the GELU input and the next Linear's input; the loss its log-softmax
     fp32 = (2 * blocks * batch * width + batch * classes) * 4 / MIB
-    # sh.fp8(): one byte per element plus a float32 scale per block of 128 along the rows; the narrow
-    # (batch, 10) log-softmax is quantized as one flat row of blocks
+    # sh.fp8(): one byte per element plus a float32 scale per block of 128 along the rows; the eager
+    # loss's log-softmax is stored as it is (float32) by every codec
     hidden_fp8 = batch * (width + 4 * width // 128) / MIB
-    loss_fp8 = (batch * classes + 4 * batch * classes // 128) / MIB
-    fp8 = 2 * blocks * hidden_fp8 + loss_fp8
+    loss_fp32 = batch * classes * 4 / MIB
+    loss_fp8 = (batch * classes + 4 * batch * classes // 128) / MIB  # the (batch, 10) rows as one flat row of blocks
+    fp8 = 2 * blocks * hidden_fp8 + loss_fp32
     slack = 4096 / MIB  # the loss scalar and small allocator-level tensors
     for key in ("no hooks/eager", "compiled/aot_eager"):
         assert rows[key].saved_mib == pytest.approx(fp32, abs=slack), key
     for key in ("sh eager/eager", "sh/aot_eager", "sh + reorder/aot_eager"):
         assert rows[key].saved_mib == pytest.approx(fp8, abs=slack), key
-    # sh.policy() keeps the narrow log-softmax of the loss head as it is (float32)
-    policy = 2 * blocks * hidden_fp8 + batch * classes * 4 / MIB
-    assert rows["sh policy/aot_eager"].saved_mib == pytest.approx(policy, abs=slack)
+    assert rows["sh policy/aot_eager"].saved_mib == pytest.approx(fp8, abs=slack)
     # torch's own path keeps row scales (one float32 per row of the innermost dim)
     row_fp8 = (2 * blocks * batch * (width + 4) + batch * (classes + 4)) / MIB
-    # hooks outside savedhooks pack one more (batch, classes) tensor of the loss (an alias savedhooks packs once);
-    # plain Python hooks also see the compiled region's input batch, and pack a copy of it
+    # torch's hooks pack one more (batch, classes) tensor of the loss (an alias savedhooks packs once);
+    # plain Python hooks (the codec's encode, no rules) pack the loss's log-softmax twice, and also see the
+    # compiled region's input batch, and pack a copy of it
     assert rows["torch hooks/aot_eager"].saved_mib == pytest.approx(row_fp8 + batch * (classes + 4) / MIB, abs=slack)
-    python_hooks = fp8 + loss_fp8 + hidden_fp8
+    python_hooks = fp8 - loss_fp32 + 2 * loss_fp8 + hidden_fp8
     assert rows["python hooks/aot_eager"].saved_mib == pytest.approx(python_hooks, abs=slack)
     # checkpointing keeps whole (batch, width) tensors at block boundaries and the loss's log-softmax;
     # with the policy on top, the block tensors in fp8 and the narrow log-softmax as it is

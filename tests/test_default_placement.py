@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from models import bf16, train_step, train_step_grads, transformer
@@ -249,3 +251,35 @@ def test_gradients_are_unchanged_by_the_default_pass():
     placed = train_step_grads(model, torch.compile(model), x, sh.fp8())
     for p, q in zip(plain, placed):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("hooks", [sh.fp8(), sh.policy()], ids=["fp8", "policy"])
+def test_an_eager_loss_keeps_its_log_softmax_and_peaks_no_higher_than_without_hooks(hooks):
+    """``cross_entropy(compiled(x), y)`` with the loss eager: its log-softmax is stored as it is.
+
+    The forward holds the log-softmax until the NLL has read it and the backward
+    reads it right after, so a packed copy would only be added at the loss's
+    peak (8 MiB more on gpt2 at --size 8). The compiled part saves nothing
+    (a product with a constant), so the gradient is bit-exact exactly when the
+    loss packed nothing.
+    """
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(512, 2048))
+    targets = torch.randint(0, 2048, (512,))
+    compiled = torch.compile(lambda w: w * 2.0, backend="aot_eager")
+
+    def peak_and_grad(context):
+        def step():
+            with context():
+                torch.nn.functional.cross_entropy(compiled(weight), targets).backward()
+
+        step()  # compiles
+        weight.grad = None
+        peak = sh.memory.measure_peak(step, device="cpu")
+        grad, weight.grad = weight.grad, None
+        return peak, grad
+
+    peak_without, grad_without = peak_and_grad(contextlib.nullcontext)
+    peak_with, grad_with = peak_and_grad(lambda: sh.saved_tensors_hooks(hooks))
+    assert torch.equal(grad_with, grad_without)
+    assert peak_with <= peak_without

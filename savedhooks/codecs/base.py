@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
-from savedhooks.codecs.placement import decodes_twice, inductor_compiling, unpacks_placed
+from savedhooks.codecs.placement import decodes_twice, inductor_compiling, saved_for_an_eager_loss, unpacks_placed
 from savedhooks.hooks import HookPair, hook_context, make_hook_pair
 from savedhooks.kernels import triton_available
 
@@ -340,8 +340,12 @@ class Codec:
         raise NotImplementedError
 
     def choose(self, x: torch.Tensor) -> int:
-        """Index into :meth:`codecs` of the codec for ``x``, or -1 to store it as is."""
-        return 0 if self.accepts(x) else -1
+        """Index into :meth:`codecs` of the codec for ``x``, or -1 to store it as is.
+
+        An eager loss's log-softmax is stored as is: packing it adds its payload
+        at the loss's peak (:func:`savedhooks.codecs.placement.saved_for_an_eager_loss`).
+        """
+        return 0 if self.accepts(x) and not saved_for_an_eager_loss(x, hook_context()) else -1
 
     def codecs(self) -> tuple[Codec, ...]:
         """The codecs :meth:`choose` picks from (a policy has several)."""

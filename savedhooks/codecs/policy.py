@@ -27,6 +27,7 @@ from savedhooks.codecs.bitmask import Bitmask
 from savedhooks.codecs.centered import Centered
 from savedhooks.codecs.fp8 import Float8
 from savedhooks.codecs.indices import PoolIndices
+from savedhooks.codecs.placement import saved_for_an_eager_loss
 from savedhooks.hooks import hook_context
 
 __all__ = [
@@ -277,6 +278,8 @@ class Policy(Codec):
         node = ctx.node if ctx is not None else None
         if x.is_floating_point() and is_narrow_softmax(x, node, self.narrow_softmax):
             return True
+        if saved_for_an_eager_loss(x, ctx):
+            return True
         if ctx is None:
             return False
         if is_statistic_of(ctx.node, self.keep_ops):
@@ -339,7 +342,9 @@ def policy(
     smaller than ``relative_bytes`` of the largest one the same graph saves (a
     rotary table shared by the whole batch: its error is the same in every
     sequence); under compile, the argument of a sine, cosine or tangent that the
-    backward recomputes (rotary angles: :func:`is_periodic_argument`). The rest: fp8 for floating tensors (under
+    backward recomputes (rotary angles: :func:`is_periodic_argument`); in eager mode, a log-softmax's output
+    (an eager loss's, which every codec stores as it is: packing it only adds memory at the loss's peak,
+    :func:`savedhooks.codecs.placement.saved_for_an_eager_loss`). The rest: fp8 for floating tensors (under
     inductor, a batch norm's input as its deviation from each channel's mean: ``centered``),
     bitmasks for bool ones, max-pool indices in int16 or int32 and inductor's
     max-pool window offsets in 2 or 4 bits (lossless).
