@@ -15,8 +15,8 @@ import savedhooks as sh
 import savedhooks.compilers
 import savedhooks.passes
 from benchmarks.reorder_inductor import measured_peaks
-from savedhooks.memory.fusion import inlined_nodes, is_view
 from savedhooks.compilers import ReorderPass
+from savedhooks.memory.fusion import inlined_nodes, is_view
 from savedhooks.passes import has_hook_chains, is_backward_graph
 
 
