@@ -45,7 +45,9 @@ def downcast(dtype: torch.dtype = torch.bfloat16):
 
     Returns:
         The cached :class:`~savedhooks.HookPair`. Non-floating tensors are stored
-        as they are; a tensor already of ``dtype`` round-trips bit-exactly.
+        as they are, and so is a log-softmax saved outside compiled graphs (an
+        eager loss's: :func:`savedhooks.codecs.placement.saved_for_an_eager_loss`);
+        a tensor already of ``dtype`` round-trips bit-exactly.
 
     Raises:
         ValueError: ``dtype`` is not a floating dtype.

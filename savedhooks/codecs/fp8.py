@@ -176,7 +176,9 @@ def fp8(
 
     Returns:
         The cached :class:`~savedhooks.HookPair` (equal arguments, same object).
-        Integer, bool and float64 tensors are stored as they are.
+        Integer, bool and float64 tensors are stored as they are, and so is a
+        log-softmax saved outside compiled graphs (an eager loss's:
+        :func:`savedhooks.codecs.placement.saved_for_an_eager_loss`).
 
     Raises:
         ValueError: an argument is out of range, ``rounding`` is not one of

@@ -133,7 +133,10 @@ def offload(
 
     Returns:
         The cached :class:`~savedhooks.HookPair`. Tensors already on ``device`` (or
-        empty) are stored as they are.
+        empty) are stored as they are, and so is a log-softmax saved outside
+        compiled graphs (an eager loss's, read back right after it is saved: a
+        round trip that frees nothing;
+        :func:`savedhooks.codecs.placement.saved_for_an_eager_loss`).
 
     Raises:
         TypeError: ``inner`` is not a savedhooks codec.

@@ -1,4 +1,4 @@
-"""What a codec knows, while AOTAutograd traces it, about where its unpacks will run.
+"""Where a codec's packs and unpacks run, and when packing pays: under AOTAutograd, and for an eager loss.
 
 Design notes
 ------------
@@ -119,13 +119,16 @@ def decodes_twice(ctx: HookContext) -> bool:
 
 
 def saved_for_an_eager_loss(x: torch.Tensor, ctx: HookContext | None) -> bool:
-    """Whether a tensor is saved outside compiled graphs by a log-softmax (a cross-entropy or NLL loss).
+    """Whether a tensor saved outside compiled graphs is the output of a log-softmax (as an eager cross-entropy saves).
 
     Eagerly, the tensor autograd saves is the one the forward goes on using: a
-    loss's log-softmax stays alive until its product with the targets (or the
-    NLL gather) has run, and the loss's backward, which starts right after,
-    reads it again. A packed copy is added at that moment and nothing is freed
-    for longer than the loss's last few ops. An eager loss is where a compiled
+    cross-entropy's log-softmax stays alive until its product with the targets
+    (or the NLL gather) has run, and the loss's backward, which starts right
+    after, reads it again. A packed copy is added at that moment and nothing is
+    freed for longer than the loss's last few ops (an offloaded copy is a round
+    trip to the host that frees nothing). A model compiled with a log-softmax
+    at its end returns a graph output, which this does not match (its autograd
+    node is the compiled function's). An eager loss is where a compiled
     model's step with its loss outside peaks (gpt2 at ``--size 8`` under
     inductor with ``sh.fp8()``: 140.8 MiB with the log-softmax packed, 132.5
     stored as is, against 236.5 without hooks).
