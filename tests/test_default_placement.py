@@ -15,9 +15,14 @@ import savedhooks as sh
 import savedhooks.compilers
 import savedhooks.passes
 from benchmarks.reorder_inductor import measured_peaks
+from savedhooks.codecs.downcast import Downcast
+from savedhooks.codecs.fp8 import Float8
+from savedhooks.codecs.policy import Policy
 from savedhooks.compilers import ReorderPass
 from savedhooks.memory.fusion import inlined_nodes, is_view
 from savedhooks.passes import has_hook_chains, is_backward_graph
+from savedhooks.planner.census import plan_key
+from savedhooks.planner.result import Planned
 
 
 @pytest.fixture(scope="module")
@@ -286,11 +291,6 @@ def test_an_eager_loss_keeps_its_log_softmax_and_peaks_no_higher_than_without_ho
 
 
 def test_every_codec_stores_an_eager_log_softmax_as_it_is_and_packs_other_eager_tensors():
-    from savedhooks.codecs.downcast import Downcast
-    from savedhooks.codecs.fp8 import Float8
-    from savedhooks.codecs.policy import Policy
-    from savedhooks.planner.result import Planned
-
     x = torch.randn(64, 300, requires_grad=True) * 2  # made by an op that records grad: not a leaf
     log_probs, probs, scaled = x.log_softmax(-1), x.softmax(-1), x * 3
     # the policy's narrow-softmax rule is about rows of at most 256 values: these rows have 300
@@ -298,6 +298,4 @@ def test_every_codec_stores_an_eager_log_softmax_as_it_is_and_packs_other_eager_
         assert codec.choose(log_probs) == -1, codec
         assert codec.choose(probs) >= 0 and codec.choose(scaled) >= 0, codec
     # a plan's explicit choice names its tensor and is kept
-    from savedhooks.planner.census import plan_key
-
     assert Planned(choices=((plan_key(log_probs), "fp8"),)).choose(log_probs) >= 0

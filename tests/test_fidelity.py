@@ -1,5 +1,6 @@
 """sh.sensitivity: which saved tensors hurt the gradients when packed, and the worst-gradient metric."""
 
+import functools
 import math
 
 import pytest
@@ -159,15 +160,12 @@ def test_policy_keeps_the_narrow_loss_head_and_beats_fp8():
     assert (1024, 10) not in [t.shape for g in policy.groups for t in g.tensors]
     # the narrow-softmax rule alone keeps it (without the rule on size relative to the graph's largest saved
     # tensor, which keeps this small one too); with rows of at most 8 values it is packed
-    torch._dynamo.reset()
     try:
-        compiled = torch.compile(model, backend="aot_eager")
-        narrow = sh.Policy(relative_bytes=0.0)
-        assert (1024, 10) not in _census(narrow, lambda: loss_fn(compiled(x)).backward())
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend="aot_eager")
-        wide = sh.Policy(narrow_softmax=8, relative_bytes=0.0)
-        assert (1024, 10) in _census(wide, lambda: loss_fn(compiled(x)).backward())
+        for narrow_softmax, packed in ((256, False), (8, True)):
+            torch._dynamo.reset()
+            step = functools.partial(lambda fn: loss_fn(fn(x)).backward(), torch.compile(model, backend="aot_eager"))
+            census = _census(sh.Policy(narrow_softmax=narrow_softmax, relative_bytes=0.0), step)
+            assert ((1024, 10) in census) == packed, narrow_softmax
     finally:
         torch._dynamo.reset()
 
