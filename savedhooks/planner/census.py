@@ -16,6 +16,13 @@ Design notes
   producer, unpack right before its first use in the backward) holds only its
   payload from the point after its producer up to its first use: its *span*.
   Packing it lowers every point of its span by ``bytes - payload``.
+* The model's output: the forward leaves it alive, and the loss point holds
+  the loss's measured peak above it. A training loop either drops it once the
+  loss has read it (``loss_fn(model(x)).backward()``, the default) or keeps it
+  to the end of the step (``out = model(x)``). In the backward graphs the
+  output's gradient is an input that their timelines do not count; the
+  forward's retained output stands in for it (same bytes), which is right
+  where the loop drops the output, and one output short where it keeps it.
 * Under inductor a codec's decomposed decode (fp8 and bf16 of float32 tensors)
   is fused into each kernel that reads the unpacked tensor. A saved tensor whose
   backward readers are all pointwise or reduction kernels then holds only its
@@ -297,7 +304,11 @@ class StepTimeline:
 
 
 def step_timeline(
-    forwards: list[GraphTimeline], backwards: list[GraphTimeline], eager: list[SavedTensor], loss_bytes: int = 0
+    forwards: list[GraphTimeline],
+    backwards: list[GraphTimeline],
+    eager: list[SavedTensor],
+    loss_bytes: int = 0,
+    held_output: int = 0,
 ) -> StepTimeline:
     """Lay the graphs of one step end to end (see the module notes).
 
@@ -309,6 +320,11 @@ def step_timeline(
         loss_bytes: the measured peak of the eager loss, forward and backward,
             above the model's output: the loss point holds the larger of it and
             ``eager``'s bytes.
+        held_output: bytes of the model's output that the training loop keeps
+            through the backward, added to the backward's points. A backward
+            graph takes the output's gradient as an input, which its timeline
+            does not count; the forward's retained output stands in for it,
+            which is right where the loop drops the output (0).
 
     Returns:
         A :class:`StepTimeline`.
@@ -331,7 +347,7 @@ def step_timeline(
         held -= forwards[g].retained
         bw = backwards[len(forwards) - 1 - g]
         starts[g] = (starts[g][0], len(live))
-        live.extend(held + forwards[g].retained + v for v in bw.live)
+        live.extend(held + forwards[g].retained + held_output + v for v in bw.live)
     spans: dict[str, tuple[int, int]] = {t.key: (loss_point, loss_point + 1) for t in eager}
     reread: dict[str, tuple[tuple[int, int], ...]] = {}
     for g, fw in enumerate(forwards):

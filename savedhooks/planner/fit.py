@@ -28,6 +28,7 @@ def plan(
     blocks: Sequence[str] | None = None,
     min_sqnr_db: float | None = None,
     check: bool | None = None,
+    output_held: bool = False,
 ) -> Plan:
     """Choose which blocks to recompute (whole or selectively) and, per saved tensor, keep / bf16 / fp8 / bitmask / offload.
 
@@ -77,6 +78,15 @@ def plan(
             processes every rank checks together and gets rank 0's plan
             (:mod:`savedhooks.planner.lockstep`): every rank must call it,
             with the same arguments; with ``False`` each rank plans alone.
+        output_held: whether the training loop keeps the model's output to
+            the end of the step (``out = model(x)``, then
+            ``loss_fn(out).backward()``). ``False`` (default): the loop hands
+            it to the loss and drops it (``loss_fn(model(x)).backward()``, as
+            the README's example does), so it is freed once the loss no
+            longer needs it (after a cross-entropy's forward). A loop that
+            keeps it holds it next to its gradient in the backward: planned
+            with ``False``, it can peak above the prediction by up to the
+            output's bytes.
 
     Returns:
         A :class:`Plan`: run it with ``plan.apply(model)`` (the recompute),
@@ -84,8 +94,8 @@ def plan(
 
     Raises:
         TypeError: ``model`` is not a module, ``budget_bytes`` not an int,
-            ``blocks`` a string, ``min_sqnr_db`` not a number, or ``check``
-            not a bool or None.
+            ``blocks`` a string, ``min_sqnr_db`` not a number, ``check``
+            not a bool or None, or ``output_held`` not a bool.
         ValueError: ``budget_bytes`` is not positive, ``backend`` is unknown, a
             block path names no submodule, ``min_sqnr_db`` is not finite, the
             output has no floating tensor and no ``loss_fn``.
@@ -103,5 +113,5 @@ def plan(
             (:class:`~savedhooks.planner.lockstep.ChecksAborted`, on every rank).
     """
     check_budget(budget_bytes)
-    planner = Planner(model, example_inputs, loss_fn, backend, seed, blocks, min_sqnr_db)
+    planner = Planner(model, example_inputs, loss_fn, backend, seed, blocks, min_sqnr_db, output_held)
     return planner.plan(budget_bytes, verbose, check)

@@ -76,7 +76,13 @@ from savedhooks.planner.fidelity import (
 )
 from savedhooks.planner.lockstep import checked_together, follow, is_leader, lead, several
 from savedhooks.planner.recompute import FULL, SELECTIVE, check_mode, find_blocks, resolve_blocks
-from savedhooks.planner.result import InfeasibleBudgetError, InfeasibleFidelityError, Plan, check_budget
+from savedhooks.planner.result import (
+    InfeasibleBudgetError,
+    InfeasibleFidelityError,
+    Plan,
+    check_budget,
+    check_output_held,
+)
 from savedhooks.planner.survey import NotCompiledError, Survey, survey
 
 __all__ = ["FLOOR_MARGIN", "MAX_STRATEGIES", "Planner"]
@@ -98,6 +104,7 @@ class Planner:
         strategies: the recompute settings tried, ``(k, mode)``: the first ``k``
             blocks, recomputed ``"selective"`` or ``"full"`` (``(0, "full")`` first).
         min_sqnr_db: the fidelity limit (:mod:`savedhooks.planner.fidelity`), or None.
+        output_held: whether the training loop keeps the model's output to the end of the step.
     """
 
     def __init__(
@@ -109,6 +116,7 @@ class Planner:
         seed: int = 0,
         blocks: Sequence[str] | None = None,
         min_sqnr_db: float | None = None,
+        output_held: bool = False,
     ) -> None:
         """Set up the planner; nothing is compiled until a survey is needed.
 
@@ -120,10 +128,11 @@ class Planner:
             seed: as for :func:`plan`.
             blocks: as for :func:`plan`.
             min_sqnr_db: as for :func:`plan`.
+            output_held: as for :func:`plan`.
 
         Raises:
-            TypeError: ``model`` is not a module, ``blocks`` is a string, or
-                ``min_sqnr_db`` is not a number.
+            TypeError: ``model`` is not a module, ``blocks`` is a string,
+                ``min_sqnr_db`` is not a number, or ``output_held`` not a bool.
             ValueError: ``backend`` is unknown, a block path names no submodule,
                 or ``min_sqnr_db`` is not finite.
         """
@@ -134,7 +143,9 @@ class Planner:
         if isinstance(blocks, str):
             raise TypeError(f"plan: blocks must be a sequence of module paths, got the string {blocks!r}")
         check_min_sqnr(min_sqnr_db)
+        check_output_held(output_held, "plan")
         self.min_sqnr_db = min_sqnr_db
+        self.output_held = output_held
         self._limit: FidelityLimit | None = None
         self._limited: dict[tuple[int, str], int] = {}  # choices (units) that lost a lossy option, per setting
         self.blocks = find_blocks(model) if blocks is None else tuple(blocks)
@@ -172,7 +183,7 @@ class Planner:
         if (k, mode) not in self._surveys:
             model, inputs, loss_fn, backend, seed = self._args
             seconds = sum(recompute_seconds(model, inputs, self.blocks, mode)[:k]) if k else 0.0
-            found = survey(model, inputs, loss_fn, backend, seed, self.blocks[:k], seconds, mode)
+            found = survey(model, inputs, loss_fn, backend, seed, self.blocks[:k], seconds, mode, self.output_held)
             if self.min_sqnr_db is not None:
                 found, self._limited[k, mode] = self.limit().restrict(found)
             self._surveys[k, mode] = found

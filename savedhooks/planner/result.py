@@ -14,10 +14,11 @@ from savedhooks.hooks import HookPair
 from savedhooks.planner.census import plan_key
 from savedhooks.planner.recompute import FULL, SELECTIVE, check_mode, checkpoint_blocks, restore_blocks
 
-__all__ = ["CODECS", "InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "check_budget"]
+__all__ = ["CODECS", "InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "check_budget", "check_output_held"]
 
 _MiB = 1 << 20
-_JSON_VERSION = 4  # 2: recompute, recompute_seconds; 3: recompute_mode; 4: predicted_sqnr_db, checked_sqnr_db
+_JSON_VERSION = 5  # 2: recompute, recompute_seconds; 3: recompute_mode; 4: predicted_sqnr_db, checked_sqnr_db;
+# 5: output_held
 # the codecs a plan chooses among, by the names its JSON uses
 # (offload: only tensors on an accelerator; every one the plan chooses moves, needed soon or not)
 CODECS: dict[str, Codec] = {
@@ -164,6 +165,10 @@ class Plan:
         checked_sqnr_db: the worst parameter-gradient SQNR measured on the
             check's step against a step without hooks (``min_sqnr_db``, in one
             process), or None.
+        output_held: the step predicted keeps the model's output to its end
+            (``out = model(x)``); False: the loss holds it alone
+            (``loss_fn(model(x)).backward()``). Plans read from JSON of
+            version 4 or earlier: False.
     """
 
     tensors: tuple[PlannedTensor, ...]
@@ -178,9 +183,11 @@ class Plan:
     recompute_mode: str = FULL
     predicted_sqnr_db: float | None = None
     checked_sqnr_db: float | None = None
+    output_held: bool = False
 
     def __post_init__(self) -> None:
         check_mode(self.recompute_mode, "Plan: recompute_mode")
+        check_output_held(self.output_held, "Plan")
 
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """Checkpoint the blocks the plan recomputes (``torch.utils.checkpoint``, non-reentrant), in place.
@@ -243,6 +250,8 @@ class Plan:
             heading += f"\npredicted worst parameter-gradient SQNR: {self.predicted_sqnr_db:.1f} dB"
         if self.checked_sqnr_db is not None:
             heading += f", checked {self.checked_sqnr_db:.1f} dB"
+        held = "kept to the end of the step" if self.output_held else "dropped once the loss has read it"
+        heading += f"\nthe model's output: {held}"
         lines = [
             heading,
             "",
@@ -309,3 +318,20 @@ def check_budget(budget_bytes: Any, floor_bytes: int | None = None, baseline_byt
         raise ValueError(f"plan: budget_bytes must be positive, got {budget_bytes}")
     if floor_bytes is not None and budget_bytes < floor_bytes:
         raise InfeasibleBudgetError(budget_bytes, floor_bytes, baseline_bytes)
+
+
+def check_output_held(output_held: Any, where: str) -> None:
+    """Raise unless ``output_held`` is a bool.
+
+    Args:
+        output_held: the value to check.
+        where: what takes it (for the message).
+
+    Returns:
+        None.
+
+    Raises:
+        TypeError: not a bool.
+    """
+    if not isinstance(output_held, bool):
+        raise TypeError(f"{where}: output_held must be a bool, got {type(output_held).__name__}")

@@ -17,11 +17,21 @@ import torch.utils._pytree as pytree
 
 from savedhooks.fidelity.sensitivity import call_model
 from savedhooks.memory.measure import measure_peak
+from savedhooks.memory.sizes import tensor_nbytes
 from savedhooks.planner.census import GraphTimeline, timeline_of
 from savedhooks.planner.recompute import FULL, checkpointed
 from savedhooks.planner.recording import GraphRecorder, recording_backend
 
-__all__ = ["NotCompiledError", "RecordedStep", "device_of", "graph_timelines", "loss_peak", "record_step", "train_step"]
+__all__ = [
+    "NotCompiledError",
+    "RecordedStep",
+    "device_of",
+    "gradient_bytes",
+    "graph_timelines",
+    "loss_peak",
+    "record_step",
+    "train_step",
+]
 
 
 class NotCompiledError(RuntimeError):
@@ -97,8 +107,41 @@ def train_step(
     return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, output)
 
 
-def loss_peak(loss_fn: Callable, output: Any, device: torch.device, seed: int) -> int:
-    """Measured peak of the loss alone, forward and backward, on the model's output (held before it starts).
+def gradient_bytes(output: Any, device: torch.device) -> int:
+    """Bytes of the gradients a loss hands the backward: the output's floating tensors on ``device``.
+
+    Args:
+        output: the model's output.
+        device: the device whose bytes count.
+
+    Returns:
+        Bytes.
+
+    Raises:
+        Nothing.
+    """
+    tensors = [t for t in _tensors(output) if t.device == device]
+    return sum(tensor_nbytes(t) for t in tensors if t.is_floating_point() or t.is_complex())
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+class _HandedOver(torch.autograd.Function):
+    """The model's output as a loop that drops it hands it to the loss: held by the loss alone; its gradient ends here."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.new_zeros(()), None
+
+
+def loss_peak(loss_fn: Callable, output: Any, device: torch.device, seed: int, output_held: bool = False) -> int:
+    """Measured peak of the loss alone, forward and backward, above the model's output (alive when it starts).
 
     It runs eagerly after the compiled forward graphs, and its own temporaries (a
     cross-entropy's log-softmax, a square's gradient) and the gradient it hands
@@ -106,9 +149,13 @@ def loss_peak(loss_fn: Callable, output: Any, device: torch.device, seed: int) -
 
     Args:
         loss_fn: the loss.
-        output: the model's output (detached; copies require grad).
+        output: the model's output (detached; it is copied).
         device: where to measure.
         seed: ``torch.manual_seed`` before it.
+        output_held: the training loop keeps the output to the end of the
+            step (``out = model(x)``); False: the loss holds it alone
+            (``loss_fn(model(x)).backward()``), and it is freed when the loss
+            no longer needs it (cross-entropy: after its forward).
 
     Returns:
         Bytes.
@@ -116,16 +163,30 @@ def loss_peak(loss_fn: Callable, output: Any, device: torch.device, seed: int) -
     Raises:
         Whatever the loss raises.
     """
-    leaves = pytree.tree_map_only(
-        torch.Tensor, lambda t: t.clone().requires_grad_(t.is_floating_point() or t.is_complex()), output
-    )
+    anchor = torch.zeros((), device=device, requires_grad=True)
+    copied: list[int] = []
+
+    def hand(t: torch.Tensor) -> torch.Tensor:
+        wants_grad = t.is_floating_point() or t.is_complex()
+        if output_held:
+            return t.requires_grad_(wants_grad)
+        return _HandedOver.apply(anchor, t) if wants_grad else t
 
     def run() -> None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            loss_fn(leaves).backward()
+            # copied in here: the CPU profiler does not see the free of a block allocated before it started
+            copies = pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, output)
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(copies)}
+            copied.append(sum(storages.values()))
+            out = pytree.tree_map_only(torch.Tensor, hand, copies)
+            if not output_held:
+                del copies  # the loss's argument holds the copies alone
+            loss = loss_fn(out)
+            del out
+            loss.backward()
 
-    return measure_peak(run, device=device)
+    return max(measure_peak(run, device=device) - copied[0], 0)
 
 
 def record_step(

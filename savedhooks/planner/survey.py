@@ -63,9 +63,9 @@ from savedhooks.planner.census import GraphTimeline, StepTimeline, key_of_saved,
 from savedhooks.planner.costs import recompute_seconds as blocks_recompute_seconds
 from savedhooks.planner.costs import seconds_per_byte
 from savedhooks.planner.recompute import FULL
-from savedhooks.planner.result import CODECS, Plan, PlannedTensor, check_budget
+from savedhooks.planner.result import CODECS, Plan, PlannedTensor, check_budget, check_output_held
 from savedhooks.planner.search import Option, SearchResult, Unit, floor_of, result_of, search, search_within, sqnr_db
-from savedhooks.planner.step import NotCompiledError, device_of, loss_peak, record_step
+from savedhooks.planner.step import NotCompiledError, device_of, gradient_bytes, loss_peak, record_step
 
 __all__ = ["NotCompiledError", "Survey", "survey"]
 
@@ -120,6 +120,8 @@ class Survey:
             0 when unknown). A check reuses it rather than measure it again.
         max_harm: the most harm a plan may have (its options' ``harm`` set by
             :mod:`savedhooks.planner.fidelity`), or None: fidelity not measured.
+        output_held: the step modelled keeps the model's output to its end
+            (:func:`survey`).
     """
 
     units: tuple[Unit, ...]
@@ -131,6 +133,7 @@ class Survey:
     recompute_mode: str = FULL
     loss_bytes: int = 0
     max_harm: float | None = None
+    output_held: bool = False
 
     @property
     def baseline_bytes(self) -> int:
@@ -222,6 +225,7 @@ class Survey:
             self.recompute_seconds,
             self.recompute_mode,
             None if self.max_harm is None else sqnr_db(result.harm),
+            output_held=self.output_held,
         )
 
 
@@ -234,6 +238,7 @@ def survey(
     recompute: Sequence[str] = (),
     recompute_seconds: float | None = None,
     recompute_mode: str = FULL,
+    output_held: bool = False,
 ) -> Survey:
     """Census the saved tensors and model the step's memory, once, to plan for any budget.
 
@@ -254,18 +259,20 @@ def survey(
             once per machine (:func:`savedhooks.planner.costs.recompute_seconds`).
         recompute_mode: ``"full"`` or ``"selective"``
             (:func:`savedhooks.planner.recompute.checkpoint_blocks`).
+        output_held: as for :func:`savedhooks.plan`.
 
     Returns:
         A :class:`Survey`.
 
     Raises:
-        TypeError: ``model`` is not a module.
+        TypeError: ``model`` is not a module, or ``output_held`` not a bool.
         ValueError: ``backend`` is unknown, the output has no floating tensor
             and no ``loss_fn``, or a ``recompute`` path names no submodule.
         NotCompiledError: the model did not compile (dynamo ran it eagerly).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
+    check_output_held(output_held, "plan")
     loss_fn = loss_fn or default_loss
     recompute = tuple(recompute)
     if recompute_seconds is None:
@@ -277,8 +284,9 @@ def survey(
     forwards, backwards, fused = step.forwards, step.backwards, step.fused
     device = device_of(example_inputs)
     eager = [t for t in run.census if t.key.startswith("eager:")]
-    loss = loss_peak(loss_fn, step.output, device, seed)
-    timeline = step_timeline(forwards, backwards, eager, loss)
+    loss = loss_peak(loss_fn, step.output, device, seed, output_held)
+    held = gradient_bytes(step.output, device) if output_held else 0
+    timeline = step_timeline(forwards, backwards, eager, loss, held)
     groups, blocked = _choice_groups(run.census, forwards)
     units = tuple(
         Unit(
@@ -290,7 +298,9 @@ def survey(
         )
         for key, ts in sorted(groups.items())
     )
-    return Survey(units, groups, timeline.live, backend, recompute, recompute_seconds, recompute_mode, loss)
+    return Survey(
+        units, groups, timeline.live, backend, recompute, recompute_seconds, recompute_mode, loss, output_held=output_held
+    )
 
 
 def _reread(
