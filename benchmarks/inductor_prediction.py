@@ -9,18 +9,22 @@ kernels' order as the planner's check does
 that entering the hooks installs), and prints the step peak the planner's model
 gives them (:func:`savedhooks.planner.census.step_timeline`: kernel order,
 fusion, in-place reuse, scratch) next to the measured one (CPU, after a
-warm-up step). An eager loss is not in the model: use ``--compiled-loss``
-where the loss matters.
+warm-up step). An eager loss (the default; ``--compiled-loss`` compiles it
+with the model) is at the loss point as ``sh.plan`` models it: its peak
+measured on the model's output, which the step drops once the loss has read
+it (:func:`savedhooks.planner.step.loss_peak`). It is measured without hooks:
+the benchmark's cross-entropy saves its log-softmax, which every codec stores
+as it is outside compiled graphs, and its targets, a leaf.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._inductor import config as inductor_config
 
 import savedhooks as sh
@@ -28,7 +32,7 @@ from benchmarks.models import MODELS, make_workload
 from savedhooks.compilers import post_grad_passes
 from savedhooks.planner.census import step_timeline
 from savedhooks.planner.recording import GraphRecorder
-from savedhooks.planner.step import graph_timelines
+from savedhooks.planner.step import graph_timelines, loss_peak
 
 __all__ = ["CONFIGS", "predicted_and_measured"]
 
@@ -68,8 +72,9 @@ def predicted_and_measured(model: str, size: float, config: str, compiled_loss: 
     torch._dynamo.reset()
     workload = make_workload(model, size)
     workload.compiled_loss = compiled_loss
-    forward = workload.compiled_step(functools.partial(torch.compile, backend="inductor"))
+    compiled = torch.compile(workload.with_loss() if compiled_loss else workload.model, backend="inductor")
     recorder = GraphRecorder()
+    outputs: list[Any] = []  # the model's output in the recorded step (eager loss)
 
     def step(record: bool = False) -> None:
         with contextlib.ExitStack() as stack:
@@ -77,7 +82,11 @@ def predicted_and_measured(model: str, size: float, config: str, compiled_loss: 
                 stack.enter_context(sh.saved_tensors_hooks(hooks))
             if record:
                 stack.enter_context(_recording(recorder))
-            loss = forward()
+            out = compiled(**workload.inputs)
+            if record and not compiled_loss:
+                outputs.append(pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out))
+            loss = out if compiled_loss else workload.loss_of(out)
+            del out
         loss.backward()
 
     with inductor_config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
@@ -88,7 +97,8 @@ def predicted_and_measured(model: str, size: float, config: str, compiled_loss: 
     if not recorder.forwards or len(recorder.forwards) != len(recorder.backwards):
         raise RuntimeError(f"{len(recorder.forwards)} forward and {len(recorder.backwards)} backward graphs recorded")
     forwards, backwards = graph_timelines(recorder, fused=True)
-    predicted = max(step_timeline(forwards, backwards, []).live, default=0)
+    loss = loss_peak(workload.loss_of, outputs.pop(), torch.device("cpu"), 0) if outputs else 0
+    predicted = max(step_timeline(forwards, backwards, [], loss).live, default=0)
     torch._dynamo.reset()
     return predicted, measured
 

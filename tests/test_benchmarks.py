@@ -567,10 +567,11 @@ def test_the_torch_2_11_shim_refuses_any_other_torch_and_needs_its_confirmation(
     assert exit_info.value.code == 2 and f"this is torch {torch.__version__}" in capsys.readouterr().err
 
 
-def test_inductor_prediction_models_inductor_graphs_of_a_benchmark_model():
+@pytest.mark.parametrize("compiled_loss", [True, False], ids=["compiled loss", "eager loss"])
+def test_inductor_prediction_models_inductor_graphs_of_a_benchmark_model(compiled_loss):
     from benchmarks.inductor_prediction import predicted_and_measured
 
-    predicted, measured = predicted_and_measured("gpt2", 1.0, "sh", compiled_loss=True)
+    predicted, measured = predicted_and_measured("gpt2", 1.0, "sh", compiled_loss=compiled_loss)
     assert measured > 0
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
 

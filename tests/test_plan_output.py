@@ -106,3 +106,44 @@ def test_output_held_is_kept_in_json_checked_and_false_for_older_plans():
     model, x = _wide_head()
     with pytest.raises(TypeError, match="output_held must be a bool"):
         sh.plan(model, (x,), 1 << 20, _cross_entropy, output_held="yes")
+
+
+def test_a_complex_output_handed_to_the_loss_gets_its_gradient_through():
+    out = torch.randn(256, 256, dtype=torch.complex64)
+    peak = loss_peak(lambda t: t.abs().square().mean(), out, torch.device("cpu"), 0, False)
+    assert peak > 0
+
+
+class _LogSoftmaxHead(torch.nn.Module):
+    """An MNIST-style model: its output is a ``log_softmax``, which its own backward reads too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.body(x), -1)
+
+
+def test_an_output_the_forward_also_saves_outlives_a_loop_that_drops_it():
+    """The log-softmax head's output stays saved after the loop drops it, next to its gradient in the backward."""
+    torch.manual_seed(0)
+    model, x = _LogSoftmaxHead(), torch.randn(1024, 64)
+    targets = torch.randint(0, 1024, (1024,))
+
+    def nll(out: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.nll_loss(out, targets)
+
+    found = sh.planner.survey(model, (x,), loss_fn=nll, backend="aot_eager")
+    plan = found.plan(found.baseline_bytes)  # keeps everything: the step as compiled without hooks
+    compiled = torch.compile(model, backend=sh.backend("aot_eager"))
+
+    def step() -> None:
+        with sh.saved_tensors_hooks(plan.hooks):
+            loss = nll(compiled(x))
+        loss.backward()
+
+    step()
+    model.zero_grad(set_to_none=True)
+    measured = sh.memory.measure_peak(step, device="cpu")
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * measured, (measured, plan.predicted_peak_bytes)

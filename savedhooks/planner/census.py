@@ -59,7 +59,7 @@ from savedhooks.hooks import hook_context
 from savedhooks.memory import build_graph_memory, freed_inputs, saved_activations, simulate
 from savedhooks.memory.estimate import _input_bytes, _report_device
 from savedhooks.memory.fusion import inlined_nodes, is_view
-from savedhooks.memory.sizes import storage_key
+from savedhooks.memory.sizes import storage_key, tensor_nbytes
 from savedhooks.planner.recording import REALIZED, run_in_kernel_order
 
 __all__ = [
@@ -127,6 +127,9 @@ class GraphTimeline:
         at: forward: saved node -> the node index that makes it (absent: it frees
             nothing when packed); backward: saved input -> its first use.
         retained: forward only: bytes the graph leaves alive (saved tensors, outputs).
+        saved_output: forward only: bytes of the graph's outputs that its
+            backward reads too (a ``log_softmax`` head's result): a loop that
+            drops the output does not free them.
         together: forward only: saved node -> the saved nodes sharing its storage
             (views of one buffer, such as attention's q, k and v): packing frees
             it only when all are packed, so they get one choice.
@@ -141,6 +144,7 @@ class GraphTimeline:
     retained: int = 0
     together: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     reread: Mapping[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
+    saved_output: int = 0
 
 
 def _storage(node: torch.fx.Node) -> int | None:
@@ -244,7 +248,22 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
         for n, group in groups.items()
     }
     together = {n: group for n, group in groups.items() if len(group) > 1}
-    return GraphTimeline(live, at, (after[-1] - inputs) if after else 0, together)
+    retained = (after[-1] - inputs) if after else 0
+    return GraphTimeline(live, at, retained, together, saved_output=_saved_output_bytes(gm.graph, saved))
+
+
+def _saved_output_bytes(graph: torch.fx.Graph, saved: set[str]) -> int:
+    """Bytes of a forward graph's outputs whose storage is also saved: returned twice, or a view of a saved value."""
+    outputs = [n for n in pytree.tree_leaves(graph.find_nodes(op="output")[0].args) if isinstance(n, torch.fx.Node)]
+    count = collections.Counter(n.name for n in outputs)
+    saved_storages = {_storage(n) for n in outputs if n.name in saved} - {None}
+    found: dict[int, int] = {}
+    for node in outputs:
+        ref, val = _storage(node), node.meta.get("val")
+        also_user = count[node.name] > 1 if node.name in saved else ref in saved_storages
+        if also_user and ref is not None and isinstance(val, torch.Tensor):
+            found[ref] = tensor_nbytes(val)
+    return sum(found.values())
 
 
 def _is_alias(node: torch.fx.Node) -> bool:

@@ -43,7 +43,7 @@ from savedhooks.fidelity.sensitivity import default_loss
 from savedhooks.hooks import saved_tensors_hooks
 from savedhooks.planner.census import step_timeline
 from savedhooks.planner.result import Plan
-from savedhooks.planner.step import device_of, gradient_bytes, loss_peak, record_step
+from savedhooks.planner.step import device_of, loss_peak, output_terms, record_step
 from savedhooks.planner.survey import Survey
 
 __all__ = ["ROUNDS", "cheapest", "check_peak", "choices_of", "packs_nothing", "resolve_check", "tighten", "warn_unchecked"]
@@ -140,10 +140,10 @@ def check_peak(
     # output, it read gpt2's loss 2.3 MiB above the step's measured peak)
     eager = [t for t in plan.tensors if t.key.startswith("eager|")]
     device = device_of(example_inputs)
-    loss = loss_peak(loss_fn, step.output, device, seed, plan.output_held) if loss_bytes is None else loss_bytes
+    outlives_loss, held = output_terms(step, device, plan.output_held)
+    loss = loss_peak(loss_fn, step.output, device, seed, outlives_loss) if loss_bytes is None else loss_bytes
     freed = sum(t.bytes - t.payload for t in eager if t.choice != "keep")
     point = max(sum(t.bytes for t in eager), loss) - freed
-    held = gradient_bytes(step.output, device) if plan.output_held else 0
     return max(step_timeline(step.forwards, step.backwards, [], point, held).live, default=0)
 
 

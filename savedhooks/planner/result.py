@@ -236,7 +236,11 @@ class Plan:
         return sum(t.seconds for t in self.tensors) + self.recompute_seconds
 
     def report(self) -> str:
-        """A Markdown table: per plan key, op, bytes, choice and modelled cost; the budget and peaks above it."""
+        """A Markdown table: per plan key, op, bytes, choice and modelled cost, under a heading.
+
+        The heading: the budget and peaks, the blocks recomputed, the predicted
+        fidelity, and whether the step keeps the model's output.
+        """
         heading = (
             f"plan for {self.backend}: budget {self.budget_bytes / _MiB:.2f} MiB, predicted peak "
             f"{self.predicted_peak_bytes / _MiB:.2f} MiB (no hooks {self.baseline_peak_bytes / _MiB:.2f}, "
@@ -283,6 +287,7 @@ class Plan:
 
         Raises:
             ValueError: not a plan, another version, an unknown codec name or recompute mode.
+            TypeError: ``output_held`` is not a bool.
         """
         data = json.loads(text)
         if not isinstance(data, dict) or data.get("version") not in range(1, _JSON_VERSION + 1):

@@ -29,6 +29,7 @@ __all__ = [
     "gradient_bytes",
     "graph_timelines",
     "loss_peak",
+    "output_terms",
     "record_step",
     "train_step",
 ]
@@ -128,16 +129,58 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+def _allocated(tree: Any, device: torch.device) -> int:
+    """Bytes of the storages of ``tree``'s tensors on ``device`` (their elements' bytes for tensors without one)."""
+    storages: dict[int, int] = {}
+    for t in _tensors(tree):
+        if t.device != device:
+            continue
+        try:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        except (NotImplementedError, RuntimeError):  # sparse tensors, wrapper subclasses
+            storages[id(t)] = tensor_nbytes(t)
+    return sum(storages.values())
+
+
+def output_terms(step: RecordedStep, device: torch.device, output_held: bool) -> tuple[bool, int]:
+    """How a step's output enters its timeline: whether it outlives the loss, and the bytes the backward adds for it.
+
+    A loop that keeps the output holds it next to its gradient in the
+    backward, which the backward graphs' timelines do not count (the forward's
+    retained output stands in for the gradient). An output that the last
+    forward graph also saves (a ``log_softmax`` head's result) outlives the
+    loss in a loop that drops it too.
+
+    Args:
+        step: the recorded step.
+        device: the device whose bytes count.
+        output_held: the loop keeps the output to the end of the step.
+
+    Returns:
+        ``(outlives_loss, backward_bytes)``: pass the first to
+        :func:`loss_peak` as ``output_held``, the second to
+        :func:`~savedhooks.planner.census.step_timeline` as ``held_output``.
+
+    Raises:
+        Nothing.
+    """
+    saved = step.forwards[-1].saved_output if step.forwards else 0
+    return output_held or saved > 0, gradient_bytes(step.output, device) if output_held else saved
+
+
 class _HandedOver(torch.autograd.Function):
     """The model's output as a loop that drops it hands it to the loss: held by the loss alone; its gradient ends here."""
 
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        ctx.anchor = (anchor.dtype, anchor.device)
         return value.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad.new_zeros(()), None
+        dtype, device = ctx.anchor
+        return torch.zeros((), dtype=dtype, device=device), None
 
 
 def loss_peak(loss_fn: Callable, output: Any, device: torch.device, seed: int, output_held: bool = False) -> int:
@@ -177,8 +220,7 @@ def loss_peak(loss_fn: Callable, output: Any, device: torch.device, seed: int, o
             torch.manual_seed(seed)
             # copied in here: the CPU profiler does not see the free of a block allocated before it started
             copies = pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, output)
-            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(copies)}
-            copied.append(sum(storages.values()))
+            copied.append(_allocated(copies, device))
             out = pytree.tree_map_only(torch.Tensor, hand, copies)
             if not output_held:
                 del copies  # the loss's argument holds the copies alone

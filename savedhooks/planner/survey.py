@@ -65,7 +65,7 @@ from savedhooks.planner.costs import seconds_per_byte
 from savedhooks.planner.recompute import FULL
 from savedhooks.planner.result import CODECS, Plan, PlannedTensor, check_budget, check_output_held
 from savedhooks.planner.search import Option, SearchResult, Unit, floor_of, result_of, search, search_within, sqnr_db
-from savedhooks.planner.step import NotCompiledError, device_of, gradient_bytes, loss_peak, record_step
+from savedhooks.planner.step import NotCompiledError, device_of, loss_peak, output_terms, record_step
 
 __all__ = ["NotCompiledError", "Survey", "survey"]
 
@@ -284,8 +284,8 @@ def survey(
     forwards, backwards, fused = step.forwards, step.backwards, step.fused
     device = device_of(example_inputs)
     eager = [t for t in run.census if t.key.startswith("eager:")]
-    loss = loss_peak(loss_fn, step.output, device, seed, output_held)
-    held = gradient_bytes(step.output, device) if output_held else 0
+    outlives_loss, held = output_terms(step, device, output_held)
+    loss = loss_peak(loss_fn, step.output, device, seed, outlives_loss)
     timeline = step_timeline(forwards, backwards, eager, loss, held)
     groups, blocked = _choice_groups(run.census, forwards)
     units = tuple(
