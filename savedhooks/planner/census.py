@@ -23,6 +23,8 @@ Design notes
   output's gradient is an input that their timelines do not count; the
   forward's retained output stands in for it (same bytes), which is right
   where the loop drops the output, and one output short where it keeps it.
+  An output that the forward also saves (``GraphTimeline.saved_output``: a
+  ``log_softmax`` head's result) is kept by the graphs in either loop.
 * Under inductor a codec's decomposed decode (fp8 and bf16 of float32 tensors)
   is fused into each kernel that reads the unpacked tensor. A saved tensor whose
   backward readers are all pointwise or reduction kernels then holds only its
