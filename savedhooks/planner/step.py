@@ -16,8 +16,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from savedhooks.fidelity.sensitivity import call_model
+from savedhooks.memory.graph import tensor_storages
 from savedhooks.memory.measure import measure_peak
-from savedhooks.memory.sizes import tensor_nbytes
+from savedhooks.memory.sizes import allocated_bytes, storage_key, tensor_nbytes
 from savedhooks.planner.census import GraphTimeline, timeline_of
 from savedhooks.planner.recompute import FULL, checkpointed
 from savedhooks.planner.recording import GraphRecorder, recording_backend
@@ -121,25 +122,18 @@ def gradient_bytes(output: Any, device: torch.device) -> int:
     Raises:
         Nothing.
     """
-    tensors = [t for t in _tensors(output) if t.device == device]
+    tensors = [t for t in tensor_storages(output) if t.device == device]
     return sum(tensor_nbytes(t) for t in tensors if t.is_floating_point() or t.is_complex())
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
-
-
 def _allocated(tree: Any, device: torch.device) -> int:
-    """Bytes of the storages of ``tree``'s tensors on ``device`` (their elements' bytes for tensors without one)."""
+    """Bytes the allocator counts for the storages of ``tree``'s tensors on ``device`` (elements' bytes without one)."""
     storages: dict[int, int] = {}
-    for t in _tensors(tree):
-        if t.device != device:
-            continue
-        try:
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        except (NotImplementedError, RuntimeError):  # sparse tensors, wrapper subclasses
-            storages[id(t)] = tensor_nbytes(t)
+    for t in tensor_storages(tree):
+        if t.device == device:
+            key = storage_key(t)
+            nbytes = tensor_nbytes(t) if key is None else t.untyped_storage().nbytes()
+            storages[id(t) if key is None else key] = allocated_bytes(nbytes, device)
     return sum(storages.values())
 
 
