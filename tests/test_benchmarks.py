@@ -567,13 +567,18 @@ def test_the_torch_2_11_shim_refuses_any_other_torch_and_needs_its_confirmation(
     assert exit_info.value.code == 2 and f"this is torch {torch.__version__}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("compiled_loss", [True, False], ids=["compiled loss", "eager loss"])
-def test_inductor_prediction_models_inductor_graphs_of_a_benchmark_model(compiled_loss):
+@pytest.mark.parametrize(
+    ("model", "compiled_loss"),
+    [("gpt2", True), ("gpt2", False), ("mlp", True)],
+    ids=["gpt2, compiled loss", "gpt2, eager loss", "mlp, compiled loss"],
+)
+def test_inductor_prediction_models_inductor_graphs_of_a_benchmark_model(model, compiled_loss):
+    # the mlp's step was 7 % under while the model freed a C++ function's dying inputs node by node
     from benchmarks.inductor_prediction import predicted_and_measured
 
-    predicted, measured = predicted_and_measured("gpt2", 1.0, "sh", compiled_loss=compiled_loss)
+    predicted, measured = predicted_and_measured(model, 1.0, "sh", compiled_loss=compiled_loss)
     assert measured > 0
-    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
 
 
 def test_the_cuda_trace_finds_the_peak_and_the_blocks_alive_there(capsys):

@@ -14,6 +14,7 @@ import savedhooks as sh
 from savedhooks.fidelity.select import SavedTensor
 from savedhooks.metrics import worst_sqnr
 from savedhooks.planner.census import GraphTimeline, step_timeline, timeline_of
+from savedhooks.planner.recording import KernelCall
 from savedhooks.planner.search import Option, Unit, floor_of, peak_of, search, search_within, sqnr_db
 
 
@@ -612,3 +613,41 @@ def test_run_in_kernel_order_follows_the_kernels_and_makes_a_node_wait_for_its_i
     assert run_in_kernel_order(gm)
     assert _names(gm) == ["mm", "relu", "mm_1", "sum_1"]
     gm.graph.lint()
+
+
+def test_a_cpu_call_of_several_kernels_allocates_before_it_and_frees_after_it():
+    # inductor's C++ backend runs consecutive kernels between extern kernels as one
+    # function: all their buffers exist before it, and what dies in it is freed
+    # after it; here relu's output (16 KiB) dies in the sum but is freed only after
+    # the exp, which reads another input
+    def forward(x, y):
+        return torch.relu(x).sum(), torch.exp(y)
+
+    def timeline(calls):
+        gm = _traced(forward, (64, 64), (64, 64))
+        gm.meta["savedhooks_kernel_order"] = [["relu", "sum_1"], ["exp"]]
+        gm.meta["savedhooks_realized"] = ["relu", "sum_1", "exp"]  # inductor stored relu (as it may)
+        if calls is not None:
+            gm.meta["savedhooks_kernel_calls"] = calls
+        return timeline_of(gm, saved=set(), fused=True)
+
+    relu, exp = 64 * 64 * 4, 64 * 64 * 4
+    one, other = KernelCall(("relu", "sum_1"), extern=False), KernelCall(("exp",), extern=False)
+    assert max(timeline(None).live) == max(timeline([one, other]).live) == relu + 4  # relu freed before exp
+    assert max(timeline([KernelCall(("relu", "sum_1", "exp"), extern=False)]).live) == relu + 4 + exp
+
+
+def test_a_scatter_into_its_fill_takes_the_fills_buffer_within_one_call():
+    # inductor lowers scatter_add(zeros, ...) as a fill and a scatter into that buffer:
+    # one 16 KiB buffer, not two, though the call allocates before it frees
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def forward(index, src):
+        return torch.zeros(64, 64).scatter_add(0, index, src)
+
+    gm = make_fx(forward)(torch.zeros(64, 64, dtype=torch.int64), torch.randn(64, 64))
+    names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    gm.meta["savedhooks_kernel_order"] = [names]
+    gm.meta["savedhooks_realized"] = names
+    gm.meta["savedhooks_kernel_calls"] = [KernelCall(tuple(names), extern=False)]
+    assert max(timeline_of(gm, saved=set(), fused=True).live) == 64 * 64 * 4

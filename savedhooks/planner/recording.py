@@ -16,8 +16,10 @@ Design notes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import heapq
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,9 +28,13 @@ from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from savedhooks.compilers import placed_aot_eager, reorder_pass
+from savedhooks.memory.fusion import is_view
 from savedhooks.passes import is_backward_graph, reorder_for_memory, unhook_names
 
-__all__ = ["REALIZED", "GraphRecorder", "fresh_backend", "recording_backend", "run_in_kernel_order"]
+__all__ = [
+    "REALIZED", "GraphRecorder", "KernelCall", "fresh_backend", "kernel_calls", "recording_backend",
+    "run_in_kernel_order",
+]
 
 
 class GraphRecorder(CustomGraphPass):
@@ -71,7 +77,9 @@ class GraphRecorder(CustomGraphPass):
         last reordering of its kernels, which the scheduler imports when it runs)
         for the duration: there is no hook after it. The order lands in the
         graph's ``meta["savedhooks_kernel_order"]``, the FX nodes whose values
-        inductor stored (its buffers' origin nodes) in ``meta["savedhooks_realized"]``;
+        inductor stored (its buffers' origin nodes) in ``meta["savedhooks_realized"]``,
+        the kernels its generated code runs as one call in
+        ``meta["savedhooks_kernel_calls"]`` (:func:`kernel_calls`);
         a compile nested in the graph's run (a codec's eager path) is not recorded.
 
         Args:
@@ -95,6 +103,7 @@ class GraphRecorder(CustomGraphPass):
                     [o.name for o in (sub.node.get_origins() if getattr(sub, "node", None) is not None else ())]
                     for sub in subs
                 ]
+                self._last.meta[_CALLS] = _calls(ordered)
                 self._last.meta[REALIZED] = sorted(
                     origin.name
                     for snode in ordered
@@ -108,6 +117,57 @@ class GraphRecorder(CustomGraphPass):
             yield
         finally:
             inductor_memory.reorder_for_peak_memory = original
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """One call of inductor's generated code (see :func:`kernel_calls`).
+
+    Attributes:
+        made: the FX nodes whose values its kernels made (their buffers' origin nodes).
+        extern: an extern kernel (or a template): it runs its own op, not code inductor generated.
+    """
+
+    made: tuple[str, ...]
+    extern: bool
+
+
+def _calls(ordered: list[Any]) -> list[KernelCall]:
+    """The calls of inductor's generated code that run the scheduler nodes ``ordered``.
+
+    Inductor's C++ backend gathers consecutive kernels of the CPU into one
+    function until an extern kernel, a template or another device comes: their
+    buffers are allocated before it, and the inputs that die in it are deleted
+    after it (``Scheduler.flush``). It also ends a function at 500 arguments,
+    which this leaves out. Any other node is a call of its own (a Triton kernel
+    is called, and what dies in it freed, right after its code is made).
+    """
+    calls: list[KernelCall] = []
+    run: list[str] = []
+    for snode in ordered:
+        made = [origin.name for sub in snode.get_nodes()
+                if (origin := getattr(getattr(sub, "node", None), "origin_node", None)) is not None]
+        device = snode.get_device()
+        extern = snode.is_extern() or snode.is_template()
+        if not extern and (device is None or device.type == "cpu"):
+            run += made
+            continue
+        if not made and extern and getattr(snode, "node", None) is not None:
+            # no origin node (an in-place scatter, a fallback with several outputs): the op it runs
+            made = [o.name for o in snode.node.get_origins() if _runs_an_op(o)]
+        if run:
+            calls.append(KernelCall(tuple(run), extern=False))
+            run = []
+        calls.append(KernelCall(tuple(made), extern))
+    if run:
+        calls.append(KernelCall(tuple(run), extern=False))
+    return calls
+
+
+def _runs_an_op(node: torch.fx.Node) -> bool:
+    """Whether an FX node among an extern kernel's origins is the op it runs, not one lowered into its inputs."""
+    return (node.op == "call_function" and node.target is not operator.getitem and not is_view(node)
+            and torch.Tag.pointwise not in getattr(node.target, "tags", ()))
 
 
 def _stored(snode: Any) -> list[Any]:
@@ -139,7 +199,27 @@ def _compiles(subs: list[Any], graph: torch.fx.Graph) -> bool:
 
 
 _KERNEL_ORDER = "savedhooks_kernel_order"
+_CALLS = "savedhooks_kernel_calls"
 REALIZED = "savedhooks_realized"  # graph meta: the FX nodes whose values inductor stored
+
+
+def kernel_calls(gm: torch.fx.GraphModule) -> list[KernelCall]:
+    """The calls of inductor's generated code for ``gm``, in order (:meth:`GraphRecorder.kernel_order`).
+
+    On the CPU, consecutive kernels between extern kernels are one C++
+    function: every buffer they store is allocated before it runs, and the
+    inputs that die in it are deleted after it.
+
+    Args:
+        gm: a graph recorded by a :class:`GraphRecorder`.
+
+    Returns:
+        One :class:`KernelCall` per call; empty if none were kept.
+
+    Raises:
+        Nothing.
+    """
+    return list(gm.meta.get(_CALLS, ()))
 
 
 def run_in_kernel_order(gm: torch.fx.GraphModule) -> bool:
