@@ -80,31 +80,28 @@ def _counting(monkeypatch, losses=None):
     return calls
 
 
-def test_a_checked_plan_predicts_the_measured_peak_under_inductor_where_the_survey_alone_does_not(monkeypatch):
-    """At the modelled floor under inductor the hooks change the compiled graphs: the floor plan measures
-    1,570,824 bytes, 6.6 % above its modelled 1,466,624, so the planner raises with the checked floor.
+def test_a_checked_plan_at_the_floor_predicts_the_measured_peak_under_inductor(monkeypatch):
+    """At the modelled floor under inductor the hooks change the compiled graphs; the plan's check models
+    the graphs compiled with them. The survey puts the floor at 1,725,696 bytes; the floor plan's check
+    models 1,668,040, and the plan measures 1,662,984 (0.3 % below).
 
-    The plan kept there (its eager loss's tensor in bf16) measures 1,601,544 bytes: 4.1 % above its
-    check, 7.9 % above the survey's model of it. Before the recorder left nested compiles out, the check
-    of the floor plan read 3,289,096 bytes (the eager fp8 op's compile overwrote the forward's kernel order).
+    Before the model laid graphs out in inductor's calls (census._per_call), the survey modelled the floor
+    at 1,466,624 bytes, the floor plan measured 6.6 % above it, and the planner raised with the checked
+    floor (that path, on faked surveys: ``test_a_budget_below_the_modelled_floor_is_met_by_a_checked_smallest_payload_plan``).
     """
     losses = []
     calls = _counting(monkeypatch, losses)
     model, x = planner_mlp()
     planner = sh.planner.Planner(model, (x,), loss_fn=square_mean_loss, backend="inductor", blocks=())
-    floor = planner.floor_bytes
-    with pytest.raises(sh.InfeasibleBudgetError, match="modelled on the graphs compiled with a plan's hooks") as info:
-        planner.plan(floor)
-    assert info.value.checked and info.value.floor_bytes > floor
-    plan = planner.plan(info.value.floor_bytes)
+    plan = planner.plan(planner.floor_bytes)
     assert plan.predicted_peak_bytes <= plan.budget_bytes and any(
         line.startswith("recompute 0 blocks: check") for line in plan.log
     )
     measured, _ = measured_step_peak(model, x, plan.hooks, backend="inductor")
-    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured  # the issue's 5 %
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * measured  # the issue asks 5 %
     # planning the same budget again compiles nothing more: checked plans are kept per choice
     before = len(calls)
-    assert planner.plan(info.value.floor_bytes) == plan
+    assert planner.plan(planner.floor_bytes) == plan
     assert len(calls) == before and len({choices_of(p) for p in calls}) == len(calls)
     assert losses and set(losses) == {planner.survey(0).loss_bytes} and losses[0] > 0
 
