@@ -639,15 +639,21 @@ def test_a_cpu_call_of_several_kernels_allocates_before_it_and_frees_after_it():
 
 def test_a_scatter_into_its_fill_takes_the_fills_buffer_within_one_call():
     # inductor lowers scatter_add(zeros, ...) as a fill and a scatter into that buffer:
-    # one 16 KiB buffer, not two, though the call allocates before it frees
+    # one 16 KiB buffer, not two, across the whole call (exp's output is made at its
+    # start); a scatter into a tensor that outlives it takes nothing, even where a
+    # same-size tensor (its source) dies in it
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    def forward(index, src):
-        return torch.zeros(64, 64).scatter_add(0, index, src)
+    size = 64 * 64 * 4
 
-    gm = make_fx(forward)(torch.zeros(64, 64, dtype=torch.int64), torch.randn(64, 64))
-    names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
-    gm.meta["savedhooks_kernel_order"] = [names]
-    gm.meta["savedhooks_realized"] = names
-    gm.meta["savedhooks_kernel_calls"] = [KernelCall(tuple(names), extern=False)]
-    assert max(timeline_of(gm, saved=set(), fused=True).live) == 64 * 64 * 4
+    def peak(forward):
+        gm = make_fx(forward)(torch.zeros(64, 64, dtype=torch.int64), torch.randn(64, 64), torch.randn(64, 64))
+        names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+        gm.meta["savedhooks_kernel_order"] = [names]
+        gm.meta["savedhooks_realized"] = names
+        gm.meta["savedhooks_kernel_calls"] = [KernelCall(tuple(names), extern=False)]
+        return max(timeline_of(gm, saved=set(), fused=True).live)
+
+    assert peak(lambda index, src, y: (torch.zeros(64, 64).scatter_add(0, index, src), y.exp())) == 2 * size
+    # the clone of y (an input) stays alive beside the scatter's output; exp(src) dies in it
+    assert peak(lambda index, src, y: y.scatter_add(0, index, src.exp())) == 2 * size

@@ -40,7 +40,11 @@ Design notes
   call by call: on the CPU inductor's generated code runs consecutive kernels
   between extern kernels as one C++ function, allocating all their buffers
   before it and deleting what dies in it after it (the vit's forward at
-  batch 32 was 10 % under when modelled node by node).
+  batch 32 was 10 % under when modelled node by node). The survey's calls are
+  those of the graphs compiled without a plan's hooks; with them, a codec's
+  opaque op (an extern kernel) may cut a run in two, freeing earlier than
+  modelled: the model errs high there, and a plan's check, which records the
+  graphs compiled with its hooks, has their calls.
 * Saved tensors that are views of one storage (attention's q, k and v split
   from one projection) free it only when all of them are packed: they get one
   choice together, their spans starting after the last of them is made. A saved
@@ -180,7 +184,7 @@ def _call_spans(gm: torch.fx.GraphModule, memory: Any, calls: list[KernelCall]) 
     """``memory``'s node indices cut into the calls of inductor's generated code: ``(first, last)`` per call.
 
     A call is a run of consecutive nodes that its kernels made (:func:`kernel_calls`;
-    without them each node is a call). Lowering one FX node may make several
+    where none of them is in the graph, each node is a call). Lowering one FX node may make several
     buffers (an extern kernel's inputs copied first, a fill then a scatter):
     the node goes with the last of them, which holds its value, and a node
     whose view an extern kernel made goes with that kernel. The nodes that no
@@ -189,8 +193,6 @@ def _call_spans(gm: torch.fx.GraphModule, memory: Any, calls: list[KernelCall]) 
     away from its call's other nodes (placed where its inputs let it) starts a
     run of its own there.
     """
-    if not calls:
-        return [(i, i) for i in range(len(memory.node_names))]
     position = {name: i for i, name in enumerate(memory.node_names)}
     nodes = {n.name: n for n in gm.graph.nodes}
     made: dict[int, int] = {}  # the last call whose buffer a node is the origin of: its value
@@ -200,13 +202,15 @@ def _call_spans(gm: torch.fx.GraphModule, memory: Any, calls: list[KernelCall]) 
             made[position[name]] = c
             aliased.setdefault(position.get(_maker(nodes[name]).name, position[name]), c)
     call_at: dict[int, Any] = aliased | made
+    if not call_at:
+        return [(i, i) for i in range(len(memory.node_names))]
     spans: list[list[int]] = []
     current: Any = None
     for i in range(len(memory.node_names)):
         c = call_at.get(i)
         if c is None and isinstance(current, int) and calls[current].extern:
             c = ("after", current)  # generated code after an extern kernel: a run of its own
-        if not spans or (c is not None and current is not None and c != current):
+        if not spans or (c is not None and c != current):  # the nodes before the first call: a run of their own
             spans.append([i, i])
         spans[-1][1] = i
         current = c if c is not None else current
@@ -257,8 +261,10 @@ def _reused_in_place(
     the bytes a kernel reuses count over its whole call.
     """
     nodes = {n.name: n for n in gm.graph.nodes}
+    position = {name: i for i, name in enumerate(memory.node_names)}
 
     def taken(made: tuple[int, ...], dying: tuple[int, ...]) -> int:
+        """Bytes of ``made`` that take the place of a same-size buffer among ``dying``."""
         pool = [memory.buffers[b].nbytes for b in dying if memory.buffers[b].device == device]
         total = 0
         for b in made:
@@ -268,13 +274,19 @@ def _reused_in_place(
                 total += size
         return total
 
-    def in_place(i: int) -> bool:
-        target = nodes[memory.node_names[i]].target
-        return target in _SCATTERS or torch.Tag.pointwise in getattr(target, "tags", ())
+    def reusable(i: int) -> tuple[int, ...]:
+        """The buffers dying at node ``i`` that its output may take: any for a pointwise op, a scatter's first input's."""
+        node = nodes[memory.node_names[i]]
+        if torch.Tag.pointwise in getattr(node.target, "tags", ()):
+            return memory.frees[i]
+        if node.target in _SCATTERS and isinstance(node.args[0], torch.fx.Node):
+            into = position.get(_maker(node.args[0]).name)
+            return tuple(b for b in memory.frees[i] if into is not None and b in memory.allocs[into])
+        return ()
 
     reused = [0] * len(memory.node_names)
     for first, last in spans:
-        total = sum(taken(memory.allocs[i], memory.frees[i]) for i in range(first, last + 1) if in_place(i))
+        total = sum(taken(memory.allocs[i], reusable(i)) for i in range(first, last + 1))
         for i in range(first, last + 1):
             reused[i] = total
     return reused
