@@ -17,6 +17,7 @@ which inductor still realizes a heavily reused pointwise result
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Collection
 
 import torch
@@ -24,7 +25,7 @@ import torch.fx
 
 from savedhooks.memory.sizes import storage_key
 
-__all__ = ["inlined_nodes", "is_view"]
+__all__ = ["inlined_nodes", "is_alias", "is_view"]
 
 _FUSING_TAGS = (torch.Tag.pointwise, torch.Tag.reduction)
 
@@ -52,6 +53,21 @@ def is_view(node: torch.fx.Node) -> bool:
         return False
     mine = storage_key(val)
     return mine is not None and mine == storage_key(base)
+
+
+def is_alias(node: torch.fx.Node) -> bool:
+    """Whether ``node`` computes nothing: a view (:func:`is_view`), or one output of a multi-output op (``getitem``).
+
+    Args:
+        node: an FX node with ``meta["val"]``.
+
+    Returns:
+        True for a view or a ``getitem``.
+
+    Raises:
+        Nothing.
+    """
+    return node.target is operator.getitem or is_view(node)
 
 
 def _consumers(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,7 +67,7 @@ from savedhooks.fidelity.select import SavedTensor, concrete_size
 from savedhooks.hooks import hook_context
 from savedhooks.memory import build_graph_memory, freed_inputs, saved_activations, simulate
 from savedhooks.memory.estimate import _input_bytes, _report_device
-from savedhooks.memory.fusion import inlined_nodes, is_view
+from savedhooks.memory.fusion import inlined_nodes, is_alias, is_view
 from savedhooks.memory.sizes import storage_key, tensor_nbytes
 from savedhooks.planner.recording import REALIZED, KernelCall, kernel_calls, run_in_kernel_order
 
@@ -344,7 +343,7 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
     nodes = {n.name: n for n in gm.graph.nodes}
     last_read: dict[int | None, int] = {}
     for node in gm.graph.nodes:
-        if node.name in index and not _is_alias(node):
+        if node.name in index and not is_alias(node):
             for arg in node.all_input_nodes:
                 last_read[_storage(arg)] = index[node.name]
     at = {
@@ -370,14 +369,9 @@ def _saved_output_bytes(graph: torch.fx.Graph, saved: set[str]) -> int:
     return sum(found.values())
 
 
-def _is_alias(node: torch.fx.Node) -> bool:
-    """A node that computes nothing: a view, or one output of a multi-output op."""
-    return node.target is operator.getitem or is_view(node)
-
-
 def _maker(node: torch.fx.Node) -> torch.fx.Node:
     """The node that computed ``node``'s data, looking through aliases."""
-    while _is_alias(node) and isinstance(node.args[0], torch.fx.Node):
+    while is_alias(node) and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]
     return node
 

@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import functools
 import heapq
-import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,7 +27,7 @@ from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from savedhooks.compilers import placed_aot_eager, reorder_pass
-from savedhooks.memory.fusion import is_view
+from savedhooks.memory.fusion import is_alias
 from savedhooks.passes import is_backward_graph, reorder_for_memory, unhook_names
 
 __all__ = [
@@ -166,7 +165,7 @@ def _calls(ordered: list[Any]) -> list[KernelCall]:
 
 def _runs_an_op(node: torch.fx.Node) -> bool:
     """Whether an FX node among an extern kernel's origins is the op it runs, not one lowered into its inputs."""
-    return (node.op == "call_function" and node.target is not operator.getitem and not is_view(node)
+    return (node.op == "call_function" and not is_alias(node)
             and torch.Tag.pointwise not in getattr(node.target, "tags", ()))
 
 
