@@ -13,7 +13,8 @@ Design notes
 * :func:`check_peak` compiles the model once more, with the plan's recompute
   and hooks, runs one step (:func:`savedhooks.planner.step.record_step`) and
   models it as the survey models its own step, the eager loss's point too
-  (its peak without hooks, less what packing the tensors it saves frees). A
+  (its peak without hooks, plus the payload of each tensor it saves that the
+  plan packs: a plan the planner made packs none, see the survey's notes). A
   plan that packs nothing runs the graphs surveyed: its modelled peak is
   already checked.
 * :func:`tighten`: search, check; while the checked peak is above the budget,
@@ -135,15 +136,17 @@ def check_peak(
     step = record_step(
         model, example_inputs, loss_fn, plan.backend, seed, hooks, False, plan.recompute, plan.recompute_mode, grads
     )
-    # the eager loss's point as the survey models it: its peak measured without hooks, less what the
-    # plan's packing of the tensors it saves frees (measured alone under the hooks, on a copy of the
-    # output, it read gpt2's loss 2.3 MiB above the step's measured peak)
+    # the eager loss's point as the survey models it: its peak measured without hooks, plus the payload
+    # of each tensor it saves that the plan packs (a plan made by the planner packs none: the loss peaks
+    # in its backward, where a packed tensor is unpacked while its payload is held; survey notes).
+    # Measured alone under the hooks, on a copy of the output, it read gpt2's loss 2.3 MiB above the
+    # step's measured peak.
     eager = [t for t in plan.tensors if t.key.startswith("eager|")]
     device = device_of(example_inputs)
     outlives_loss, held = output_terms(step, device, plan.output_held)
     loss = loss_peak(loss_fn, step.output, device, seed, outlives_loss) if loss_bytes is None else loss_bytes
-    freed = sum(t.bytes - t.payload for t in eager if t.choice != "keep")
-    point = max(sum(t.bytes for t in eager), loss) - freed
+    unpacked = sum(t.payload for t in eager if t.choice != "keep")
+    point = max(sum(t.bytes for t in eager), loss) + unpacked
     return max(step_timeline(step.forwards, step.backwards, [], point, held).live, default=0)
 
 
