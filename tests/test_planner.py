@@ -289,6 +289,37 @@ def test_plan_meets_its_budget_and_the_measured_peak_is_the_predicted_one():
     assert "| choice |" in planned.report() and planned.report().count("\n") >= 3 + len(planned.tensors)
 
 
+class _EagerMiddle(torch.nn.Module):
+    """Linear-GELU, a middle that dynamo leaves to eager mode (Linear-tanh), then a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.mid, self.b = torch.nn.Linear(64, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self._middle(torch.nn.functional.gelu(self.a(x))))
+
+    @torch.compiler.disable
+    def _middle(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mid(h))
+
+
+def test_the_eager_loss_s_saves_are_kept_and_the_model_s_own_eager_saves_stay_candidates():
+    """The loss's saved tensor (the output, which ``square`` saves) is unpacked at the loss's peak: kept.
+    The tanh output that the model's eager middle saves is packed until its own backward: a candidate."""
+    torch.manual_seed(0)
+    model, x = _EagerMiddle(), torch.randn(512, 64)
+    survey = sh.planner.survey(model, (x,), loss_fn=_loss, backend="aot_eager")
+    eager = {u.key: [o.name for o in u.options] for u in survey.units if u.key.startswith("eager|")}
+    assert survey.loss_saved == {"eager|CompiledFunctionBackward|512x64|float32"}
+    assert eager["eager|CompiledFunctionBackward|512x64|float32"] == ["keep"]
+    assert {"bf16", "fp8"} <= set(eager["eager|Tanh|512x256|float32"])
+    with sh.fidelity.keyed_run() as run:
+        assert not run.saved_by_loss("eager:0")
+        sh.fidelity.select.mark_loss()
+        assert run.saved_by_loss("eager:0") and not run.saved_by_loss("g0:mm")
+
+
 def test_plan_under_plain_torch_compile_predicts_the_measured_peak():
     model, x = _mlp()
     survey = sh.planner.survey(model, (x,), loss_fn=_loss, backend="inductor")

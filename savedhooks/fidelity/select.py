@@ -27,7 +27,7 @@ from savedhooks.codecs.base import Codec
 from savedhooks.codecs.policy import producing_op
 from savedhooks.hooks import hook_context
 
-__all__ = ["Census", "SavedTensor", "Selected", "keyed_run"]
+__all__ = ["Census", "SavedTensor", "Selected", "keyed_run", "mark_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,11 @@ class _Run:
     eager_calls: int = 0
     graphs: list[torch.fx.Graph] = dataclasses.field(default_factory=list)
     census: list[SavedTensor] = dataclasses.field(default_factory=list)
+    loss_from: int | None = None  # the first eager save of the loss (mark_loss), None: not marked
+
+    def saved_by_loss(self, key: str) -> bool:
+        """Whether the census key is an eager save made after :func:`mark_loss`."""
+        return self.loss_from is not None and key.startswith("eager:") and int(key[6:]) >= self.loss_from
 
 
 _RUN: _Run | None = None
@@ -82,6 +87,22 @@ def keyed_run() -> Iterator[_Run]:
         yield _RUN
     finally:
         _RUN = None
+
+
+def mark_loss() -> None:
+    """Mark that the loss starts: the eager saves from here on are the loss's (no-op outside a keyed run).
+
+    Args:
+        None.
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing.
+    """
+    if _RUN is not None:
+        _RUN.loss_from = _RUN.eager_calls
 
 
 def _key(x: torch.Tensor) -> tuple[str, str | None]:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -108,6 +108,7 @@ def check_peak(
     seed: int = 0,
     loss_bytes: int | None = None,
     grads: dict[str, torch.Tensor | None] | None = None,
+    loss_saved: Collection[str] | None = None,
 ) -> int:
     """The modelled step peak of the graphs compiled with the plan's recompute and hooks.
 
@@ -123,6 +124,8 @@ def check_peak(
         loss_bytes: the eager loss's peak without hooks, as the survey measured
             it (:attr:`Survey.loss_bytes`); None: measured here, on this step's output.
         grads: filled with the step's parameter gradients (CPU copies), if given.
+        loss_saved: the plan keys of the tensors the eager loss saves
+            (:attr:`Survey.loss_saved`); None: every eager plan key.
 
     Returns:
         Bytes above what is alive before the step, as :attr:`Plan.predicted_peak_bytes` counts them.
@@ -137,16 +140,19 @@ def check_peak(
         model, example_inputs, loss_fn, plan.backend, seed, hooks, False, plan.recompute, plan.recompute_mode, grads
     )
     # the eager loss's point as the survey models it: its peak measured without hooks, plus the payload
-    # of each tensor it saves that the plan packs (a plan made by the planner packs none: the loss peaks
-    # in its backward, where a packed tensor is unpacked while its payload is held; survey notes).
-    # Measured alone under the hooks, on a copy of the output, it read gpt2's loss 2.3 MiB above the
-    # step's measured peak.
+    # of each tensor the loss saves that the plan packs (a plan made by the planner packs none: the loss
+    # peaks in its backward, where a packed tensor is unpacked while its payload is held; survey notes),
+    # less what packing the model's own eager saves frees. Measured alone under the hooks, on a copy of
+    # the output, it read gpt2's loss 2.3 MiB above the step's measured peak.
     eager = [t for t in plan.tensors if t.key.startswith("eager|")]
+    packed = [t for t in eager if t.choice != "keep"]
+    by_loss = [loss_saved is None or t.key in loss_saved for t in packed]
     device = device_of(example_inputs)
     outlives_loss, held = output_terms(step, device, plan.output_held)
     loss = loss_peak(loss_fn, step.output, device, seed, outlives_loss) if loss_bytes is None else loss_bytes
-    unpacked = sum(t.payload for t in eager if t.choice != "keep")
-    point = max(sum(t.bytes for t in eager), loss) + unpacked
+    unpacked = sum(t.payload for t, own in zip(packed, by_loss) if own)
+    freed = sum(t.bytes - t.payload for t, own in zip(packed, by_loss) if not own)
+    point = max(sum(t.bytes for t in eager), loss) + unpacked - freed
     return max(step_timeline(step.forwards, step.backwards, [], point, held).live, default=0)
 
 

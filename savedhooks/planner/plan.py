@@ -429,7 +429,7 @@ class Planner:
         # (never surveyed here: under several processes a survey alone on one rank would run its collectives alone)
         found = self._surveys.get(setting)
         loss = found.loss_bytes if found is not None and found.loss_bytes else None
-        return check_peak(model, inputs, plan, loss_fn, seed, loss, grads)
+        return check_peak(model, inputs, plan, loss_fn, seed, loss, grads, found.loss_saved if found else None)
 
 
 def _name(k: int, mode: str, verb: str = "recompute") -> str:

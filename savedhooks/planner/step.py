@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from savedhooks.fidelity.select import mark_loss
 from savedhooks.fidelity.sensitivity import call_model
 from savedhooks.memory.graph import tensor_storages
 from savedhooks.memory.measure import measure_peak
@@ -102,6 +103,7 @@ def train_step(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         output = call_model(fn, example_inputs)
+        mark_loss()  # a census tells the loss's saves from the model's eager ones
         loss_fn(output).backward()
     if grads is not None:
         grads.update((n, None if p.grad is None else p.grad.detach().cpu()) for n, p in model.named_parameters())

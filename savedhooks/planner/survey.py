@@ -35,14 +35,17 @@ Design notes
   bytes (device bytes) come from encoding a fake tensor of the candidate's
   shape; time from :func:`savedhooks.planner.costs.seconds_per_byte` on the
   inputs' device (for offload: the copies there and back, as if unhidden).
-* An eager loss's saved tensors are kept, never candidates. The loss point of
-  the timeline is the loss's own peak, and a loss peaks in its backward, where
-  each saved tensor is unpacked to its full size while its payload is still
-  held: packing it adds the payload there and frees nothing. Measured on the
-  tests' MLP under inductor (``square_mean_loss``, the model's 128 KiB output
-  saved by ``pow``): with the output packed in fp8 the step peaked 30,716
-  bytes higher than with it kept, where the model had credited the packing
-  with 97,280 bytes less, and the floor plan was 2 % under its prediction.
+* An eager loss's saved tensors are kept, never candidates (the training step
+  marks where the loss starts: :func:`savedhooks.fidelity.select.mark_loss`;
+  the model's own eager saves, outside its compiled graphs, stay candidates).
+  The loss point of the timeline is the loss's own peak, and a loss peaks in
+  its backward, where each saved tensor is unpacked to its full size while its
+  payload is still held: packing it adds the payload there and frees nothing.
+  Measured on the tests' MLP under inductor (``square_mean_loss``, the
+  model's 128 KiB output saved by ``pow``): with the output packed in fp8 the
+  step peaked 30,716 bytes higher than with it kept, where the model had
+  credited the packing with 96,256 bytes less, and the floor plan was 2 %
+  under its prediction.
 * What the prediction covers: the compiled graphs and the tensors an eager loss
   saves, with placement (the reorder pass, which plain ``torch.compile`` gets
   inside :class:`savedhooks.saved_tensors_hooks`, ``sh.backend("aot_eager")``
@@ -81,8 +84,12 @@ __all__ = ["NotCompiledError", "Survey", "survey"]
 _FUSED_DECODES = ("bf16", "fp8")
 
 
-def _options(tensors: list[SavedTensor], device: torch.device, backend: str) -> tuple[Option, ...]:
+def _options(
+    tensors: list[SavedTensor], device: torch.device, backend: str, by_loss: bool = False
+) -> tuple[Option, ...]:
     """Keep, and each codec that accepts the tensors, with device payload bytes (fake encode) and time.
+
+    Keep alone where ``by_loss`` (the eager loss saves one of them).
 
     Offload is a choice for tensors on an accelerator (its payload on the device
     is 0 bytes; host bytes are not counted); its time is the copies' round trip,
@@ -94,8 +101,8 @@ def _options(tensors: list[SavedTensor], device: torch.device, backend: str) -> 
     options = [Option("keep", total, 0.0)]
     if not all(isinstance(s, int) for s in first.shape):
         return tuple(options)  # symbolic sizes: kept (the payload is not known)
-    if first.key.startswith("eager:"):
-        return tuple(options)  # an eager loss's: packing it frees nothing at the loss's peak (module notes)
+    if by_loss:
+        return tuple(options)  # packing frees nothing at the loss's peak (module notes)
     names = ("bitmask",) if first.dtype == torch.bool else ("bf16", "fp8") if first.dtype.is_floating_point else ()
     for name in (*names, "offload"):
         codec = CODECS[name]
@@ -132,6 +139,9 @@ class Survey:
             :mod:`savedhooks.planner.fidelity`), or None: fidelity not measured.
         output_held: the step modelled keeps the model's output to its end
             (:func:`survey`).
+        loss_saved: the plan keys of the tensors the eager loss saves (kept;
+            the model's own eager saves, outside its compiled graphs, are not
+            among them).
     """
 
     units: tuple[Unit, ...]
@@ -144,6 +154,7 @@ class Survey:
     loss_bytes: int = 0
     max_harm: float | None = None
     output_held: bool = False
+    loss_saved: frozenset[str] = frozenset()
 
     @property
     def baseline_bytes(self) -> int:
@@ -294,6 +305,7 @@ def survey(
     forwards, backwards, fused = step.forwards, step.backwards, step.fused
     device = device_of(example_inputs)
     eager = [t for t in run.census if t.key.startswith("eager:")]
+    by_loss = frozenset(key_of_saved(t) for t in eager if run.saved_by_loss(t.key))
     outlives_loss, held = output_terms(step, device, output_held)
     loss = loss_peak(loss_fn, step.output, device, seed, outlives_loss)
     timeline = step_timeline(forwards, backwards, eager, loss, held)
@@ -303,13 +315,14 @@ def survey(
             key,
             sum(t.bytes for t in ts),
             tuple((*timeline.spans[t.key], t.bytes) for t in ts if t.key in timeline.spans and t.key not in blocked),
-            _merged_options([_options(same, device, backend) for same in _by_plan_key(ts)]),
+            _merged_options([_options(same, device, backend, key_of_saved(same[0]) in by_loss) for same in _by_plan_key(ts)]),
             tuple(span for t in ts if t.key not in blocked for span in _reread(t, timeline, device, fused)),
         )
         for key, ts in sorted(groups.items())
     )
     return Survey(
-        units, groups, timeline.live, backend, recompute, recompute_seconds, recompute_mode, loss, output_held=output_held
+        units, groups, timeline.live, backend, recompute, recompute_seconds, recompute_mode, loss,
+        output_held=output_held, loss_saved=by_loss,
     )
 
 
