@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -69,7 +69,7 @@ from savedhooks.memory import build_graph_memory, freed_inputs, saved_activation
 from savedhooks.memory.estimate import _input_bytes, _report_device
 from savedhooks.memory.fusion import inlined_nodes, is_alias, is_view
 from savedhooks.memory.sizes import storage_key, tensor_nbytes
-from savedhooks.planner.recording import REALIZED, KernelCall, kernel_calls, run_in_kernel_order
+from savedhooks.planner.recording import COPIED_INPUTS, REALIZED, KernelCall, kernel_calls, run_in_kernel_order
 
 __all__ = [
     "GraphTimeline",
@@ -291,7 +291,9 @@ def _reused_in_place(
     return reused
 
 
-def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: bool = False) -> GraphTimeline:
+def timeline_of(
+    gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: bool = False, copied: Collection[str] = ()
+) -> GraphTimeline:
     """Summarize one AOTAutograd graph for the step timeline.
 
     Args:
@@ -304,7 +306,11 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
             what inductor stored where :meth:`savedhooks.planner.recording.GraphRecorder.kernel_order` saw it)
             its in-place reuse (a pointwise kernel writes into a same-size
             buffer that dies with it), and its calls (:func:`kernel_calls`:
-            buffers allocated before a call, freed after it).
+            buffers allocated before a call, freed after it). A forward's
+            inputs that inductor returned as copies (:data:`COPIED_INPUTS`)
+            are held from their first reader to the end.
+        copied: backward graphs: the saved inputs that the forward's compile
+            returned as copies (freed at their last use, as saved activations).
 
     Returns:
         A :class:`GraphTimeline`.
@@ -315,7 +321,8 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
     backward = saved is None
     if fused:
         run_in_kernel_order(gm)
-    donated = freed_inputs(gm) if backward else ()
+    names = {n.name for n in gm.graph.find_nodes(op="placeholder")}
+    donated = (*freed_inputs(gm), *sorted(set(copied) & names)) if backward else ()
     memory = build_graph_memory(gm, donated=donated, fused=fused, realized=gm.meta.get(REALIZED, ()))
     device = _report_device(memory)
     if fused:
@@ -328,6 +335,8 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
     inputs = _input_bytes(memory, device)
     live = tuple(d - inputs for d in during)
     index = {name: i for i, name in enumerate(memory.node_names)}
+    if not backward and fused:
+        live = _with_copies(gm, live, index, saved)
     if backward:
         first: dict[str, int] = {}
         for i, reads in enumerate(memory.inputs):
@@ -352,7 +361,28 @@ def timeline_of(gm: torch.fx.GraphModule, saved: set[str] | None = None, fused: 
     }
     together = {n: group for n, group in groups.items() if len(group) > 1}
     retained = (after[-1] - inputs) if after else 0
+    retained += sum(_copies(gm, saved).values())
     return GraphTimeline(live, at, retained, together, saved_output=_saved_output_bytes(gm.graph, saved))
+
+
+def _copies(gm: torch.fx.GraphModule, saved: set[str]) -> dict[torch.fx.Node, int]:
+    """A forward's saved inputs that inductor returned as copies (:data:`COPIED_INPUTS`), with their bytes."""
+    copied = set(gm.meta.get(COPIED_INPUTS, ())) & saved
+    return {
+        node: tensor_nbytes(node.meta["val"])
+        for node in gm.graph.find_nodes(op="placeholder")
+        if node.name in copied and isinstance(node.meta.get("val"), torch.Tensor)
+    }
+
+
+def _with_copies(gm: torch.fx.GraphModule, live: tuple[int, ...], index: dict[str, int], saved: set[str]) -> tuple[int, ...]:
+    """``live`` with each copied input held from its first reader (the copy is made for it) to the graph's end."""
+    held = [0] * len(live)
+    for node, nbytes in _copies(gm, saved).items():
+        start = min((index[u.name] for u in node.users if u.name in index), default=len(live))
+        for i in range(start, len(live)):
+            held[i] += nbytes
+    return tuple(v + h for v, h in zip(live, held))
 
 
 def _saved_output_bytes(graph: torch.fx.Graph, saved: set[str]) -> int:

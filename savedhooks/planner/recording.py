@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -31,7 +32,7 @@ from savedhooks.memory.fusion import is_alias
 from savedhooks.passes import is_backward_graph, reorder_for_memory, unhook_names
 
 __all__ = [
-    "REALIZED", "GraphRecorder", "KernelCall", "fresh_backend", "kernel_calls", "recording_backend",
+    "COPIED_INPUTS", "REALIZED", "GraphRecorder", "KernelCall", "fresh_backend", "kernel_calls", "recording_backend",
     "run_in_kernel_order",
 ]
 
@@ -109,6 +110,7 @@ class GraphRecorder(CustomGraphPass):
                     for buffer in _stored(snode)
                     if (origin := getattr(buffer.node, "origin_node", None)) is not None
                 )
+                self._last.meta[COPIED_INPUTS] = _copied_inputs(self._last.graph)
             return ordered
 
         inductor_memory.reorder_for_peak_memory = reorder
@@ -197,9 +199,37 @@ def _compiles(subs: list[Any], graph: torch.fx.Graph) -> bool:
     return any(o.graph is graph for o in origins)
 
 
+def _copied_inputs(graph: torch.fx.Graph) -> tuple[str, ...]:
+    """The graph's inputs that it returns as a copy inductor made: a convolution's input in channels_last.
+
+    Inductor lowers a convolution's input or weight to the layout the kernel
+    wants (channels_last on the CPU) and returns that copy where the FX graph
+    returns the input itself (saved for the backward's convolution): the copy
+    is a new buffer, held from the forward to its last use in the backward.
+    Read from the graph being compiled (``V.graph``) at scheduling time.
+    """
+    from torch._inductor.virtualized import V
+
+    lowering = V.graph
+    outputs = pytree.tree_leaves(graph.find_nodes(op="output")[0].args)
+    if len(outputs) != len(lowering.graph_outputs):
+        return ()
+    copied = set()
+    for node, out in zip(outputs, lowering.graph_outputs):
+        if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.name in lowering.graph_inputs:
+            try:
+                name = out.get_name()
+            except (AttributeError, NotImplementedError):
+                continue
+            if name not in lowering.graph_inputs:
+                copied.add(node.name)
+    return tuple(sorted(copied))
+
+
 _KERNEL_ORDER = "savedhooks_kernel_order"
 _CALLS = "savedhooks_kernel_calls"
 REALIZED = "savedhooks_realized"  # graph meta: the FX nodes whose values inductor stored
+COPIED_INPUTS = "savedhooks_copied_inputs"  # graph meta: inputs returned as inductor's copies (_copied_inputs)
 
 
 def kernel_calls(gm: torch.fx.GraphModule) -> list[KernelCall]:

@@ -22,7 +22,7 @@ from savedhooks.memory.measure import measure_peak
 from savedhooks.memory.sizes import allocated_bytes, storage_key, tensor_nbytes
 from savedhooks.planner.census import GraphTimeline, timeline_of
 from savedhooks.planner.recompute import FULL, checkpointed
-from savedhooks.planner.recording import GraphRecorder, recording_backend
+from savedhooks.planner.recording import COPIED_INPUTS, GraphRecorder, recording_backend
 
 __all__ = [
     "NotCompiledError",
@@ -307,4 +307,5 @@ def graph_timelines(recorder: GraphRecorder, fused: bool) -> tuple[list[GraphTim
         timeline_of(fw, {n.name for n in bw.graph.find_nodes(op="placeholder")}, fused=fused)
         for fw, bw in zip(recorder.forwards, reversed(recorder.backwards))
     ]
-    return forwards, [timeline_of(bw, fused=fused) for bw in recorder.backwards]
+    copied = [fw.meta.get(COPIED_INPUTS, ()) for fw in reversed(recorder.forwards)]
+    return forwards, [timeline_of(bw, fused=fused, copied=c) for bw, c in zip(recorder.backwards, copied)]
