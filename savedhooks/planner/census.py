@@ -361,7 +361,8 @@ def timeline_of(
     }
     together = {n: group for n, group in groups.items() if len(group) > 1}
     retained = (after[-1] - inputs) if after else 0
-    retained += sum(_copies(gm, saved).values())
+    if fused:
+        retained += sum(_copies(gm, saved).values())
     return GraphTimeline(live, at, retained, together, saved_output=_saved_output_bytes(gm.graph, saved))
 
 
