@@ -335,8 +335,8 @@ def timeline_of(
     inputs = _input_bytes(memory, device)
     live = tuple(d - inputs for d in during)
     index = {name: i for i, name in enumerate(memory.node_names)}
-    if not backward and fused:
-        live = _with_copies(gm, live, index, saved)
+    copies = _copies(gm, saved) if fused and not backward else {}
+    live = _with_copies(live, index, copies)
     if backward:
         first: dict[str, int] = {}
         for i, reads in enumerate(memory.inputs):
@@ -361,8 +361,7 @@ def timeline_of(
     }
     together = {n: group for n, group in groups.items() if len(group) > 1}
     retained = (after[-1] - inputs) if after else 0
-    if fused:
-        retained += sum(_copies(gm, saved).values())
+    retained += sum(copies.values())
     return GraphTimeline(live, at, retained, together, saved_output=_saved_output_bytes(gm.graph, saved))
 
 
@@ -376,10 +375,10 @@ def _copies(gm: torch.fx.GraphModule, saved: set[str]) -> dict[torch.fx.Node, in
     }
 
 
-def _with_copies(gm: torch.fx.GraphModule, live: tuple[int, ...], index: dict[str, int], saved: set[str]) -> tuple[int, ...]:
-    """``live`` with each copied input held from its first reader (the copy is made for it) to the graph's end."""
+def _with_copies(live: tuple[int, ...], index: dict[str, int], copies: dict[torch.fx.Node, int]) -> tuple[int, ...]:
+    """``live`` with each copied input (:func:`_copies`) held from its first reader (the copy is made for it) to the end."""
     held = [0] * len(live)
-    for node, nbytes in _copies(gm, saved).items():
+    for node, nbytes in copies.items():
         start = min((index[u.name] for u in node.users if u.name in index), default=len(live))
         for i in range(start, len(live)):
             held[i] += nbytes
