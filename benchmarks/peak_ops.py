@@ -21,7 +21,7 @@ import torch
 
 import savedhooks as sh
 from benchmarks.models import MODELS, make_workload
-from savedhooks.memory.measure import kineto_events, live_bytes
+from savedhooks.memory.measure import cpu_allocations, profiled_nodes, traced_bytes
 
 __all__ = ["peak_ops"]
 
@@ -64,16 +64,17 @@ def peak_ops(model: str, size: float, config: str, backend: str = "inductor", ch
         workload.model.zero_grad(set_to_none=True)
 
     step()  # compile
-    events = kineto_events(step)
-    timeline = live_bytes(events)
+    nodes = profiled_nodes(step)
+    timeline = traced_bytes(cpu_allocations(nodes))
     at, peak = max(timeline, key=lambda point: point[1], default=(0, 0))
-    ops = [e for e in events if e.name() != "[memory]" and e.start_ns() <= at <= e.start_ns() + e.duration_ns()]
+    ops = [n for n in nodes if n.parent is not None and n.name != "[memory]"  # the root: the call's own mark
+           and n.start_time_ns <= at <= n.end_time_ns]
 
     def live_at_end(name: str) -> int:
-        end = max(e.start_ns() + e.duration_ns() for e in events if e.name() == name)
+        end = max(n.end_time_ns for n in nodes if n.name == name)
         return max([b for t, b in timeline if t <= end][-1:] or [0])
 
-    return {"peak": peak, "ops": [e.name() for e in sorted(ops, key=lambda e: e.start_ns())],
+    return {"peak": peak, "ops": [n.name for n in sorted(ops, key=lambda n: n.start_time_ns)],
             "forward": live_at_end(_FORWARD), "backward": live_at_end(_BACKWARD)}  # fmt: skip
 
 

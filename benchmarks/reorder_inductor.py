@@ -111,8 +111,7 @@ def measured_peaks(model: torch.nn.Module, backend, options, x: torch.Tensor, re
     forward().backward()  # compile
     model.zero_grad(set_to_none=True)
     held = []
-    fw = sh.memory.measure_peak(lambda: held.append(forward()), device="cpu")
-    bw = sh.memory.measure_peak(lambda: held.pop().backward(), device="cpu")
+    fw, bw = sh.memory.measure_peaks(lambda: held.append(forward()), lambda: held.pop().backward(), device="cpu")
     model.zero_grad(set_to_none=True)
     torch._dynamo.reset()
     return fw, bw

@@ -352,7 +352,7 @@ def test_measuring_on_cpu_prints_no_profiler_markers_and_keeps_other_stderr(capf
 
 
 def test_one_threads_bytes_leave_out_other_threads_buffers_and_count_its_blocks_freed_elsewhere():
-    from savedhooks.memory.measure import Allocation, calling_thread_bytes
+    from savedhooks.memory.measure import Allocation, traced_bytes
 
     records = [
         Allocation(0, 1, 0xA, 400),  # the caller keeps 400 bytes
@@ -361,17 +361,34 @@ def test_one_threads_bytes_leave_out_other_threads_buffers_and_count_its_blocks_
         Allocation(3, 3, 0xD, 50),  # another worker's block, freed by the caller: not counted either way
         Allocation(4, 2, 0xC, -100),
         Allocation(5, 1, 0xD, -50),
-        Allocation(6, 1, 0xE, -30),  # a block from before the trace, freed by the caller
+        Allocation(6, 1, 0xE, -30),  # a block from before the trace, freed by the caller: not counted
     ]
-    assert calling_thread_bytes(records[::-1], thread=1) == [400, 500, 400, 370]  # in time order, any input order
-    assert calling_thread_bytes(records, thread=2) == [1000]
+    assert [live for _, live in traced_bytes(records[::-1], thread=1)] == [400, 500, 400]  # in time order
+    assert [live for _, live in traced_bytes(records, thread=2)] == [1000]
+    assert traced_bytes(records) == [(0, 400), (1, 1400), (2, 1500), (3, 1550), (4, 1450), (5, 1400)]
+
+
+def test_a_free_of_a_block_from_before_the_trace_is_not_counted():
+    """torch's CPU memory reporter sizes such a free only where an earlier profiling session recorded
+    the address: with the block's size (here), dropped, or with an older block's size once the address
+    was reused. Which one happened changed from process to process, so none is counted."""
+    recorded = []
+    trace = sh.memory.cpu_memory_trace(lambda: recorded.append(torch.empty(1 << 18)))  # 1 MiB, size recorded
+    assert trace == [1 << 20]
+
+    def step() -> None:
+        recorded.clear()  # frees the 1 MiB block from before the call
+        torch.empty(1 << 16).zero_()  # 256 KiB of its own, freed at its end
+
+    assert sh.memory.cpu_memory_trace(step) == [1 << 18, 0]
+    assert sh.memory.measure_peak(step, device="cpu") == 1 << 18
 
 
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="gloo")
 def test_a_trace_of_the_calling_thread_leaves_out_gloos_worker_buffers(tmp_path):
     import torch.distributed as dist
 
-    from savedhooks.memory.measure import kineto_events
+    from savedhooks.memory.measure import cpu_allocations, profiled_nodes
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -381,7 +398,7 @@ def test_a_trace_of_the_calling_thread_leaves_out_gloos_worker_buffers(tmp_path)
             kept.append(torch.empty(4096))
             dist.all_gather_into_tensor(kept[-1], x, async_op=True).wait()
 
-        every = [(e.start_thread_id(), e.nbytes()) for e in kineto_events(gather) if e.name() == "[memory]"]
+        every = [(a.thread, a.nbytes) for a in cpu_allocations(profiled_nodes(gather))]
         caller = sh.memory.cpu_memory_trace(gather, calling_thread_only=True)
     finally:
         dist.destroy_process_group()
@@ -533,3 +550,20 @@ def test_cuda_buffers_are_counted_as_the_caching_allocator_rounds_them():
         memory = sh.memory.build_graph_memory(gm)
         made = [memory.buffers[b].nbytes for b in range(len(memory.buffers)) if not memory.buffers[b].is_input]
         assert made == sizes, (device, made)
+
+
+def test_peaks_measured_in_turn_count_what_a_later_call_frees_of_an_earlier_ones_blocks():
+    held = []
+
+    def forward() -> None:
+        held.append(torch.empty(1 << 18))  # 1 MiB "saved"
+
+    def backward() -> None:
+        held.clear()  # frees the forward's 1 MiB
+        torch.empty(1 << 17).zero_()  # 512 KiB freed at its end: below what the backward started with
+
+    assert sh.memory.measure_peaks(forward, backward, device="cpu") == [1 << 20, 0]
+    forward()
+    assert sh.memory.measure_peak(backward, device="cpu") == 1 << 19  # alone, the 1 MiB free is not counted
+    with pytest.raises(ValueError, match="at least one call"):
+        sh.memory.measure_peaks(device="cpu")

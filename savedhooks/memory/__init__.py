@@ -24,7 +24,7 @@ from savedhooks.memory.estimate import (
 )
 from savedhooks.memory.fusion import inlined_nodes
 from savedhooks.memory.graph import Buffer, GraphMemory, build_graph_memory
-from savedhooks.memory.measure import cpu_memory_trace, measure_peak, profile_graph
+from savedhooks.memory.measure import cpu_memory_trace, measure_peak, measure_peaks, profile_graph
 from savedhooks.memory.report import graph_to_json, plot_timeline
 from savedhooks.memory.scratch import op_scratch_bytes
 
@@ -57,6 +57,7 @@ __all__ = [
     "inlined_nodes",
     # measure
     "measure_peak",
+    "measure_peaks",
     "profile_graph",
     "cpu_memory_trace",
     # look

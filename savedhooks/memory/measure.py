@@ -1,7 +1,14 @@
 """Measured memory: the peak of a call, and live bytes after every node of a graph.
 
 ``measure_peak`` uses the CUDA caching allocator's statistics on GPU and the
-profiler's allocation events, accumulated in time order, on CPU. Kineto (the
+profiler's allocation events, accumulated in time order, on CPU: the blocks
+the call allocates, until they are freed. A free of a block from before the
+call is left out: torch's CPU memory reporter keeps a block's size only while
+a profiler records (``ProfiledCPUMemoryReporter`` in c10), so such a free is
+dropped or, where the address held a block recorded in an earlier session and
+freed since, reported with that old block's size; which one happens changed
+from process to process (a test measured 0.59x to 0.90x of one same peak).
+Kineto (the
 C++ profiler) writes two lines to stderr per session, ``USDT:... profiler_start``
 and ``... profiler_stop``, at every log level it prints anything; they are taken
 out of what the session's start and stop write, and everything else is written
@@ -30,49 +37,66 @@ from savedhooks.memory.sizes import storage_key
 
 __all__ = [
     "Allocation",
-    "calling_thread_bytes",
+    "cpu_allocations",
     "cpu_memory_trace",
-    "kineto_events",
-    "live_bytes",
     "measure_peak",
+    "measure_peaks",
     "profile_graph",
+    "profiled_nodes",
+    "traced_bytes",
 ]
 
 
 def cpu_memory_trace(fn: Callable[[], Any], *, calling_thread_only: bool = False) -> list[int]:
-    """Run ``fn`` under the profiler; return CPU live bytes after each allocation event, in time order.
+    """Run ``fn`` under the profiler; return CPU live bytes after each allocation or free, in time order.
 
-    Reads the raw kineto events: ``prof.events()`` folds an op's allocations into
-    the op's own row, leaving only stray frees as ``[memory]`` rows.
+    Counts the blocks ``fn`` allocates, until they are freed. A block allocated
+    before the call and freed during it is not counted: torch's CPU memory
+    reporter sizes such a free only by chance (README, "torch 2.13 hazards"),
+    so counting it made one call measure differently from process to process.
 
     Args:
         fn: the call to trace.
         calling_thread_only: count only what the thread that calls ``fn``
-            allocates (freed on any thread), and what existed before and that
-            thread frees. Other threads' allocations are recorded too (gloo's
-            workers copy each all-gather through a buffer of their own), and one
-            whose free falls after the profiler stops would count as held: to
-            measure what a call leaves alive, pass ``True``
-            (:func:`calling_thread_bytes`).
+            allocates (freed on any thread). Other threads' allocations are
+            recorded too (gloo's workers copy each all-gather through a buffer
+            of their own), and one whose free falls after the profiler stops
+            would count as held: to measure what a call leaves alive, pass
+            ``True``.
 
     Returns:
-        Live bytes relative to the start, one entry per allocation or free
-        (counted ones only, with ``calling_thread_only``).
+        Live bytes relative to the start, one entry per counted allocation or free.
 
     Raises:
         Whatever ``fn`` raises.
     """
-    if not calling_thread_only:
-        return [live for _, live in live_bytes(kineto_events(fn))]
+    nodes = profiled_nodes(fn)
+    caller = next(n.start_tid for n in nodes if n.name == _CALL_MARK) if calling_thread_only else None
+    return [live for _, live in traced_bytes(cpu_allocations(nodes), caller)]
+
+
+def profiled_nodes(fn: Callable[[], Any]) -> list[Any]:
+    """Run ``fn`` under the CPU profiler with memory events; return every node of the profiler's event tree.
+
+    The outermost node is ``fn``'s own mark (``savedhooks::measured_call``),
+    so its thread is the calling thread.
+
+    Args:
+        fn: the call to profile.
+
+    Returns:
+        The nodes (ops, allocations, frees), parents before their children.
+
+    Raises:
+        Whatever ``fn`` raises.
+    """
 
     def marked() -> None:
         with torch.profiler.record_function(_CALL_MARK):
             fn()
 
     tree = _profiled(marked).experimental_event_tree()
-    nodes = [n for root in tree for n in _walk(root)]
-    caller = next(n.start_tid for n in nodes if n.name == _CALL_MARK)
-    return calling_thread_bytes(_cpu_allocations(nodes), caller)
+    return [n for root in tree for n in _walk(root)]
 
 
 _CALL_MARK = "savedhooks::measured_call"
@@ -95,20 +119,21 @@ class Allocation:
     nbytes: int
 
 
-def calling_thread_bytes(records: list[Allocation], thread: int) -> list[int]:
-    """Live bytes of one thread's allocations, after each allocation or free that counts, in time order.
+def traced_bytes(records: list[Allocation], thread: int | None = None) -> list[tuple[int, int]]:
+    """Live bytes of the blocks allocated within ``records``, after each allocation or free that counts, in time order.
 
-    An allocation counts if ``thread`` made it; its free counts on whichever
-    thread it happens (a worker dropping the last reference to a buffer the
-    caller allocated). A free of a block allocated before the records counts if
-    ``thread`` made it. Other threads' allocations and their frees do not count.
+    An allocation counts if ``thread`` made it (any allocation, with ``thread``
+    None); its free counts on whichever thread it happens (a worker dropping the
+    last reference to a buffer the caller allocated). A free of a block
+    allocated before the records never counts: the profiler cannot size it
+    reliably (:func:`cpu_memory_trace`).
 
     Args:
         records: the allocations and frees, in any order.
-        thread: the thread whose allocations count.
+        thread: the thread whose allocations count; None for all.
 
     Returns:
-        Live bytes relative to the first record, one entry per counted record.
+        ``(start_ns, live bytes relative to the first record)`` per counted record.
 
     Raises:
         Nothing.
@@ -118,12 +143,13 @@ def calling_thread_bytes(records: list[Allocation], thread: int) -> list[int]:
     for r in sorted(records, key=lambda r: r.start_ns):
         if r.nbytes > 0:
             owner[r.ptr] = r.thread
-            counts = r.thread == thread
+            counts = thread is None or r.thread == thread
         else:
-            counts = owner.pop(r.ptr, r.thread) == thread
+            counts = r.ptr in owner and (thread is None or owner.pop(r.ptr) == thread)
+            owner.pop(r.ptr, None)
         if counts:
             live += r.nbytes
-            timeline.append(live)
+            timeline.append((r.start_ns, live))
     return timeline
 
 
@@ -133,51 +159,24 @@ def _walk(node: Any) -> Iterator[Any]:
         yield from _walk(child)
 
 
-def _cpu_allocations(nodes: list[Any]) -> list[Allocation]:
+def cpu_allocations(nodes: list[Any]) -> list[Allocation]:
+    """The CPU allocations and frees among the profiler's event-tree ``nodes``.
+
+    Args:
+        nodes: nodes of an event tree, as :func:`profiled_nodes` returns them.
+
+    Returns:
+        One :class:`Allocation` per CPU allocation or free, in the nodes' order.
+
+    Raises:
+        Nothing.
+    """
     allocations = []
     for node in nodes:
         fields = node.extra_fields
         if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
             allocations.append(Allocation(node.start_time_ns, node.start_tid, fields.ptr, fields.alloc_size))
     return allocations
-
-
-def live_bytes(events: list[Any]) -> list[tuple[int, int]]:
-    """CPU live bytes after each allocation or free among kineto ``events``, in time order.
-
-    Args:
-        events: raw kineto events, as :func:`kineto_events` returns them.
-
-    Returns:
-        ``(start_ns, live bytes relative to the first event)`` per CPU ``[memory]`` event.
-
-    Raises:
-        Nothing.
-    """
-    cpu = torch._C._autograd.DeviceType.CPU
-    memory = [e for e in events if e.name() == "[memory]" and e.device_type() == cpu]
-    live, timeline = 0, []
-    for event in sorted(memory, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        timeline.append((event.start_ns(), live))
-    return timeline
-
-
-def kineto_events(fn: Callable[[], Any]) -> list[Any]:
-    """Run ``fn`` under the CPU profiler with memory events; return kineto's raw events (ops and ``[memory]``).
-
-    The session's start/stop markers on stderr are filtered (see :func:`_without_kineto_markers`).
-
-    Args:
-        fn: the call to profile.
-
-    Returns:
-        The events of ``prof.profiler.kineto_results.events()``, unsorted.
-
-    Raises:
-        Whatever ``fn`` raises.
-    """
-    return list(_profiled(fn).events())
 
 
 def _profiled(fn: Callable[[], Any]) -> Any:
@@ -256,6 +255,49 @@ def measure_peak(fn: Callable[..., Any], *args: Any, device: Any = None, **kwarg
         torch.cuda.synchronize(device)
         return max(torch.cuda.max_memory_allocated(device) - start, 0)
     return max(cpu_memory_trace(lambda: fn(*args, **kwargs)), default=0)
+
+
+def measure_peaks(*fns: Callable[[], Any], device: Any = None) -> list[int]:
+    """Measured peak bytes of each call in turn, above what was live when that call started.
+
+    The calls run one after another in one measurement, so what a later call
+    frees of what an earlier one allocated counts (a backward freeing the
+    forward's saved tensors): on CPU, :func:`measure_peak` of the backward alone
+    would not count those frees (see :func:`cpu_memory_trace`).
+
+    Args:
+        *fns: the calls, each without arguments (a forward, then its backward).
+        device: ``"cuda"`` or ``"cpu"``, as for :func:`measure_peak`.
+
+    Returns:
+        One peak per call, in order (0 where a call allocated nothing).
+
+    Raises:
+        ValueError: no call was given.
+        Whatever a call raises.
+    """
+    if not fns:
+        raise ValueError("measure_peaks: give at least one call")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        return [measure_peak(fn, device=device) for fn in fns]
+    marks = [f"{_CALL_MARK}[{i}]" for i in range(len(fns))]
+
+    def run_all() -> None:
+        for mark, fn in zip(marks, fns):
+            with torch.profiler.record_function(mark):
+                fn()
+
+    nodes = profiled_nodes(run_all)
+    timeline = traced_bytes(cpu_allocations(nodes))
+    spans = {n.name: (n.start_time_ns, n.end_time_ns) for n in nodes if n.name in marks}
+    peaks = []
+    for mark in marks:
+        start, end = spans[mark]
+        before = ([live for t, live in timeline if t < start][-1:] or [0])[0]
+        during = [live for t, live in timeline if start <= t <= end]
+        peaks.append(max([0, *(live - before for live in during)]))
+    return peaks
 
 
 def profile_graph(gm: torch.fx.GraphModule, *args: Any, donated: tuple[str, ...] = (), device: Any = "cpu") -> list[int]:
