@@ -21,7 +21,7 @@ import torch
 
 import savedhooks as sh
 from benchmarks.models import MODELS, make_workload
-from savedhooks.memory.measure import cpu_allocations, profiled_nodes, traced_bytes
+from savedhooks.memory.measure import CALL_MARK, cpu_allocations, profiled_nodes, traced_bytes
 
 __all__ = ["peak_ops"]
 
@@ -67,8 +67,7 @@ def peak_ops(model: str, size: float, config: str, backend: str = "inductor", ch
     nodes = profiled_nodes(step)
     timeline = traced_bytes(cpu_allocations(nodes))
     at, peak = max(timeline, key=lambda point: point[1], default=(0, 0))
-    ops = [n for n in nodes if n.parent is not None and n.name != "[memory]"  # the root: the call's own mark
-           and n.start_time_ns <= at <= n.end_time_ns]
+    ops = [n for n in nodes if n.name not in ("[memory]", CALL_MARK) and n.start_time_ns <= at <= n.end_time_ns]
 
     def live_at_end(name: str) -> int:
         end = max(n.end_time_ns for n in nodes if n.name == name)

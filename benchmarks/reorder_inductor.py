@@ -1,8 +1,8 @@
 """Measured peaks of inductor with and without the reorder pass: ``python -m benchmarks.reorder_inductor``.
 
 One training step of the acceptance models (8-layer MLP, 4-layer transformer)
-and a 4-layer MLP (fp32, CPU) under ``sh.fp8()``, forward and backward peaks measured separately
-(above what was live before each), for:
+and a 4-layer MLP (fp32, CPU) under ``sh.fp8()``, forward and backward peaks measured in turn in
+one profiling session (``sh.memory.measure_peaks``; each above what was live before it), for:
 
 * ``inductor``: torch's default (its ``reorder_for_peak_memory`` on), the hooks
   entered with ``reorder=False``;

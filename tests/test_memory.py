@@ -356,7 +356,7 @@ def test_one_threads_bytes_leave_out_other_threads_buffers_and_count_its_blocks_
 
     records = [
         Allocation(0, 1, 0xA, 400),  # the caller keeps 400 bytes
-        Allocation(1, 2, 0xB, 1000),  # a gloo worker's buffer, freed after the trace stopped: never counted
+        Allocation(1, 2, 0xB, 1000),  # a gloo worker's buffer, freed after the trace stopped: not the caller's
         Allocation(2, 1, 0xC, 100),  # the caller's input copy, freed by the worker when it drops the work
         Allocation(3, 3, 0xD, 50),  # another worker's block, freed by the caller: not counted either way
         Allocation(4, 2, 0xC, -100),
@@ -366,6 +366,9 @@ def test_one_threads_bytes_leave_out_other_threads_buffers_and_count_its_blocks_
     assert [live for _, live in traced_bytes(records[::-1], thread=1)] == [400, 500, 400]  # in time order
     assert [live for _, live in traced_bytes(records, thread=2)] == [1000]
     assert traced_bytes(records) == [(0, 400), (1, 1400), (2, 1500), (3, 1550), (4, 1450), (5, 1400)]
+    # an address freed and taken again at one timestamp: the free first, whatever the records' order
+    reused = [Allocation(0, 1, 0xA, 400), Allocation(1, 1, 0xA, 64), Allocation(1, 1, 0xA, -400)]
+    assert [live for _, live in traced_bytes(reused)] == [400, 0, 64]
 
 
 def test_a_free_of_a_block_from_before_the_trace_is_not_counted():

@@ -79,7 +79,7 @@ def _backward_peak(module: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> 
     forward().backward()  # compile
     module.zero_grad(set_to_none=True)
     held = []
-    _, peak = sh.memory.measure_peaks(lambda: held.append(forward()), lambda: held.pop().backward())
+    _, peak = sh.memory.measure_peaks(lambda: held.append(forward()), lambda: held.pop().backward(), device="cpu")
     return peak
 
 

@@ -8,9 +8,12 @@ a profiler records (``ProfiledCPUMemoryReporter`` in c10), so such a free is
 dropped or, where the address held a block recorded in an earlier session and
 freed since, reported with that old block's size; which one happens changed
 from process to process (a test measured 0.59x to 0.90x of one same peak).
-Kineto (the
-C++ profiler) writes two lines to stderr per session, ``USDT:... profiler_start``
-and ``... profiler_stop``, at every log level it prints anything; they are taken
+Only a block allocated in an earlier session and still alive is freed with its
+own size; :func:`measure_peaks` measures calls in turn in one session for that.
+
+Kineto (the C++ profiler) writes two lines to stderr per session,
+``USDT:... profiler_start`` and ``... profiler_stop``, at every log level it
+prints anything; they are taken
 out of what the session's start and stop write, and everything else is written
 back (see :func:`_without_kineto_markers`).
 ``profile_graph`` runs a graph node by node, dropping each value after its last
@@ -44,6 +47,7 @@ __all__ = [
     "profile_graph",
     "profiled_nodes",
     "traced_bytes",
+    "CALL_MARK",
 ]
 
 
@@ -71,15 +75,15 @@ def cpu_memory_trace(fn: Callable[[], Any], *, calling_thread_only: bool = False
         Whatever ``fn`` raises.
     """
     nodes = profiled_nodes(fn)
-    caller = next(n.start_tid for n in nodes if n.name == _CALL_MARK) if calling_thread_only else None
+    caller = next(n.start_tid for n in nodes if n.name == CALL_MARK) if calling_thread_only else None
     return [live for _, live in traced_bytes(cpu_allocations(nodes), caller)]
 
 
 def profiled_nodes(fn: Callable[[], Any]) -> list[Any]:
     """Run ``fn`` under the CPU profiler with memory events; return every node of the profiler's event tree.
 
-    The outermost node is ``fn``'s own mark (``savedhooks::measured_call``),
-    so its thread is the calling thread.
+    ``fn``'s own mark (:data:`CALL_MARK`) is a root of the tree, on the
+    calling thread; ops of other threads are roots of their own.
 
     Args:
         fn: the call to profile.
@@ -92,14 +96,14 @@ def profiled_nodes(fn: Callable[[], Any]) -> list[Any]:
     """
 
     def marked() -> None:
-        with torch.profiler.record_function(_CALL_MARK):
+        with torch.profiler.record_function(CALL_MARK):
             fn()
 
     tree = _profiled(marked).experimental_event_tree()
     return [n for root in tree for n in _walk(root)]
 
 
-_CALL_MARK = "savedhooks::measured_call"
+CALL_MARK = "savedhooks::measured_call"  # the profiler's name for the measured call (the root of its tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,13 +144,13 @@ def traced_bytes(records: list[Allocation], thread: int | None = None) -> list[t
     """
     owner: dict[int, int] = {}  # ptr -> thread, for blocks allocated during the records
     live, timeline = 0, []
-    for r in sorted(records, key=lambda r: r.start_ns):
+    for r in sorted(records, key=lambda r: (r.start_ns, r.nbytes > 0)):  # at one time, a free before an allocation
         if r.nbytes > 0:
             owner[r.ptr] = r.thread
             counts = thread is None or r.thread == thread
         else:
-            counts = r.ptr in owner and (thread is None or owner.pop(r.ptr) == thread)
-            owner.pop(r.ptr, None)
+            made_by = owner.pop(r.ptr, None)
+            counts = made_by is not None and (thread is None or made_by == thread)
         if counts:
             live += r.nbytes
             timeline.append((r.start_ns, live))
@@ -270,7 +274,9 @@ def measure_peaks(*fns: Callable[[], Any], device: Any = None) -> list[int]:
         device: ``"cuda"`` or ``"cpu"``, as for :func:`measure_peak`.
 
     Returns:
-        One peak per call, in order (0 where a call allocated nothing).
+        One peak per call, in order (0 where live bytes never rose above the
+        call's start). Another thread's allocation counts in the call running
+        when it was made.
 
     Raises:
         ValueError: no call was given.
@@ -281,7 +287,7 @@ def measure_peaks(*fns: Callable[[], Any], device: Any = None) -> list[int]:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         return [measure_peak(fn, device=device) for fn in fns]
-    marks = [f"{_CALL_MARK}[{i}]" for i in range(len(fns))]
+    marks = [f"{CALL_MARK}[{i}]" for i in range(len(fns))]
 
     def run_all() -> None:
         for mark, fn in zip(marks, fns):
