@@ -39,6 +39,7 @@ from savedhooks.memory.graph import tensor_storages
 from savedhooks.memory.sizes import storage_key
 
 __all__ = [
+    "CALL_MARK",
     "Allocation",
     "cpu_allocations",
     "cpu_memory_trace",
@@ -47,7 +48,6 @@ __all__ = [
     "profile_graph",
     "profiled_nodes",
     "traced_bytes",
-    "CALL_MARK",
 ]
 
 
