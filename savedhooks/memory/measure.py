@@ -250,7 +250,7 @@ def measure_peak(fn: Callable[..., Any], *args: Any, device: Any = None, **kwarg
     Raises:
         Whatever ``fn`` raises.
     """
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _measured_device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         start = torch.cuda.memory_allocated(device)
@@ -259,6 +259,11 @@ def measure_peak(fn: Callable[..., Any], *args: Any, device: Any = None, **kwarg
         torch.cuda.synchronize(device)
         return max(torch.cuda.max_memory_allocated(device) - start, 0)
     return max(cpu_memory_trace(lambda: fn(*args, **kwargs)), default=0)
+
+
+def _measured_device(device: Any) -> torch.device:
+    """The device a measure reads: ``device``, else CUDA where available, else the CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def measure_peaks(*fns: Callable[[], Any], device: Any = None) -> list[int]:
@@ -284,7 +289,7 @@ def measure_peaks(*fns: Callable[[], Any], device: Any = None) -> list[int]:
     """
     if not fns:
         raise ValueError("measure_peaks: give at least one call")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _measured_device(device)
     if device.type == "cuda":
         return [measure_peak(fn, device=device) for fn in fns]
     marks = [f"{CALL_MARK}[{i}]" for i in range(len(fns))]
