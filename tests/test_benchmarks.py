@@ -608,3 +608,63 @@ def test_the_cuda_trace_finds_the_peak_and_the_blocks_alive_there(capsys):
         with pytest.raises(SystemExit):
             cuda_trace.main(["--config", "plan floor"])
         assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_step_time_runs_each_step_once_per_round_and_rotates_the_first():
+    from benchmarks.step_time import interleaved_times
+
+    calls: list[str] = []
+    steps = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    times = interleaved_times(steps, rounds=4)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert {name: len(t) for name, t in times.items()} == {"a": 4, "b": 4, "c": 4}
+    assert all(t >= 0 for ts in times.values() for t in ts)
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        interleaved_times(steps, rounds=0)
+
+
+def test_step_time_ratio_divides_by_the_baseline_in_the_same_round():
+    from benchmarks.step_time import round_ratios
+
+    # a machine that slows to half speed in round 2: the per-round ratio does not move
+    assert round_ratios([1.1, 2.2, 1.1], [1.0, 2.0, 1.0]) == pytest.approx([1.1, 1.1, 1.1])
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        round_ratios([1.0], [1.0, 2.0])
+
+
+def test_step_time_builds_each_configuration_with_its_baseline_and_times_them_in_turn():
+    from benchmarks.step_time import table, time_configs
+
+    timings = time_configs("mlp", ["sh"], size=0.5, backend="aot_eager", rounds=3, warmup=1)
+    assert [(t.config, t.baseline, t.backend, t.rounds) for t in timings] == [
+        ("compiled", "compiled", "aot_eager", 3), ("sh", "compiled", "aot_eager", 3)]  # fmt: skip
+    compiled, hooked = timings
+    assert (compiled.ratio, compiled.low, compiled.high) == (1.0, 1.0, 1.0)
+    assert hooked.step_ms > 0 and 0 < hooked.low <= hooked.ratio <= hooked.high
+    rows = table(timings).splitlines()
+    assert len(rows) == 4 and rows[3].startswith("| mlp | sh | aot_eager |")
+    assert [t.config for t in time_configs("mlp", ["bf16"], size=0.5, backend="aot_eager", rounds=1, warmup=1)] == [
+        "bf16"]  # its own baseline
+    with pytest.raises(KeyError, match="unknown configuration"):
+        time_configs("mlp", ["no such config"])
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        time_configs("mlp", ["sh"], rounds=0)
+    with pytest.raises(ValueError, match="warmup must be >= 1"):
+        time_configs("mlp", ["sh"], warmup=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA only"):
+            time_configs("mlp", ["sh offload"])
+
+
+def test_step_time_keeps_each_configuration_s_own_compiled_code_side_by_side():
+    # dynamo guards on the saved-tensor hooks that are set, so the hooked copy is compiled again, with
+    # the codec inlined, instead of running the compiled copy's code: its forward keeps fewer bytes
+    from benchmarks.run import _saved_bytes
+    from benchmarks.step_time import built_configs
+
+    with built_configs("mlp", ["compiled", "sh"], size=0.5, backend="aot_eager", warmup=1) as built:
+        saved = {name: _saved_bytes(step, "cpu") for name, (step, _) in built.items()}
+        assert saved["sh"] < 0.5 * saved["compiled"], saved
+        assert len({id(workload.model) for _, workload in built.values()}) == len(built)
+    with pytest.raises(ValueError, match="more than once"), built_configs("mlp", ["sh", "sh"]):
+        pass

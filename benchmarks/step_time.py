@@ -1,0 +1,297 @@
+"""Step time as ratios of steps timed in turn: ``python -m benchmarks.step_time --models gpt2 llama vit --size 8``.
+
+The main job (``python -m benchmarks``) times each configuration right after
+building it, one configuration after the other. When the machine slows down or
+speeds up between two rows (2 shared CPU cores do, by 10 % and more), their
+ratio moves with it: ``sh`` on llama at ``--size 8`` read 0.96x to 1.12x of
+``compiled`` across runs of the same code.
+
+Here every configuration of a model is built first, each on its own copy of the
+workload (same seed, so the same weights and inputs), and warmed up (it
+compiles). Then the steps are timed in rounds: one step of each configuration
+per round, the configuration that starts a round rotating from round to round.
+A configuration's ratio is the median over rounds of its step time divided by
+its baseline's (``compiled``; the bf16 rows' ``bf16``) in the same round, so a
+drift of the machine's speed that spans a few rounds cancels out. The spread of
+the per-round ratios (lowest and highest) is printed with it.
+
+The configurations and their baselines are the main job's
+(``benchmarks.configs.CONFIGS``); a configuration's baseline is added when it
+is not asked for. Dynamo keeps the compiled code of every configuration side by
+side: it compiles the same model class again for each, since it guards on the
+saved-tensor hooks that are set (``top_saved_tensors_hooks``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from benchmarks.configs import CONFIGS, Step
+from benchmarks.models import MODELS, Workload, make_workload
+
+__all__ = ["Timing", "built_configs", "interleaved_times", "round_ratios", "table", "time_configs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """One configuration's step time, from steps timed in turn with its baseline's.
+
+    Attributes:
+        model: the benchmark model.
+        config: the configuration.
+        backend: ``inductor``, ``aot_eager`` or ``eager``.
+        step_ms: median step time over the rounds.
+        ratio: median over rounds of the step time divided by the baseline's in the same round.
+        low: lowest per-round ratio.
+        high: highest per-round ratio.
+        rounds: timed rounds.
+        baseline: the configuration the ratio divides by.
+    """
+
+    model: str
+    config: str
+    backend: str
+    step_ms: float
+    ratio: float
+    low: float
+    high: float
+    rounds: int
+    baseline: str
+
+
+def interleaved_times(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """Time one call of each step per round, in turn; the step that starts a round rotates.
+
+    Args:
+        steps: name -> a callable running one step (and waiting for the device).
+        rounds: how many rounds.
+
+    Returns:
+        name -> its ``rounds`` times in seconds, in round order.
+
+    Raises:
+        ValueError: ``rounds`` below 1 or no steps.
+    """
+    if rounds < 1 or not steps:
+        raise ValueError(f"interleaved_times: need steps and rounds >= 1, got {len(steps)} steps, {rounds} rounds")
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def round_ratios(times: Sequence[float], baseline: Sequence[float]) -> list[float]:
+    """Each round's time divided by the baseline's time in the same round.
+
+    Args:
+        times: a step's times, one per round.
+        baseline: the baseline's times, same rounds.
+
+    Returns:
+        One ratio per round.
+
+    Raises:
+        ValueError: the sequences differ in length or are empty.
+    """
+    if len(times) != len(baseline) or not times:
+        raise ValueError(f"round_ratios: need equal, non-empty rounds, got {len(times)} and {len(baseline)}")
+    return [t / b for t, b in zip(times, baseline)]
+
+
+def _with_baselines(configs: Iterable[str], device: str) -> list[str]:
+    """The configurations asked for, each baseline first where it is missing; checked against the device."""
+    names: list[str] = []
+    for name in configs:
+        if name not in CONFIGS:
+            raise KeyError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
+        if CONFIGS[name].cuda_only and device != "cuda":
+            raise ValueError(f"configuration {name!r} runs on CUDA only")
+        for needed in (CONFIGS[name].baseline or "compiled", name):
+            if needed not in names:
+                names.append(needed)
+    return names
+
+
+def _timed_step(step: Step, workload: Workload, device: str) -> Callable[[], None]:
+    """One training step of a built configuration, gradients cleared first, waiting for the device."""
+
+    def run() -> None:
+        workload.model.zero_grad(set_to_none=True)
+        step.forward().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return run
+
+
+@contextlib.contextmanager
+def built_configs(
+    model: str,
+    names: Iterable[str],
+    size: float = 8.0,
+    backend: str = "inductor",
+    device: str = "cpu",
+    compiled_loss: bool = False,
+    warmup: int = 2,
+) -> Iterator[dict[str, tuple[Step, Workload]]]:
+    """Each configuration built on its own copy of a benchmark model and warmed up, side by side.
+
+    Dynamo is reset on entry and on exit, not between the configurations, and each
+    built step is closed on exit.
+
+    Args:
+        model: a key of ``benchmarks.models.MODELS``.
+        names: keys of ``benchmarks.configs.CONFIGS``, built in this order.
+        size: batch multiplier.
+        backend: the ``torch.compile`` backend of the compiled configurations; the eager ones run eagerly.
+        device: ``cpu`` or ``cuda``.
+        compiled_loss: compile the loss with the model.
+        warmup: untimed steps of each configuration right after it is built (the first compiles).
+
+    Yields:
+        name -> (its built step, its workload).
+
+    Raises:
+        KeyError: unknown model or configuration.
+        ValueError: ``warmup`` below 1, or a configuration named more than once.
+        Whatever building or running a configuration raises.
+    """
+    names = list(names)
+    if model not in MODELS:
+        raise KeyError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
+    if warmup < 1:
+        raise ValueError(f"built_configs: warmup must be >= 1, got {warmup}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"built_configs: a configuration is named more than once in {names}")
+    torch._dynamo.reset()
+    built: dict[str, tuple[Step, Workload]] = {}
+    try:
+        for name in names:
+            config = CONFIGS[name]
+            workload = make_workload(model, size, device)
+            workload.compiled_loss = compiled_loss
+            torch.manual_seed(0)
+            built[name] = (config.build(workload, backend if config.compiled else "eager"), workload)
+            for _ in range(warmup):
+                _timed_step(*built[name], device)()
+        yield built
+    finally:
+        for step, _ in built.values():
+            step.close()
+        torch._dynamo.reset()
+
+
+def time_configs(
+    model: str,
+    configs: Iterable[str],
+    size: float = 8.0,
+    backend: str = "inductor",
+    device: str = "cpu",
+    rounds: int = 10,
+    compiled_loss: bool = False,
+    warmup: int = 2,
+) -> list[Timing]:
+    """Build each configuration on its own copy of a benchmark model, then time their steps in turn.
+
+    Args:
+        model: a key of ``benchmarks.models.MODELS``.
+        configs: keys of ``benchmarks.configs.CONFIGS``; their baselines are added.
+        size: batch multiplier.
+        backend: the ``torch.compile`` backend of the compiled configurations
+            (``inductor`` or ``aot_eager``); the eager ones run eagerly.
+        device: ``cpu`` or ``cuda``.
+        rounds: timed rounds (one step of each configuration per round).
+        compiled_loss: compile the loss with the model (as ``python -m benchmarks --compiled-loss``).
+        warmup: untimed steps of each configuration right after it is built (the first compiles).
+
+    Returns:
+        One :class:`Timing` per configuration, baselines included, in build order.
+
+    Raises:
+        KeyError: unknown model or configuration.
+        ValueError: a CUDA-only configuration on the CPU, ``rounds`` or ``warmup`` out of range.
+        Whatever building or running a configuration raises.
+    """
+    if rounds < 1:
+        raise ValueError(f"time_configs: rounds must be >= 1, got {rounds}")
+    names = _with_baselines(configs, device)
+    with built_configs(model, names, size, backend, device, compiled_loss, warmup) as built:
+        times = interleaved_times({name: _timed_step(*built[name], device) for name in names}, rounds)
+    timings = []
+    for name in names:
+        baseline = CONFIGS[name].baseline or "compiled"
+        ratios = round_ratios(times[name], times[baseline])
+        timings.append(Timing(
+            model=model, config=name, backend=backend if CONFIGS[name].compiled else "eager",
+            step_ms=statistics.median(times[name]) * 1e3, ratio=statistics.median(ratios),
+            low=min(ratios), high=max(ratios), rounds=rounds, baseline=baseline,
+        ))  # fmt: skip
+    return timings
+
+
+def table(timings: Iterable[Timing]) -> str:
+    """A markdown table of timings.
+
+    Args:
+        timings: the rows.
+
+    Returns:
+        The table, header included, without a final newline.
+
+    Raises:
+        Nothing.
+    """
+    lines = [
+        "| model | config | backend | step ms | step / baseline | lowest, highest | baseline |",
+        "|---|---|---|---:|---:|---|---|",
+    ]
+    for t in timings:
+        lines.append(
+            f"| {t.model} | {t.config} | {t.backend} | {t.step_ms:.0f} | {t.ratio:.2f} | "
+            f"{t.low:.2f}, {t.high:.2f} | {t.baseline} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Any = None) -> None:
+    """Print the step-time table (see the module docstring).
+
+    Args:
+        argv: command-line arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        None.
+
+    Raises:
+        SystemExit: bad arguments.
+    """
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.step_time", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["gpt2", "llama", "vit"])
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["compiled", "sh", "checkpoint"])
+    parser.add_argument("--size", type=float, default=8.0, help="batch multiplier (default 8)")
+    parser.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds, one step of each configuration per round")
+    parser.add_argument("--compiled-loss", action="store_true", help="compile the loss with the model")
+    args = parser.parse_args(argv)
+    timings = []
+    for model in args.models:
+        timings += time_configs(model, args.configs, args.size, args.backend, args.device, args.rounds,
+                                args.compiled_loss)  # fmt: skip
+    print(table(timings))
+
+
+if __name__ == "__main__":
+    main()
