@@ -40,8 +40,10 @@ Design notes
 * Groups: ``(rows, groups, size)`` views of the float32 input's column segments, as
   the reference's ``_segments``: a last block shorter than ``block_size`` is its own
   segment, and the results are concatenated. (Zero padding to whole blocks and
-  slicing back miscompiles in torch 2.13's C++ backend: the last column was never
-  written.)
+  slicing back miscompiles in torch 2.13's C++ backend: an index that divides a
+  column by the block size makes it split the column loop into ``cols // block``
+  whole blocks, and the columns past them are never written; a strict xfail in
+  ``tests/test_compile.py`` pins it.)
 * Division must be IEEE ``x / scale``. Inductor's C++ backend prints ``a / b`` (it
   replaces a division by a constant with a reciprocal multiply only off CPU), but its
   Triton codegen prints float32 ``x / y`` as the approximate ``div.full.f32`` unless
