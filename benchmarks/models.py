@@ -34,6 +34,7 @@ in float32 in every configuration with hooks (README, "Same tensors in eager and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 from collections.abc import Callable
@@ -63,6 +64,11 @@ class Workload:
         compiled_loss: the compiled configurations compile the loss with the
             model (:meth:`with_loss`) instead of running it eagerly on the
             compiled model's output.
+        isolated: :meth:`compiled_step` compiles with ``isolate_recompiles=True``,
+            so that this copy's compiled code is its own: dynamo otherwise shares
+            one set of cache entries among all copies of a model class, and a
+            copy compiled under a setting it does not guard on (a
+            ``torch._functorch.config`` patch) would run another copy's code.
     """
 
     name: str
@@ -72,6 +78,7 @@ class Workload:
     loss_of: Callable[[Any], torch.Tensor]
     set_checkpointing: Callable[[bool], None]
     compiled_loss: bool = False
+    isolated: bool = False
 
     def loss(self, fn: Callable[..., Any]) -> torch.Tensor:
         """The step's loss through ``fn`` (the module itself or a compiled wrapper of it).
@@ -105,7 +112,8 @@ class Workload:
         """The step's forward through ``compile`` applied to what :attr:`compiled_loss` says to compile.
 
         Args:
-            compile: e.g. ``functools.partial(torch.compile, backend="inductor")``.
+            compile: e.g. ``functools.partial(torch.compile, backend="inductor")``; given
+                ``isolate_recompiles=True`` as well where :attr:`isolated` is set.
 
         Returns:
             A callable running the forward to the scalar loss.
@@ -113,6 +121,8 @@ class Workload:
         Raises:
             Whatever ``compile`` raises.
         """
+        if self.isolated:
+            compile = functools.partial(compile, isolate_recompiles=True)
         if self.compiled_loss:
             compiled = compile(self.with_loss())
             return lambda: compiled(**self.inputs)

@@ -7,19 +7,27 @@ ratio moves with it: ``sh`` on llama at ``--size 8`` read 0.96x to 1.12x of
 ``compiled`` across runs of the same code.
 
 Here every configuration of a model is built first, each on its own copy of the
-workload (same seed, so the same weights and inputs), and warmed up (it
-compiles). Then the steps are timed in rounds: one step of each configuration
-per round, the configuration that starts a round rotating from round to round.
-A configuration's ratio is the median over rounds of its step time divided by
-its baseline's (``compiled``; the bf16 rows' ``bf16``) in the same round, so a
-drift of the machine's speed that spans a few rounds cancels out. The spread of
-the per-round ratios (lowest and highest) is printed with it.
+workload (same seed, so the same weights and inputs), and then each is warmed up
+(it compiles). The steps are then timed in rounds: one step of each
+configuration per round, in an order shuffled per round with a fixed seed, so
+that no configuration always follows the same one. A configuration's ratio is
+the median over rounds of its step time divided by its baseline's
+(``compiled``; the bf16 rows' ``bf16``) in the same round, so a drift of the
+machine's speed that spans a few rounds cancels out. The spread of the
+per-round ratios (lowest and highest) is printed with it. A timed step includes
+clearing the gradients (``set_to_none``), a few microseconds.
 
 The configurations and their baselines are the main job's
 (``benchmarks.configs.CONFIGS``); a configuration's baseline is added when it
-is not asked for. Dynamo keeps the compiled code of every configuration side by
-side: it compiles the same model class again for each, since it guards on the
-saved-tensor hooks that are set (``top_saved_tensors_hooks``).
+is not asked for. Each copy is compiled with ``isolate_recompiles=True``
+(:attr:`benchmarks.models.Workload.isolated`): dynamo otherwise shares one set
+of cache entries among all copies of a model class, and it does not guard on
+every setting a configuration changes (``activation_memory_budget`` is a
+``torch._functorch.config`` patch), so a copy could run another's code. The
+rounds run under ``torch.compiler.set_stance("fail_on_recompile")``: a compile
+while timing raises instead of being timed. All copies stay in memory together
+(parameters, gradients, compiled code): on a GPU, mind the model's size times
+the number of configurations.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -67,12 +76,13 @@ class Timing:
     baseline: str
 
 
-def interleaved_times(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
-    """Time one call of each step per round, in turn; the step that starts a round rotates.
+def interleaved_times(steps: dict[str, Callable[[], None]], rounds: int, seed: int = 0) -> dict[str, list[float]]:
+    """Time one call of each step per round, in an order shuffled per round (seeded).
 
     Args:
         steps: name -> a callable running one step (and waiting for the device).
         rounds: how many rounds.
+        seed: the seed of the orders.
 
     Returns:
         name -> its ``rounds`` times in seconds, in round order.
@@ -82,10 +92,11 @@ def interleaved_times(steps: dict[str, Callable[[], None]], rounds: int) -> dict
     """
     if rounds < 1 or not steps:
         raise ValueError(f"interleaved_times: need steps and rounds >= 1, got {len(steps)} steps, {rounds} rounds")
-    names = list(steps)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    order, shuffle = list(steps), random.Random(seed).shuffle
+    times: dict[str, list[float]] = {name: [] for name in order}
+    for _ in range(rounds):
+        shuffle(order)
+        for name in order:
             start = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - start)
@@ -110,18 +121,26 @@ def round_ratios(times: Sequence[float], baseline: Sequence[float]) -> list[floa
     return [t / b for t, b in zip(times, baseline)]
 
 
-def _with_baselines(configs: Iterable[str], device: str) -> list[str]:
-    """The configurations asked for, each baseline first where it is missing; checked against the device."""
+def _with_baselines(configs: Iterable[str]) -> list[str]:
+    """The configurations asked for, each one's baseline before it where it is missing."""
     names: list[str] = []
     for name in configs:
+        for needed in (CONFIGS[name].baseline or "compiled" if name in CONFIGS else name, name):
+            if needed not in names:
+                names.append(needed)
+    return names
+
+
+def _check(model: str, names: list[str], device: str) -> None:
+    if model not in MODELS:
+        raise KeyError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
+    for name in names:
         if name not in CONFIGS:
             raise KeyError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
         if CONFIGS[name].cuda_only and device != "cuda":
             raise ValueError(f"configuration {name!r} runs on CUDA only")
-        for needed in (CONFIGS[name].baseline or "compiled", name):
-            if needed not in names:
-                names.append(needed)
-    return names
+    if len(set(names)) != len(names):
+        raise ValueError(f"a configuration is named more than once in {names}")
 
 
 def _timed_step(step: Step, workload: Workload, device: str) -> Callable[[], None]:
@@ -148,8 +167,10 @@ def built_configs(
 ) -> Iterator[dict[str, tuple[Step, Workload]]]:
     """Each configuration built on its own copy of a benchmark model and warmed up, side by side.
 
-    Dynamo is reset on entry and on exit, not between the configurations, and each
-    built step is closed on exit.
+    Each copy is compiled apart from the others (:attr:`benchmarks.models.Workload.isolated`).
+    All are built before any is warmed up: building one may reset dynamo (a
+    plan's survey does). Dynamo is reset on entry and on exit, and each built
+    step is closed on exit.
 
     Args:
         model: a key of ``benchmarks.models.MODELS``.
@@ -158,39 +179,36 @@ def built_configs(
         backend: the ``torch.compile`` backend of the compiled configurations; the eager ones run eagerly.
         device: ``cpu`` or ``cuda``.
         compiled_loss: compile the loss with the model.
-        warmup: untimed steps of each configuration right after it is built (the first compiles).
+        warmup: untimed steps of each configuration after all are built (the first compiles).
 
     Yields:
         name -> (its built step, its workload).
 
     Raises:
         KeyError: unknown model or configuration.
-        ValueError: ``warmup`` below 1, or a configuration named more than once.
+        ValueError: ``warmup`` below 1, a configuration named more than once, or
+            a CUDA-only configuration off CUDA.
         Whatever building or running a configuration raises.
     """
     names = list(names)
-    if model not in MODELS:
-        raise KeyError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
+    _check(model, names, device)
     if warmup < 1:
         raise ValueError(f"built_configs: warmup must be >= 1, got {warmup}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"built_configs: a configuration is named more than once in {names}")
     torch._dynamo.reset()
     built: dict[str, tuple[Step, Workload]] = {}
-    try:
+    with contextlib.ExitStack() as closes:
+        closes.callback(torch._dynamo.reset)
         for name in names:
             config = CONFIGS[name]
             workload = make_workload(model, size, device)
-            workload.compiled_loss = compiled_loss
+            workload.compiled_loss, workload.isolated = compiled_loss, True
             torch.manual_seed(0)
             built[name] = (config.build(workload, backend if config.compiled else "eager"), workload)
+            closes.callback(built[name][0].close)
+        for name in names:
             for _ in range(warmup):
                 _timed_step(*built[name], device)()
         yield built
-    finally:
-        for step, _ in built.values():
-            step.close()
-        torch._dynamo.reset()
 
 
 def time_configs(
@@ -221,14 +239,17 @@ def time_configs(
 
     Raises:
         KeyError: unknown model or configuration.
-        ValueError: a CUDA-only configuration on the CPU, ``rounds`` or ``warmup`` out of range.
+        ValueError: a CUDA-only configuration off CUDA, ``rounds`` or ``warmup`` out of range.
+        RuntimeError: something compiled while the steps were timed (dynamo's ``fail_on_recompile``).
         Whatever building or running a configuration raises.
     """
     if rounds < 1:
         raise ValueError(f"time_configs: rounds must be >= 1, got {rounds}")
-    names = _with_baselines(configs, device)
+    names = _with_baselines(configs)
     with built_configs(model, names, size, backend, device, compiled_loss, warmup) as built:
-        times = interleaved_times({name: _timed_step(*built[name], device) for name in names}, rounds)
+        steps = {name: _timed_step(*built[name], device) for name in names}
+        with torch.compiler.set_stance("fail_on_recompile"):
+            times = interleaved_times(steps, rounds)
     timings = []
     for name in names:
         baseline = CONFIGS[name].baseline or "compiled"
@@ -241,14 +262,15 @@ def time_configs(
     return timings
 
 
-def table(timings: Iterable[Timing]) -> str:
+def table(timings: Iterable[Timing], header: bool = True) -> str:
     """A markdown table of timings.
 
     Args:
         timings: the rows.
+        header: start with the header lines.
 
     Returns:
-        The table, header included, without a final newline.
+        The table (its rows only where ``header`` is False), without a final newline.
 
     Raises:
         Nothing.
@@ -256,7 +278,7 @@ def table(timings: Iterable[Timing]) -> str:
     lines = [
         "| model | config | backend | step ms | step / baseline | lowest, highest | baseline |",
         "|---|---|---|---:|---:|---|---|",
-    ]
+    ] if header else []  # fmt: skip
     for t in timings:
         lines.append(
             f"| {t.model} | {t.config} | {t.backend} | {t.step_ms:.0f} | {t.ratio:.2f} | "
@@ -286,11 +308,18 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds, one step of each configuration per round")
     parser.add_argument("--compiled-loss", action="store_true", help="compile the loss with the model")
     args = parser.parse_args(argv)
-    timings = []
-    for model in args.models:
-        timings += time_configs(model, args.configs, args.size, args.backend, args.device, args.rounds,
-                                args.compiled_loss)  # fmt: skip
-    print(table(timings))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device")
+    only_cuda = [name for name in args.configs if CONFIGS[name].cuda_only]
+    if only_cuda and args.device != "cuda":
+        parser.error(f"{', '.join(only_cuda)} run on CUDA only (--device cuda)")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    print(table([]), flush=True)
+    for model in args.models:  # each model's rows as they are measured
+        timings = time_configs(model, args.configs, args.size, args.backend, args.device, args.rounds,
+                               args.compiled_loss)  # fmt: skip
+        print(table(timings, header=False), flush=True)
 
 
 if __name__ == "__main__":

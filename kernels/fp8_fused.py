@@ -42,8 +42,9 @@ Design notes
   segment, and the results are concatenated. (Zero padding to whole blocks and
   slicing back miscompiles in torch 2.13's C++ backend: an index that divides a
   column by the block size makes it split the column loop into ``cols // block``
-  whole blocks, and the columns past them are never written; a strict xfail in
-  ``tests/test_compile.py`` pins it.)
+  whole blocks, and the columns past them are never written; pinned by the strict
+  xfail ``test_torch_inductor_loop_split_bug_drops_the_columns_past_the_last_whole_block``
+  in ``tests/test_compile.py``.)
 * Division must be IEEE ``x / scale``. Inductor's C++ backend prints ``a / b`` (it
   replaces a division by a constant with a reciprocal multiply only off CPU), but its
   Triton codegen prints float32 ``x / y`` as the approximate ``div.full.f32`` unless
