@@ -4,7 +4,7 @@ The main job (``python -m benchmarks``) times each configuration right after
 building it, one configuration after the other. When the machine slows down or
 speeds up between two rows (2 shared CPU cores do, by 10 % and more), their
 ratio moves with it: ``sh`` on llama at ``--size 8`` read 0.96x to 1.12x of
-``compiled`` across runs of the same code.
+``compiled`` across the runs the README lists.
 
 Here every configuration of a model is built first, each on its own copy of the
 workload (same seed, so the same weights and inputs), and then each is warmed up
@@ -132,6 +132,7 @@ def _with_baselines(configs: Iterable[str]) -> list[str]:
 
 
 def _check(model: str, names: list[str], device: str) -> None:
+    """Known model and configurations, none twice, none CUDA-only off CUDA."""
     if model not in MODELS:
         raise KeyError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
     for name in names:
