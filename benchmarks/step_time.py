@@ -233,7 +233,7 @@ def time_configs(
         device: ``cpu`` or ``cuda``.
         rounds: timed rounds (one step of each configuration per round).
         compiled_loss: compile the loss with the model (as ``python -m benchmarks --compiled-loss``).
-        warmup: untimed steps of each configuration right after it is built (the first compiles).
+        warmup: untimed steps of each configuration once all are built (the first compiles).
 
     Returns:
         One :class:`Timing` per configuration, baselines included, in build order.
