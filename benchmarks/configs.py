@@ -144,6 +144,11 @@ class Config:
     baseline: str | None = None
     in_default: bool = True
 
+    @property
+    def step_baseline(self) -> str:
+        """The configuration whose step time this one's is divided by: :attr:`baseline`, else "compiled"."""
+        return self.baseline or "compiled"
+
 
 def _compile(workload: Workload, backend: str, placed: bool = False) -> tuple[Callable[[], torch.Tensor], GraphLog | None]:
     """``torch.compile`` the workload's model (with its loss where ``compiled_loss``); aot_eager keeps its graphs.

@@ -125,7 +125,7 @@ def _with_baselines(configs: Iterable[str]) -> list[str]:
     """The configurations asked for, each one's baseline before it where it is missing."""
     names: list[str] = []
     for name in configs:
-        for needed in (CONFIGS[name].baseline or "compiled" if name in CONFIGS else name, name):
+        for needed in (CONFIGS[name].step_baseline if name in CONFIGS else name, name):
             if needed not in names:
                 names.append(needed)
     return names
@@ -253,7 +253,7 @@ def time_configs(
             times = interleaved_times(steps, rounds)
     timings = []
     for name in names:
-        baseline = CONFIGS[name].baseline or "compiled"
+        baseline = CONFIGS[name].step_baseline
         ratios = round_ratios(times[name], times[baseline])
         timings.append(Timing(
             model=model, config=name, backend=backend if CONFIGS[name].compiled else "eager",
