@@ -62,13 +62,21 @@ class ReorderPass(CustomGraphPass):
     backward copies those weights to channels_last right before their
     convolution backward (:mod:`savedhooks.input_layout`).
 
-    In every graph it runs (forward graphs too, when they offload), copies
-    between an accelerator and the host made by ``sh.offload`` become torch's
-    asynchronous copy ops, placed to overlap compute
-    (:func:`savedhooks.hostmem.overlap_transfers`). A forward graph that
-    offloads and is not reordered gets its hooks placed first
-    (:func:`place_hooks`): torch inlines every pack at the end of the forward
-    and inductor runs each copy where the graph has it (README, "On a GPU").
+    A forward graph that it does not reorder gets its hooks placed
+    (:func:`place_hooks`, judged with inductor's fusion modelled, kept only
+    where that models lower) when it offloads or computes off the CPU: torch
+    inlines every pack at the end of the forward, and inductor runs every
+    copy to the host, and on CUDA every pack kernel that it fuses with
+    nothing, where the graph has it. On an H200 that held llama's float32
+    activations to the end of the forward (README, "On a GPU"). On the CPU
+    inductor fuses most packs into their producers, and its own order
+    measured lower than the placed one (``tests/test_passes.py``'s 4-layer
+    MLP with the decomposed codec: forward 7.47 MB against 8.01 MB placed),
+    so CPU graphs keep it.
+
+    In every graph it runs, copies between an accelerator and the host made by
+    ``sh.offload`` become torch's asynchronous copy ops, placed to overlap
+    compute (:func:`savedhooks.hostmem.overlap_transfers`).
 
     ``uuid()`` digests the pass's sources (this file, :mod:`savedhooks.passes`,
     :mod:`savedhooks.input_layout`, the scheduler, the memory model, the offload
@@ -89,14 +97,15 @@ class ReorderPass(CustomGraphPass):
             return
         if hooked and is_backward:  # the weights kept in the forward, back to channels_last
             restore_input_layout(graph)
-        self._order(graph, is_backward)
+        self._order(graph, is_backward, hooked)
         if hooked and not is_backward:  # saved inputs returned as themselves; last, on the final graph
             keep_input_layout(graph)
 
-    def _order(self, graph: torch.fx.Graph, is_backward: bool) -> None:
+    def _order(self, graph: torch.fx.Graph, is_backward: bool, hooked: bool) -> None:
         reorder = is_backward or self.forward
         offloads = any(n.target is torch.ops.savedhooks.offload.default for n in graph.nodes)
-        if not (reorder or offloads):
+        placed = offloads or (hooked and _off_cpu(graph))
+        if not (reorder or placed):
             return
         gm = graph.owning_module
         if gm is None:  # inductor hands over the graph of a GraphModule; keep it that way
@@ -106,8 +115,8 @@ class ReorderPass(CustomGraphPass):
             reorder_for_memory(gm, is_backward, fused=True)
             if join_adjacent(gm.graph, split):
                 gm.recompile()
-        elif offloads:  # copies to the host are extern kernels, left at the end where torch inlined them
-            place_hooks(gm, is_backward)
+        else:  # a hooked forward: inductor runs a pack kernel it fuses with nothing where the graph has it
+            place_hooks(gm, is_backward, fused=True)
         overlap_transfers(gm, is_backward)  # offload copies (accelerator <-> host) only
 
     def uuid(self) -> str:
@@ -121,6 +130,15 @@ class ReorderPass(CustomGraphPass):
 
     def __repr__(self) -> str:
         return f"ReorderPass(forward={self.forward}, hooked_only={self.hooked_only})"
+
+
+def _off_cpu(graph: torch.fx.Graph) -> bool:
+    """Whether some value that ``graph`` computes lives off the CPU (on CUDA, say)."""
+    for node in graph.nodes:
+        value = node.meta.get("val") if node.op == "call_function" else None
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return True
+    return False
 
 
 def reorder_pass(forward: bool = False) -> ReorderPass:

@@ -44,6 +44,7 @@ __all__ = [
     "has_hook_chains",
     "is_backward_graph",
     "ordering_edges",
+    "pack_chain_nodes",
     "place_hooks",
     "reorder_for_memory",
     "reorder_graph",
@@ -139,7 +140,9 @@ def graph_problem(gm: torch.fx.GraphModule, donated: tuple[str, ...] = (), fused
     device = _report_device(memory)
     nodes = [n for n in gm.graph.nodes if n.op != _OUTPUT]
     fixed = [i for i, n in enumerate(nodes) if n.op in ("placeholder", "get_attr")]
-    return build_problem(memory, device, ordering_edges(gm, memory), fixed), lower_bound(memory, device)
+    chains = pack_chain_nodes(gm.graph)
+    chains = [i for i, n in enumerate(nodes) if n in chains]
+    return build_problem(memory, device, ordering_edges(gm, memory), fixed, chains), lower_bound(memory, device)
 
 
 def reorder_graph(
@@ -196,7 +199,7 @@ def reorder_graph(
     return result
 
 
-def place_hooks(gm: torch.fx.GraphModule, is_backward: bool) -> Schedule | None:
+def place_hooks(gm: torch.fx.GraphModule, is_backward: bool, fused: bool = False) -> Schedule | None:
     """Hook placement alone: packs right after last use, unpacks right before first use.
 
     The graph's own order plus :func:`savedhooks.schedule.place`, kept only when
@@ -205,6 +208,8 @@ def place_hooks(gm: torch.fx.GraphModule, is_backward: bool) -> Schedule | None:
     Args:
         gm: an AOTAutograd forward or backward graph (with ``meta["val"]``).
         is_backward: which one it is (a backward frees its saved activations).
+        fused: the graph goes to inductor: judge the orders with its fusion
+            modelled (a pack's temporaries live inside one kernel).
 
     Returns:
         The :class:`savedhooks.schedule.Schedule`, or None when the graph has no
@@ -213,7 +218,7 @@ def place_hooks(gm: torch.fx.GraphModule, is_backward: bool) -> Schedule | None:
     Raises:
         Nothing.
     """
-    return _reorder(gm, is_backward, strategies=("input",), exact_budget=0)
+    return _reorder(gm, is_backward, strategies=("input",), exact_budget=0, fused=fused)
 
 
 def reorder_for_memory(gm: torch.fx.GraphModule, is_backward: bool, fused: bool = False) -> Schedule | None:
@@ -314,6 +319,30 @@ def unhook_names(graph: torch.fx.Graph) -> None:
         node.name = name  # AOTAutograd removed the node of that name; the namespace still holds it
         if node.op == "placeholder":
             node.target = name  # a placeholder's argument name
+
+
+def pack_chain_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes of a forward graph that lead only to packed values (its inlined pack hooks).
+
+    Args:
+        graph: a forward or backward graph from AOTAutograd.
+
+    Returns:
+        Every non-placeholder node whose users are all such nodes, or the output
+        where the node is a value AOTAutograd named ``<saved>_hook_<i>`` (empty
+        for a backward graph, and for a graph without hooks).
+
+    Raises:
+        Nothing.
+    """
+    packed = {n for n in _hook_values(graph) if n.op != "placeholder"}
+    chains: set[torch.fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op in ("placeholder", "get_attr", "output") or not node.users:
+            continue
+        if all(u in chains or (u.op == "output" and node in packed) for u in node.users):
+            chains.add(node)
+    return chains
 
 
 def _hook_values(graph: torch.fx.Graph) -> list[torch.fx.Node]:

@@ -156,6 +156,31 @@ def test_place_moves_a_pack_after_the_last_use_and_an_unpack_before_the_first():
     assert place(late, [0, 1, 2, 3, 4]) == [0, 2, 3, 1, 4]
 
 
+def test_place_moves_a_pack_chain_whose_links_read_the_tensor_side_by_side():
+    # the decomposed fp8 pack: 1 = x (made, then read by 2 = its forward use; 7 = the next large op);
+    # 3 = a bitcast view of x (the finite test) and 4 = abs(x) both read x's buffer, 5 = amax(3, 4),
+    # 6 = codes(x, 5): every link reads x, and each was anchored to the others, so none moved and x
+    # lived to the end of the forward
+    problem = Problem(
+        preds=((), (0,), (1,), (1,), (1,), (3, 4), (1, 5), (2,)),
+        fixed=(0,),
+        alloc=(0, 100, 100, 0, 100, 1, 25, 200),
+        sizes=(8, 100, 100, 100, 1, 25, 200),
+        touchers=((0, 1), (1, 2, 3, 4, 5, 6), (2, 7), (4, 5), (5, 6), (6,), (7,)),
+        freeable=(False, True, True, True, True, False, False),
+        base=8,
+        early=frozenset({3, 4, 5, 6}),
+        late=frozenset(),
+        chains=frozenset({3, 4, 5, 6}),
+    )
+    given = [0, 1, 2, 7, 3, 4, 5, 6]
+    placed = place(problem, given)
+    assert placed == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert peak_of(problem, placed) < peak_of(problem, given)
+    # not known to be a pack chain (a compiled loss's compute also leads only to outputs): left in place
+    assert place(dataclasses.replace(problem, chains=frozenset()), given) == given
+
+
 def _scheduled(nodes: int, seed: int, window: int) -> tuple[Problem, list[int]]:
     """A random problem and the portfolio's order for it (no exact search)."""
     problem = random_problem(nodes, seed, window=window)

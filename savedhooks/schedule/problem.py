@@ -27,6 +27,9 @@ class Problem:
         inputs: per buffer, whether it exists before the graph runs (a graph
             input, owned by the caller; empty: the buffers a fixed node touches
             first). Only :func:`savedhooks.schedule.arena_of` reads it.
+        chains: early nodes known to lead only to packed values (a forward
+            graph's inlined pack hooks; empty: unknown). They move up together,
+            so they do not hold one another back (:func:`savedhooks.schedule.place`).
     """
 
     preds: tuple[tuple[int, ...], ...]
@@ -40,6 +43,7 @@ class Problem:
     late: frozenset[int]
     scratch: tuple[int, ...] = ()
     inputs: tuple[bool, ...] = ()
+    chains: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         n = len(self.preds)
@@ -51,6 +55,8 @@ class Problem:
             raise ValueError("Problem: scratch must have one entry per node")
         if any(not 0 <= p < n for ps in self.preds for p in ps):
             raise ValueError("Problem: a predecessor index is out of range")
+        if not self.chains <= self.early:
+            raise ValueError("Problem: chains must be early nodes")
 
     @property
     def size(self) -> int:
@@ -106,7 +112,9 @@ def _topological(problem: Problem) -> list[int]:
     return order
 
 
-def build_problem(memory, device, extra_edges: Iterable[tuple[int, int]] = (), fixed: Iterable[int] = ()) -> Problem:
+def build_problem(
+    memory, device, extra_edges: Iterable[tuple[int, int]] = (), fixed: Iterable[int] = (), chains: Iterable[int] = ()
+) -> Problem:
     """Reduce a graph's memory model to a :class:`Problem`.
 
     Args:
@@ -115,6 +123,8 @@ def build_problem(memory, device, extra_edges: Iterable[tuple[int, int]] = (), f
         extra_edges: ``(before, after)`` node pairs to keep in order beyond the data
             dependencies (in-place writes, RNG, side effects).
         fixed: nodes that stay first, in this order (placeholders).
+        chains: nodes that lead only to packed values (pack hooks); those of
+            them that are early become :attr:`Problem.chains`.
 
     Returns:
         The problem; node ``i`` is ``memory.node_names[i]``.
@@ -165,6 +175,7 @@ def build_problem(memory, device, extra_edges: Iterable[tuple[int, int]] = (), f
         late=frozenset(late),
         scratch=tuple(memory.scratch_on(v, device) for v in range(n)),
         inputs=tuple(memory.buffers[b].is_input for b in kept),
+        chains=frozenset(chains) & frozenset(early),
     )
 
 

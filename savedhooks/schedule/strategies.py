@@ -160,7 +160,10 @@ def place(problem: Problem, order: list[int]) -> list[int]:
 
     ``problem.early`` nodes (leading only to outputs) go right after the last node,
     other than their own descendants, that touches a buffer they read: a packed
-    tensor dies at its pack. ``problem.late`` nodes (computed only from inputs) go
+    tensor dies at its pack. For a node of ``problem.chains`` (known to lead
+    only to packed values) the other chain nodes do not count: the links of a
+    pack chain read the tensor side by side (a bitcast view and ``abs`` of it
+    in the fp8 pack) and, each held back by the others, none moved. ``problem.late`` nodes (computed only from inputs) go
     right before their first user (but not past another reader of their inputs):
     an unpacked tensor is born when needed. Other
     nodes keep their relative order. On a forward graph whose every node leads to
@@ -176,10 +179,14 @@ def place(problem: Problem, order: list[int]) -> list[int]:
     Raises:
         Nothing.
     """
-    descendants = problem.descendants
+    descendants, chains = problem.descendants, problem.chains
 
     def last_use(v: int) -> list[int]:
-        uses = [u for b in problem.touched[v] for u in problem.touchers[b] if u != v and not descendants[v] >> u & 1]
+        # the links of one pack chain often read the packed tensor side by side (the fp8 pack's bitcast
+        # view and abs of it): anchored to one another, none would move; they all move up, so skip them
+        skip = chains if v in chains else ()
+        uses = [u for b in problem.touched[v] for u in problem.touchers[b]
+                if u != v and u not in skip and not descendants[v] >> u & 1]
         return list(problem.preds[v]) + uses
 
     order = _hoist(order, problem.early, last_use, floor=len(problem.fixed) - 1)
