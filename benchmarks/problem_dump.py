@@ -94,7 +94,7 @@ def load_problems(path: str | Path) -> list[Problem]:
     """
     with gzip.open(path, "rt") as f:
         records = json.load(f)
-    frozen = {"early", "late"}
+    frozen = {"early", "late", "chains"}
     return [Problem(**{k: frozenset(v) if k in frozen else _tuples(v) for k, v in r.items()}) for r in records]
 
 

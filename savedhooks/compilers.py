@@ -63,8 +63,8 @@ class ReorderPass(CustomGraphPass):
     convolution backward (:mod:`savedhooks.input_layout`).
 
     A forward graph that it does not reorder gets its hooks placed
-    (:func:`place_hooks`, judged with inductor's fusion modelled, kept only
-    where that models lower) when it offloads or computes off the CPU: torch
+    (:func:`place_hooks`, judged with inductor's fusion modelled, kept unless
+    that models higher) when it offloads or computes on CUDA: torch
     inlines every pack at the end of the forward, and inductor runs every
     copy to the host, and on CUDA every pack kernel that it fuses with
     nothing, where the graph has it. On an H200 that held llama's float32
@@ -104,7 +104,7 @@ class ReorderPass(CustomGraphPass):
     def _order(self, graph: torch.fx.Graph, is_backward: bool, hooked: bool) -> None:
         reorder = is_backward or self.forward
         offloads = any(n.target is torch.ops.savedhooks.offload.default for n in graph.nodes)
-        placed = offloads or (hooked and _off_cpu(graph))
+        placed = offloads or (hooked and _on_cuda(graph))
         if not (reorder or placed):
             return
         gm = graph.owning_module
@@ -132,11 +132,11 @@ class ReorderPass(CustomGraphPass):
         return f"ReorderPass(forward={self.forward}, hooked_only={self.hooked_only})"
 
 
-def _off_cpu(graph: torch.fx.Graph) -> bool:
-    """Whether some value that ``graph`` computes lives off the CPU (on CUDA, say)."""
+def _on_cuda(graph: torch.fx.Graph) -> bool:
+    """Whether some value that ``graph`` computes is a CUDA tensor (where forward placement was measured)."""
     for node in graph.nodes:
         value = node.meta.get("val") if node.op == "call_function" else None
-        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
             return True
     return False
 

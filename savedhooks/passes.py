@@ -200,16 +200,18 @@ def reorder_graph(
 
 
 def place_hooks(gm: torch.fx.GraphModule, is_backward: bool, fused: bool = False) -> Schedule | None:
-    """Hook placement alone: packs right after last use, unpacks right before first use.
+    """Hook placement: packs right after last use, unpacks right before first use.
 
-    The graph's own order plus :func:`savedhooks.schedule.place`, kept only when
-    the memory model finds it lower (never worse than torch's order).
+    The graph's own order plus :func:`savedhooks.schedule.place`, kept unless
+    the memory model finds it higher (never worse than torch's order).
 
     Args:
         gm: an AOTAutograd forward or backward graph (with ``meta["val"]``).
         is_backward: which one it is (a backward frees its saved activations).
         fused: the graph goes to inductor: judge the orders with its fusion
-            modelled (a pack's temporaries live inside one kernel).
+            modelled (a pack's temporaries live inside one kernel); what
+            allocates nothing then sinks to its first user and what frees
+            more than it makes is hoisted (:func:`reorder_graph`).
 
     Returns:
         The :class:`savedhooks.schedule.Schedule`, or None when the graph has no
@@ -328,9 +330,11 @@ def pack_chain_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
         graph: a forward or backward graph from AOTAutograd.
 
     Returns:
-        Every non-placeholder node whose users are all such nodes, or the output
-        where the node is a value AOTAutograd named ``<saved>_hook_<i>`` (empty
-        for a backward graph, and for a graph without hooks).
+        Every node other than placeholders and attributes, with at least one
+        user, whose users are all such nodes, or the output where the node is
+        a value AOTAutograd named ``<saved>_hook_<i>`` (empty for a backward
+        graph and for a graph without hooks; a node with an unused user is not
+        one, which only keeps it where it is).
 
     Raises:
         Nothing.

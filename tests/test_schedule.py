@@ -116,10 +116,12 @@ def _on_random_problems(test):
 @_on_random_problems
 def test_every_strategy_gives_a_valid_order_and_the_best_is_never_worse(nodes, seed, window):
     problem = random_problem(nodes, seed, window=window)
+    chained = dataclasses.replace(problem, chains=frozenset(sorted(problem.early)[::2]))
     for strategy in STRATEGIES.values():
         order = strategy(problem)
         check_order(problem, order)
         check_order(problem, place(problem, order))
+        check_order(problem, place(chained, order))  # pack chains skip one another as anchors
     result = schedule(problem, exact_budget=200)
     assert result.peak <= result.input_peak == peak_of(problem, list(range(problem.size)))
     assert result.peak == peak_of(problem, result.order) == min(result.scores.values())
@@ -179,6 +181,15 @@ def test_place_moves_a_pack_chain_whose_links_read_the_tensor_side_by_side():
     assert peak_of(problem, placed) < peak_of(problem, given)
     # not known to be a pack chain (a compiled loss's compute also leads only to outputs): left in place
     assert place(dataclasses.replace(problem, chains=frozenset()), given) == given
+
+
+def test_a_dumped_problem_with_chains_loads_as_it_was(tmp_path):
+    from benchmarks.problem_dump import load_problems, save_problems
+
+    problem = random_problem(30, 7, window=4)
+    problem = dataclasses.replace(problem, chains=frozenset(sorted(problem.early)[::2]))
+    save_problems([problem], tmp_path / "problems.json.gz")
+    assert load_problems(tmp_path / "problems.json.gz") == [problem] and problem.chains
 
 
 def _scheduled(nodes: int, seed: int, window: int) -> tuple[Problem, list[int]]:
