@@ -115,7 +115,7 @@ class ReorderPass(CustomGraphPass):
             reorder_for_memory(gm, is_backward, fused=True)
             if join_adjacent(gm.graph, split):
                 gm.recompile()
-        else:  # a hooked forward: inductor runs a pack kernel it fuses with nothing where the graph has it
+        else:  # a forward that offloads or runs on CUDA: inductor runs copies and unfused packs where they are
             place_hooks(gm, is_backward, fused=True)
         overlap_transfers(gm, is_backward)  # offload copies (accelerator <-> host) only
 
