@@ -29,7 +29,7 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import savedhooks.kernels.offload as offload_ops
-from savedhooks.hostmem.overlap import overlap_transfers
+from savedhooks.hostmem.overlap import makes_cuda_tensor, overlap_transfers
 from savedhooks.input_layout import keep_input_layout, recorded_weights, restore_input_layout
 from savedhooks.passes import has_hook_chains, is_backward_graph, place_hooks, reorder_for_memory
 from savedhooks.unfuse import join_adjacent, split_late_addmm
@@ -104,7 +104,7 @@ class ReorderPass(CustomGraphPass):
     def _order(self, graph: torch.fx.Graph, is_backward: bool, hooked: bool) -> None:
         reorder = is_backward or self.forward
         offloads = any(n.target is torch.ops.savedhooks.offload.default for n in graph.nodes)
-        placed = offloads or (hooked and _on_cuda(graph))
+        placed = offloads or (hooked and any(makes_cuda_tensor(n) for n in graph.nodes if n.op == "call_function"))
         if not (reorder or placed):
             return
         gm = graph.owning_module
@@ -130,15 +130,6 @@ class ReorderPass(CustomGraphPass):
 
     def __repr__(self) -> str:
         return f"ReorderPass(forward={self.forward}, hooked_only={self.hooked_only})"
-
-
-def _on_cuda(graph: torch.fx.Graph) -> bool:
-    """Whether some value that ``graph`` computes is a CUDA tensor (where forward placement was measured)."""
-    for node in graph.nodes:
-        value = node.meta.get("val") if node.op == "call_function" else None
-        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
-            return True
-    return False
 
 
 def reorder_pass(forward: bool = False) -> ReorderPass:

@@ -56,6 +56,7 @@ __all__ = [
     "TransferModel",
     "backward_seconds_before_use",
     "hoist_starts",
+    "makes_cuda_tensor",
     "nominal_seconds",
     "overlap_transfers",
     "sink_waits",
@@ -127,15 +128,25 @@ class TransferModel:
             return float_hint(self.node_seconds(node))
         if node.op != "call_function":
             return 0.0
-        if torch.cuda.is_available() and _on_cuda(node):
+        if torch.cuda.is_available() and makes_cuda_tensor(node):
             from torch._inductor.fx_passes.overlap_scheduling import estimate_roofline_runtime_ms
 
             return float_hint(estimate_roofline_runtime_ms(node)) / 1e3
         return nominal_seconds(node)
 
 
-def _on_cuda(node: torch.fx.Node) -> bool:
-    """Whether ``node`` makes a CUDA tensor (what torch's roofline estimate times)."""
+def makes_cuda_tensor(node: torch.fx.Node) -> bool:
+    """Whether ``node`` makes a CUDA tensor (what torch's roofline estimate times).
+
+    Args:
+        node: an FX node (its ``meta["val"]``: a tensor, a structure of them, or none).
+
+    Returns:
+        True when some tensor of its value is on CUDA.
+
+    Raises:
+        Nothing.
+    """
     return any(
         isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in pytree.tree_leaves(node.meta.get("val"))
     )
