@@ -14,7 +14,6 @@ fuses into neighbouring kernels.
 
 from __future__ import annotations
 
-import functools
 import importlib
 
 import torch
@@ -30,9 +29,17 @@ OPS = {
 }
 
 
-@functools.cache
+_TRITON_FOUND: list[bool] = []  # whether triton imports, once asked
+
+
+@torch.compiler.assume_constant_result
 def triton_available() -> bool:
     """Whether the ``triton`` package imports here.
+
+    Asked once; the answer is kept. Dynamo takes the answer as a constant
+    (``torch.compiler.assume_constant_result``) where a hook or codec asks
+    under ``torch.compile``: traced through, a ``functools`` cache warns and
+    its ``importlib`` call is a graph break.
 
     Args:
         None.
@@ -43,11 +50,14 @@ def triton_available() -> bool:
     Raises:
         Nothing.
     """
-    try:
-        importlib.import_module("triton")
-    except ImportError:
-        return False
-    return True
+    if not _TRITON_FOUND:
+        try:
+            importlib.import_module("triton")
+        except ImportError:
+            _TRITON_FOUND.append(False)
+        else:
+            _TRITON_FOUND.append(True)
+    return _TRITON_FOUND[0]
 
 
 def kernel_op(name: str, use_triton: bool):
