@@ -183,6 +183,30 @@ def test_place_moves_a_pack_chain_whose_links_read_the_tensor_side_by_side():
     assert place(dataclasses.replace(problem, chains=frozenset()), given) == given
 
 
+def test_place_puts_a_pack_chain_before_other_movers_after_the_same_anchor():
+    # 1 = x; 2 = y = f(x), x's last reader; 3 = the next layer's op (stays); 4 = a compiled loss's compute
+    # from y (early, not a chain); 5 = x's pack (a chain). 4 and 5 both go right after 2: the pack first
+    # frees x before the loss's compute allocates; in their given order x would wait for it
+    problem = Problem(
+        preds=((), (0,), (1,), (0,), (2,), (1,)),
+        fixed=(0,),
+        alloc=(0, 100, 100, 30, 50, 25),
+        sizes=(8, 100, 100, 30, 50, 25),
+        touchers=((0, 1, 3), (1, 2, 5), (2, 4), (3,), (4,), (5,)),
+        freeable=(False, True, True, False, False, False),
+        base=8,
+        early=frozenset({4, 5}),
+        late=frozenset(),
+        chains=frozenset({5}),
+    )
+    given = [0, 1, 2, 3, 4, 5]
+    placed = place(problem, given)
+    assert placed == [0, 1, 2, 5, 4, 3]
+    assert peak_of(problem, placed) < peak_of(problem, [0, 1, 2, 4, 5, 3]) < peak_of(problem, given)
+    # without chains known, the movers keep their given order
+    assert place(dataclasses.replace(problem, chains=frozenset()), given) == [0, 1, 2, 4, 5, 3]
+
+
 def test_a_dumped_problem_with_chains_loads_as_it_was(tmp_path):
     from benchmarks.problem_dump import load_problems, save_problems
 

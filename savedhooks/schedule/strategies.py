@@ -189,7 +189,7 @@ def place(problem: Problem, order: list[int]) -> list[int]:
                 if u != v and u not in skip and not descendants[v] >> u & 1]
         return list(problem.preds[v]) + uses
 
-    order = _hoist(order, problem.early, last_use, floor=len(problem.fixed) - 1)
+    order = _hoist(order, problem.early, last_use, floor=len(problem.fixed) - 1, first=chains)
     # The mirror image: in the reversed order a late node rises to right after its
     # first user, but never past another node touching what it reads (which would
     # keep that alive longer).
@@ -331,18 +331,24 @@ def _after_predecessors(root: int, predecessors: Callable[[int], list[int]], don
         stack += [(p, False) for p in predecessors(v) if p not in done]
 
 
-def _hoist(order: list[int], movers: frozenset[int], anchors, floor: int | None) -> list[int]:
+def _hoist(
+    order: list[int], movers: frozenset[int], anchors, floor: int | None, first: frozenset[int] = frozenset()
+) -> list[int]:
     """Move each mover up to right after the latest of its anchors (never above position ``floor``).
 
     Sort keys are tuples: a staying node is ``(position,)``; a moved one is its
-    anchor's key plus ``(k,)``, which sorts after the anchor and before the next
-    staying node, ``k`` keeping moved nodes in their relative order (a chain's
-    links follow each other).
+    anchor's key plus ``(rank, k)``, which sorts after the anchor and before the
+    next staying node. Movers in ``first`` take rank 0 and the others 1, so of
+    the movers after one anchor those of ``first`` (pack chains, which free the
+    tensor they read) run before the others (a compiled loss's compute, which
+    allocates); ``k`` keeps moved nodes of one rank in their relative order (a
+    chain's links follow each other). A mover that depends on another is
+    anchored after it, whatever their ranks.
     """
     key: dict[int, tuple[int, ...]] = {v: (i,) for i, v in enumerate(order)}
     for k, v in enumerate(order):
         if v in movers:
             anchor = max([key[u] for u in anchors(v)] + ([] if floor is None else [(floor,)]), default=None)
             if anchor is not None and anchor < key[v]:
-                key[v] = anchor + (k,)
+                key[v] = anchor + (0 if v in first else 1, k)
     return sorted(order, key=key.__getitem__)
