@@ -19,7 +19,12 @@ clearing the gradients (``set_to_none``), a few microseconds.
 
 The configurations and their baselines are the main job's
 (``benchmarks.configs.CONFIGS``); a configuration's baseline is added when it
-is not asked for. Each copy is compiled with ``isolate_recompiles=True``
+is not asked for. ``--plans 0.6 floor`` adds ``sh.plan`` at those budgets
+(fractions of the planner's modelled no-hook peak, or its floor, as
+``python -m benchmarks.pareto`` plans them), planned for each model before its
+configurations are built: the Pareto table times each row once, right after
+building it, so its plans' step ratios move with the machine as the main
+job's do. Each copy is compiled with ``isolate_recompiles=True``
 (:attr:`benchmarks.models.Workload.isolated`): dynamo otherwise shares one set
 of cache entries among all copies of a model class, and it does not guard on
 every setting a configuration changes (``activation_memory_budget`` is a
@@ -37,16 +42,17 @@ import contextlib
 import dataclasses
 import random
 import statistics
+import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from benchmarks.configs import CONFIGS, Step
+from benchmarks.configs import CONFIGS, Config, Step, lowest_budget, plan_or_lowest, planned, planner_for
 from benchmarks.models import MODELS, Workload, make_workload
 
-__all__ = ["Timing", "built_configs", "interleaved_times", "round_ratios", "table", "time_configs"]
+__all__ = ["Timing", "built_configs", "interleaved_times", "plan_configs", "round_ratios", "table", "time_configs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,24 +127,29 @@ def round_ratios(times: Sequence[float], baseline: Sequence[float]) -> list[floa
     return [t / b for t, b in zip(times, baseline)]
 
 
-def _with_baselines(configs: Iterable[str]) -> list[str]:
+def _with_baselines(configs: Iterable[str], known: Mapping[str, Config]) -> list[str]:
     """The configurations asked for, each one's baseline before it where it is missing."""
     names: list[str] = []
     for name in configs:
-        for needed in (CONFIGS[name].step_baseline if name in CONFIGS else name, name):
+        for needed in (known[name].step_baseline if name in known else name, name):
             if needed not in names:
                 names.append(needed)
     return names
 
 
-def _check(model: str, names: list[str], device: str) -> None:
+def _known(extra: Mapping[str, Config] | None) -> dict[str, Config]:
+    """The main job's configurations and ``extra`` (plans made for this model), by name."""
+    return {**CONFIGS, **(extra or {})}
+
+
+def _check(model: str, names: list[str], device: str, known: Mapping[str, Config]) -> None:
     """Known model and configurations, none twice, none CUDA-only off CUDA."""
     if model not in MODELS:
         raise KeyError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
     for name in names:
-        if name not in CONFIGS:
-            raise KeyError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
-        if CONFIGS[name].cuda_only and device != "cuda":
+        if name not in known:
+            raise KeyError(f"unknown configuration {name!r}; choose from {', '.join(known)}")
+        if known[name].cuda_only and device != "cuda":
             raise ValueError(f"configuration {name!r} runs on CUDA only")
     if len(set(names)) != len(names):
         raise ValueError(f"a configuration is named more than once in {names}")
@@ -165,6 +176,7 @@ def built_configs(
     device: str = "cpu",
     compiled_loss: bool = False,
     warmup: int = 2,
+    extra: Mapping[str, Config] | None = None,
 ) -> Iterator[dict[str, tuple[Step, Workload]]]:
     """Each configuration built on its own copy of a benchmark model and warmed up, side by side.
 
@@ -175,12 +187,13 @@ def built_configs(
 
     Args:
         model: a key of ``benchmarks.models.MODELS``.
-        names: keys of ``benchmarks.configs.CONFIGS``, built in this order.
+        names: keys of ``benchmarks.configs.CONFIGS`` or of ``extra``, built in this order.
         size: batch multiplier.
         backend: the ``torch.compile`` backend of the compiled configurations; the eager ones run eagerly.
         device: ``cpu`` or ``cuda``.
         compiled_loss: compile the loss with the model.
         warmup: untimed steps of each configuration after all are built (the first compiles).
+        extra: configurations beyond ``CONFIGS``, by name (:func:`plan_configs`).
 
     Yields:
         name -> (its built step, its workload).
@@ -191,8 +204,8 @@ def built_configs(
             a CUDA-only configuration off CUDA.
         Whatever building or running a configuration raises.
     """
-    names = list(names)
-    _check(model, names, device)
+    names, known = list(names), _known(extra)
+    _check(model, names, device, known)
     if warmup < 1:
         raise ValueError(f"built_configs: warmup must be >= 1, got {warmup}")
     torch._dynamo.reset()
@@ -200,7 +213,7 @@ def built_configs(
     with contextlib.ExitStack() as closes:
         closes.callback(torch._dynamo.reset)
         for name in names:
-            config = CONFIGS[name]
+            config = known[name]
             workload = make_workload(model, size, device)
             workload.compiled_loss, workload.isolated = compiled_loss, True
             torch.manual_seed(0)
@@ -221,12 +234,13 @@ def time_configs(
     rounds: int = 10,
     compiled_loss: bool = False,
     warmup: int = 2,
+    extra: Mapping[str, Config] | None = None,
 ) -> list[Timing]:
     """Build each configuration on its own copy of a benchmark model, then time their steps in turn.
 
     Args:
         model: a key of ``benchmarks.models.MODELS``.
-        configs: keys of ``benchmarks.configs.CONFIGS``; their baselines are added.
+        configs: keys of ``benchmarks.configs.CONFIGS`` or of ``extra``; their baselines are added.
         size: batch multiplier.
         backend: the ``torch.compile`` backend of the compiled configurations
             (``inductor`` or ``aot_eager``); the eager ones run eagerly.
@@ -234,6 +248,7 @@ def time_configs(
         rounds: timed rounds (one step of each configuration per round).
         compiled_loss: compile the loss with the model (as ``python -m benchmarks --compiled-loss``).
         warmup: untimed steps of each configuration once all are built (the first compiles).
+        extra: configurations beyond ``CONFIGS``, by name (:func:`plan_configs`).
 
     Returns:
         One :class:`Timing` per configuration, baselines included, in build order.
@@ -246,21 +261,88 @@ def time_configs(
     """
     if rounds < 1:
         raise ValueError(f"time_configs: rounds must be >= 1, got {rounds}")
-    names = _with_baselines(configs)
-    with built_configs(model, names, size, backend, device, compiled_loss, warmup) as built:
+    known = _known(extra)
+    names = _with_baselines(configs, known)
+    with built_configs(model, names, size, backend, device, compiled_loss, warmup, extra) as built:
         steps = {name: _timed_step(*built[name], device) for name in names}
         with torch.compiler.set_stance("fail_on_recompile"):
             times = interleaved_times(steps, rounds)
     timings = []
     for name in names:
-        baseline = CONFIGS[name].step_baseline
+        baseline = known[name].step_baseline
         ratios = round_ratios(times[name], times[baseline])
         timings.append(Timing(
-            model=model, config=name, backend=backend if CONFIGS[name].compiled else "eager",
+            model=model, config=name, backend=backend if known[name].compiled else "eager",
             step_ms=statistics.median(times[name]) * 1e3, ratio=statistics.median(ratios),
             low=min(ratios), high=max(ratios), rounds=rounds, baseline=baseline,
         ))  # fmt: skip
     return timings
+
+
+def plan_label(text: str) -> str:
+    """Check a plan's budget as ``--plans`` takes it: a fraction in (0, 1] or ``floor``.
+
+    Args:
+        text: the label.
+
+    Returns:
+        ``text``.
+
+    Raises:
+        ValueError: neither ``floor`` nor a number in (0, 1].
+    """
+    try:
+        fine = text == "floor" or 0.0 < float(text) <= 1.0
+    except ValueError:
+        fine = False
+    if not fine:
+        raise ValueError(f"a plan's budget is a fraction in (0, 1] of the modelled no-hook peak, or 'floor'; got {text!r}")
+    return text
+
+
+def plan_configs(
+    model: str,
+    labels: Iterable[str],
+    size: float = 8.0,
+    backend: str = "inductor",
+    device: str = "cpu",
+    compiled_loss: bool = False,
+) -> dict[str, Config]:
+    """``sh.plan`` for a benchmark model at each budget, as configurations ``"plan <label>"`` to time in turn.
+
+    A fraction ``f`` plans for ``f`` times the planner's modelled no-hook peak;
+    ``floor`` for the lowest peak it reaches, as ``python -m benchmarks.pareto``
+    does. Planning compiles the model several times (its survey and checks).
+
+    Args:
+        model: a key of ``benchmarks.models.MODELS``.
+        labels: :func:`plan_label` values.
+        size: batch multiplier.
+        backend: the backend the plans are made for and compiled with.
+        device: ``cpu`` or ``cuda``.
+        compiled_loss: plan the model with its loss (as ``--compiled-loss`` runs it).
+
+    Returns:
+        Name -> configuration (for ``extra`` of :func:`time_configs`), in the order of ``labels``.
+
+    Raises:
+        KeyError: unknown model.
+        ValueError: a label that :func:`plan_label` refuses.
+        InfeasibleBudgetError: a fraction below what the planner can reach.
+    """
+    labels = [plan_label(label) for label in labels]
+    workload = make_workload(model, size, device)
+    workload.compiled_loss = compiled_loss
+    planner = planner_for(workload, backend)
+    configs = {}
+    for label in labels:
+        if label == "floor":
+            plan = plan_or_lowest(planner, lowest_budget(planner))
+        else:
+            plan = planner.plan(int(float(label) * planner.baseline_bytes))
+        config = planned(label, plan)
+        configs[config.name] = config
+    return configs
 
 
 def table(timings: Iterable[Timing], header: bool = True) -> str:
@@ -308,6 +390,10 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds, one step of each configuration per round")
     parser.add_argument("--compiled-loss", action="store_true", help="compile the loss with the model")
+    parser.add_argument(
+        "--plans", nargs="+", default=[], type=_argument(plan_label), metavar="BUDGET",
+        help="also time sh.plan at these budgets (fractions of its modelled no-hook peak, or floor), planned per model first",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device")
@@ -318,9 +404,24 @@ def main(argv: Any = None) -> None:
         parser.error("--rounds must be >= 1")
     print(table([]), flush=True)
     for model in args.models:  # each model's rows as they are measured
-        timings = time_configs(model, args.configs, args.size, args.backend, args.device, args.rounds,
-                               args.compiled_loss)  # fmt: skip
+        plans = plan_configs(model, args.plans, args.size, args.backend, args.device, args.compiled_loss)
+        for config in plans.values():
+            print(f"{model}: {config.name}: {config.description}", file=sys.stderr, flush=True)
+        timings = time_configs(model, [*args.configs, *plans], args.size, args.backend, args.device, args.rounds,
+                               args.compiled_loss, extra=plans)  # fmt: skip
         print(table(timings, header=False), flush=True)
+
+
+def _argument(check: Callable[[str], str]) -> Callable[[str], str]:
+    """``check`` as an argparse type: its ValueError becomes a usage error with the message."""
+
+    def parse(text: str) -> str:
+        try:
+            return check(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
 
 
 if __name__ == "__main__":

@@ -667,6 +667,26 @@ def test_step_time_builds_each_configuration_with_its_baseline_and_times_them_in
             time_configs("mlp", ["sh offload"])
 
 
+def test_step_time_times_plans_made_for_the_model_in_turn_with_the_rest():
+    from benchmarks.run import _saved_bytes
+    from benchmarks.step_time import built_configs, plan_configs, plan_label, time_configs
+
+    for bad in ("0", "1.5", "-0.5", "nan", "half"):
+        with pytest.raises(ValueError, match="fraction in"):
+            plan_label(bad)
+    assert [plan_label(x) for x in ("floor", "0.6", "1")] == ["floor", "0.6", "1"]
+    plans = plan_configs("mlp", ["0.8", "floor"], size=0.25, backend="aot_eager")
+    assert list(plans) == ["plan 0.8", "plan floor"]
+    with built_configs("mlp", ["compiled", *plans], size=0.25, backend="aot_eager", warmup=1, extra=plans) as built:
+        saved = {name: _saved_bytes(step, "cpu") for name, (step, _) in built.items()}
+    # each built copy runs its plan: the floor keeps less than the plan at 0.8, which keeps less than no hooks
+    assert saved["plan floor"] < saved["plan 0.8"] < saved["compiled"], saved
+    timings = time_configs("mlp", ["plan floor"], size=0.25, backend="aot_eager", rounds=2, warmup=1, extra=plans)
+    assert [(t.config, t.baseline) for t in timings] == [("compiled", "compiled"), ("plan floor", "compiled")]
+    with pytest.raises(KeyError, match="unknown configuration"):
+        time_configs("mlp", ["plan 0.5"], extra=plans)
+
+
 def test_step_time_keeps_each_configuration_s_own_compiled_code_side_by_side():
     # Under inductor all copies of a model class share dynamo's cache entries unless compiled apart:
     # the memory-budget copy (a functorch config patch, which dynamo does not guard on) then ran the
