@@ -323,7 +323,8 @@ def plan_configs(
         compiled_loss: plan the model with its loss (as ``--compiled-loss`` runs it).
 
     Returns:
-        Name -> configuration (for ``extra`` of :func:`time_configs`), in the order of ``labels``.
+        Name -> configuration (for ``extra`` of :func:`time_configs`), in the order of ``labels``
+        (empty, and nothing built, without labels).
 
     Raises:
         KeyError: unknown model.
@@ -331,6 +332,8 @@ def plan_configs(
         InfeasibleBudgetError: a fraction below what the planner can reach.
     """
     labels = [plan_label(label) for label in labels]
+    if not labels:  # nothing to plan: no model built
+        return {}
     workload = make_workload(model, size, device)
     workload.compiled_loss = compiled_loss
     planner = planner_for(workload, backend)

@@ -675,6 +675,7 @@ def test_step_time_times_plans_made_for_the_model_in_turn_with_the_rest():
         with pytest.raises(ValueError, match="fraction in"):
             plan_label(bad)
     assert [plan_label(x) for x in ("floor", "0.6", "1")] == ["floor", "0.6", "1"]
+    assert plan_configs("mlp", []) == {}
     plans = plan_configs("mlp", ["0.8", "floor"], size=0.25, backend="aot_eager")
     assert list(plans) == ["plan 0.8", "plan floor"]
     with built_configs("mlp", ["compiled", *plans], size=0.25, backend="aot_eager", warmup=1, extra=plans) as built:
