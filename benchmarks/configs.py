@@ -42,7 +42,7 @@ import savedhooks as sh
 from benchmarks.models import Workload
 from savedhooks.compilers import placed_aot_eager
 
-__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FIDELITY_STEP", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "lowest_budget", "plan_or_lowest", "planner_for", "torch_fp8_hooks"]
+__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FIDELITY_STEP", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "lowest_budget", "plan_at", "plan_or_lowest", "planner_for", "torch_fp8_hooks"]
 
 FLOAT8 = sh.Float8()  # the codec's configuration: the library default, e4m3 with block scales (128)
 CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8() returns it
@@ -429,6 +429,26 @@ def plan_or_lowest(planner: sh.planner.Planner, budget_bytes: int) -> sh.Plan:
                 raise
             budget = min(max(int(budget * (1 + FIDELITY_STEP)), budget + 1), planner.baseline_bytes)
             print(f"{error}: planned at {budget / 2**20:.2f} MiB instead")
+
+
+def plan_at(planner: sh.planner.Planner, label: str) -> sh.Plan:
+    """The plan for a budget label: ``floor`` (the lowest peak it reaches) or a fraction of its modelled no-hook peak.
+
+    Args:
+        planner: the planner.
+        label: ``"floor"`` or a fraction, as text (``"0.6"``).
+
+    Returns:
+        :func:`plan_or_lowest` at :func:`lowest_budget` for ``floor``, else
+        ``planner.plan`` at that fraction of ``planner.baseline_bytes``.
+
+    Raises:
+        ValueError: a label that is neither ``floor`` nor a number.
+        InfeasibleBudgetError: a fraction below what the planner can reach.
+    """
+    if label == "floor":
+        return plan_or_lowest(planner, lowest_budget(planner))
+    return planner.plan(int(float(label) * planner.baseline_bytes))
 
 
 def _run_plan(workload: Workload, backend: str, plan: sh.Plan) -> Step:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 import savedhooks as sh
-from benchmarks.configs import CONFIGS, Config, lowest_budget, plan_or_lowest, planned, planner_for
+from benchmarks.configs import CONFIGS, Config, plan_at, planned, planner_for
 from benchmarks.models import MODELS, Workload, make_workload
 
 __all__ = ["TracePeak", "main", "peak_of_trace"]
@@ -97,10 +97,7 @@ def _config(workload: Workload, name: str, backend: str) -> tuple[Config, int | 
         return CONFIGS[name], None
     planner = planner_for(workload, backend)
     label = name.removeprefix("plan ")
-    if label == "floor":
-        plan = plan_or_lowest(planner, lowest_budget(planner))
-    else:
-        plan = planner.plan(int(float(label) * planner.baseline_bytes))
+    plan = plan_at(planner, label)
     return planned(label, plan), plan.predicted_peak_bytes
 
 

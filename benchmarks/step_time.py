@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.configs import CONFIGS, Config, Step, lowest_budget, plan_or_lowest, planned, planner_for
+from benchmarks.configs import CONFIGS, Config, Step, plan_at, planned, planner_for
 from benchmarks.models import MODELS, Workload, make_workload
 
 __all__ = ["Timing", "built_configs", "interleaved_times", "plan_configs", "round_ratios", "table", "time_configs"]
@@ -339,11 +339,7 @@ def plan_configs(
     planner = planner_for(workload, backend)
     configs = {}
     for label in labels:
-        if label == "floor":
-            plan = plan_or_lowest(planner, lowest_budget(planner))
-        else:
-            plan = planner.plan(int(float(label) * planner.baseline_bytes))
-        config = planned(label, plan)
+        config = planned(label, plan_at(planner, label))
         configs[config.name] = config
     return configs
 
