@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -401,7 +402,8 @@ def plan_or_lowest(planner: sh.planner.Planner, budget_bytes: int) -> sh.Plan:
     at the lowest checked peak; where no plan within it is predicted to meet
     the planner's ``min_sqnr_db``, the budget raised by
     :data:`FIDELITY_STEP` (at least a byte) per try until one is, at most to
-    the modelled no-hook peak (each try a search, no compile).
+    the modelled no-hook peak (each try a search, no compile). Each such
+    change is said on stderr, out of the tables that go to stdout.
 
     Args:
         planner: the planner.
@@ -423,12 +425,12 @@ def plan_or_lowest(planner: sh.planner.Planner, budget_bytes: int) -> sh.Plan:
             if not error.checked or error.floor_bytes in tried:
                 raise
             budget = error.floor_bytes
-            print(f"{error}: planned at the lowest checked peak instead")
+            print(f"{error}: planned at the lowest checked peak instead", file=sys.stderr)
         except sh.InfeasibleFidelityError as error:
             if budget >= planner.baseline_bytes:
                 raise
             budget = min(max(int(budget * (1 + FIDELITY_STEP)), budget + 1), planner.baseline_bytes)
-            print(f"{error}: planned at {budget / 2**20:.2f} MiB instead")
+            print(f"{error}: planned at {budget / 2**20:.2f} MiB instead", file=sys.stderr)
 
 
 def plan_at(planner: sh.planner.Planner, label: str) -> sh.Plan:

@@ -49,10 +49,11 @@ from typing import Any
 
 import torch
 
+import savedhooks as sh
 from benchmarks.configs import CONFIGS, Config, Step, plan_at, planned, planner_for
 from benchmarks.models import MODELS, Workload, make_workload
 
-__all__ = ["Timing", "built_configs", "interleaved_times", "plan_configs", "round_ratios", "table", "time_configs"]
+__all__ = ["Timing", "built_configs", "interleaved_times", "plan_configs", "plan_label", "round_ratios", "table", "time_configs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +313,10 @@ def plan_configs(
 
     A fraction ``f`` plans for ``f`` times the planner's modelled no-hook peak;
     ``floor`` for the lowest peak it reaches, as ``python -m benchmarks.pareto``
-    does. Planning compiles the model several times (its survey and checks).
+    does. A fraction the planner cannot meet (below its floor, or no plan
+    predicted to meet its ``min_sqnr_db``) is said on stderr and left out, so
+    the other labels and models still run. Planning compiles the model several
+    times (its survey and checks).
 
     Args:
         model: a key of ``benchmarks.models.MODELS``.
@@ -323,13 +327,12 @@ def plan_configs(
         compiled_loss: plan the model with its loss (as ``--compiled-loss`` runs it).
 
     Returns:
-        Name -> configuration (for ``extra`` of :func:`time_configs`), in the order of ``labels``
-        (empty, and nothing built, without labels).
+        Name -> configuration (for ``extra`` of :func:`time_configs`), in the order of ``labels``,
+        without those it cannot meet (empty, and nothing built, without labels).
 
     Raises:
         KeyError: unknown model.
         ValueError: a label that :func:`plan_label` refuses.
-        InfeasibleBudgetError: a fraction below what the planner can reach.
     """
     labels = [plan_label(label) for label in labels]
     if not labels:  # nothing to plan: no model built
@@ -339,7 +342,12 @@ def plan_configs(
     planner = planner_for(workload, backend)
     configs = {}
     for label in labels:
-        config = planned(label, plan_at(planner, label))
+        try:
+            plan = plan_at(planner, label)
+        except (sh.InfeasibleBudgetError, sh.InfeasibleFidelityError) as error:
+            print(f"{model}: plan {label}: {error}; not timed", file=sys.stderr, flush=True)
+            continue
+        config = planned(label, plan)
         configs[config.name] = config
     return configs
 

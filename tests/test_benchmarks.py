@@ -475,7 +475,7 @@ def test_pareto_s_floor_row_raises_a_budget_until_a_plan_meets_min_sqnr(capsys):
     assert planner.asked[:2] == [100, 110] and all(b < 120 for b in planner.asked[1:-1])  # the checked peak, then up
     steps = zip(planner.asked[1:], planner.asked[2:])
     assert all(after == max(int(before * (1 + FIDELITY_STEP)), before + 1) for before, after in steps)
-    assert "predicted to meet min_sqnr_db=30" in capsys.readouterr().out
+    assert "predicted to meet min_sqnr_db=30" in capsys.readouterr().err  # out of the tables on stdout
     stuck = Planner()
     stuck.baseline_bytes = 115  # the no-hook peak itself is below 120: the error is raised
     with pytest.raises(sh.InfeasibleFidelityError):
@@ -667,7 +667,7 @@ def test_step_time_builds_each_configuration_with_its_baseline_and_times_them_in
             time_configs("mlp", ["sh offload"])
 
 
-def test_step_time_times_plans_made_for_the_model_in_turn_with_the_rest():
+def test_step_time_times_plans_made_for_the_model_in_turn_with_the_rest(capsys):
     from benchmarks.run import _saved_bytes
     from benchmarks.step_time import built_configs, plan_configs, plan_label, time_configs
 
@@ -676,8 +676,10 @@ def test_step_time_times_plans_made_for_the_model_in_turn_with_the_rest():
             plan_label(bad)
     assert [plan_label(x) for x in ("floor", "0.6", "1")] == ["floor", "0.6", "1"]
     assert plan_configs("mlp", []) == {}
-    plans = plan_configs("mlp", ["0.8", "floor"], size=0.25, backend="aot_eager")
-    assert list(plans) == ["plan 0.8", "plan floor"]
+    plans = plan_configs("mlp", ["0.8", "0.01", "floor"], size=0.25, backend="aot_eager")
+    assert list(plans) == ["plan 0.8", "plan floor"]  # 0.01 is below the floor: said on stderr, the rest planned
+    captured = capsys.readouterr()
+    assert "mlp: plan 0.01: " in captured.err and "not timed" in captured.err and "plan 0.01" not in captured.out
     with built_configs("mlp", ["compiled", *plans], size=0.25, backend="aot_eager", warmup=1, extra=plans) as built:
         saved = {name: _saved_bytes(step, "cpu") for name, (step, _) in built.items()}
     # each built copy runs its plan: the floor keeps less than the plan at 0.8, which keeps less than no hooks

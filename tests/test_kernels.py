@@ -207,7 +207,6 @@ def test_auto_uses_triton_only_on_cuda():
         assert uses_triton("auto", x) == HAS_TRITON and not uses_triton("aten", x)
 
 
-
 def test_dynamo_takes_triton_available_as_a_constant_without_a_warning_or_a_break():
     # codecs ask it under torch.compile on CUDA (uses_triton); traced through, a functools cache warned and
     # its importlib call broke the graph
@@ -226,6 +225,7 @@ def test_dynamo_takes_triton_available_as_a_constant_without_a_warning_or_a_brea
         out = step(torch.zeros(2))
     assert out.tolist() == ([1.0, 1.0] if HAS_TRITON else [-1.0, -1.0])
     assert not [w for w in caught if "lru_cache" in str(w.message)]
+
 
 # --- benchmark -----------------------------------------------------------------------------------
 
