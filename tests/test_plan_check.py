@@ -227,11 +227,26 @@ def test_a_budget_below_the_modelled_floor_is_met_by_a_checked_smallest_payload_
     assert not unchecked.value.checked and unchecked.value.floor_bytes == 55
 
 
-def test_below_the_modelled_floor_the_error_names_it_where_no_checked_plan_peaks_lower(monkeypatch):
-    planner, calls = _faked_planner(monkeypatch, {})  # every check: modelled + 10
-    with pytest.raises(sh.InfeasibleBudgetError) as info:
+def test_below_the_modelled_floor_the_error_names_the_lowest_checked_peak_even_above_it(monkeypatch):
+    # it named the modelled floor (55), and a plan for 55 then failed its check too: the advice did not hold
+    planner, _ = _faked_planner(monkeypatch, {})  # every check: modelled + 10 (65 codecs, 68 selective)
+    with pytest.raises(sh.InfeasibleBudgetError, match="budget_bytes >= 65") as info:
         planner.plan(54)
-    assert not info.value.checked and info.value.floor_bytes == 55 and len(calls) == 2
+    assert info.value.checked and info.value.floor_bytes == 65
+    followed = planner.plan(info.value.floor_bytes)
+    assert (followed.recompute, followed.predicted_peak_bytes) == ((), 65)
+
+
+def test_below_the_modelled_floor_the_error_names_the_floor_where_the_search_s_plan_there_checks_within_it(
+    monkeypatch,
+):
+    # the smallest-payload plans check above the floor (65, 68), the search's plan for 55 checks at 54
+    planner, _ = _faked_planner(monkeypatch, {("codecs", ("fp8", "keep")): 54})
+    with pytest.raises(sh.InfeasibleBudgetError, match="budget_bytes >= 54") as info:
+        planner.plan(50)
+    assert info.value.checked and info.value.floor_bytes == 54
+    followed = planner.plan(info.value.floor_bytes)
+    assert (_choices(followed), followed.predicted_peak_bytes) == (("fp8", "keep"), 54)
 
 
 def test_a_check_that_fails_warns_and_keeps_the_survey_s_plan(monkeypatch):

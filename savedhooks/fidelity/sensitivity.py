@@ -20,13 +20,15 @@ Design notes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.nn.parameter import UninitializedBuffer
 
 from savedhooks.codecs import fp8
 from savedhooks.codecs.base import Codec, as_codec
@@ -34,7 +36,7 @@ from savedhooks.fidelity.select import Census, SavedTensor, Selected, keyed_run
 from savedhooks.hooks import saved_tensors_hooks
 from savedhooks.metrics import worst_sqnr
 
-__all__ = ["SavedGroup", "Sensitivity", "sensitivity"]
+__all__ = ["SavedGroup", "Sensitivity", "kept_buffers", "sensitivity"]
 
 _MiB = 1 << 20
 
@@ -157,6 +159,41 @@ def call_model(fn: Callable[..., Any], inputs: Any) -> Any:
     return fn(*inputs)
 
 
+@contextlib.contextmanager
+def kept_buffers(model: torch.nn.Module) -> Iterator[None]:
+    """Restore the model's buffers after the ``with`` block: the steps run to measure it change nothing of it.
+
+    A training step updates buffers in place (batch norm's running statistics
+    and ``num_batches_tracked``); the steps that :func:`sensitivity` and
+    ``sh.plan`` run are measurements, not training. Each buffer is copied (on
+    its device) before and written back after; a buffer the step replaced is
+    put back. Lazy modules' uninitialized buffers
+    and inference tensors are left alone.
+
+    Args:
+        model: the module.
+
+    Returns:
+        A context manager.
+
+    Raises:
+        Nothing (what the block raises passes through, after the buffers are restored).
+    """
+    saved = [
+        (module, name, b, b.detach().clone())
+        for module in model.modules()
+        for name, b in module._buffers.items()
+        if b is not None and not isinstance(b, UninitializedBuffer) and not b.is_inference()
+    ]  # lazy modules' buffers have no values yet; inference tensors cannot be written here (and a step cannot either)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, name, b, value in saved:  # every one: batch norm's kernel updates its stats unversioned
+                module._buffers[name] = b  # a buffer the step replaced gets its own tensor back
+                b.copy_(value)
+
+
 def _groups(saved: Sequence[SavedTensor], individually: int) -> list[tuple[SavedTensor, ...]]:
     """The ``individually`` largest tensors alone, the rest grouped by producing op."""
     by_size = sorted(saved, key=lambda t: -t.bytes)
@@ -222,7 +259,7 @@ def sensitivity(
 
     def step(hooks_codec: Codec) -> tuple[dict[str, torch.Tensor | None], list[SavedTensor]]:
         model.zero_grad(set_to_none=True)
-        with keyed_run() as run, torch.random.fork_rng(), saved_tensors_hooks(hooks_codec.hooks()):
+        with keyed_run() as run, kept_buffers(model), torch.random.fork_rng(), saved_tensors_hooks(hooks_codec.hooks()):
             torch.manual_seed(seed)
             loss_fn(call_model(fn, example_inputs)).backward()
         grads = {name: p.grad.detach().clone() if p.grad is not None else None for name, p in model.named_parameters()}

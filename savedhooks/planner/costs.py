@@ -214,8 +214,8 @@ def recompute_seconds(
         paths, the mode and the device; see the design notes).
 
     Raises:
-        ValueError: a path names no submodule, or an unknown ``mode``.
-        RuntimeError: a block did not run in the forward.
+        ValueError: a path names no submodule, an unknown ``mode``, or a block
+            did not run in the forward.
     """
     check_mode(mode)
     device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))

@@ -98,12 +98,13 @@ def plan(
             not a bool or None, or ``output_held`` not a bool.
         ValueError: ``budget_bytes`` is not positive, ``backend`` is unknown, a
             block path names no submodule, ``min_sqnr_db`` is not finite, the
-            output has no floating tensor and no ``loss_fn``.
+            output has no floating tensor and no ``loss_fn``, or the model has
+            blocks checkpointed by a plan's ``apply`` (revert it first).
         NotCompiledError: the model did not compile (dynamo ran it eagerly).
         InfeasibleBudgetError: the budget is below the lowest peak reachable
-            (the error names it: the modelled floor, or with ``check`` the
-            lowest checked peak where that is lower), or, with ``check``, every
-            plan checked peaks above it.
+            (the error names it: with ``check``, the lowest checked peak where
+            a plan was checked, else the modelled floor), or, with ``check``,
+            every plan checked peaks above it.
         InfeasibleFidelityError: (``min_sqnr_db``) every plan meeting the
             budget is predicted (or, checked, measured) below it; the error
             names the best figure.

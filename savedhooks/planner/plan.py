@@ -75,7 +75,7 @@ from savedhooks.planner.fidelity import (
     predicted_db,
 )
 from savedhooks.planner.lockstep import checked_together, follow, is_leader, lead, several
-from savedhooks.planner.recompute import FULL, SELECTIVE, check_mode, find_blocks, resolve_blocks
+from savedhooks.planner.recompute import FULL, SELECTIVE, check_mode, checkpointed_blocks, find_blocks, resolve_blocks
 from savedhooks.planner.result import (
     InfeasibleBudgetError,
     InfeasibleFidelityError,
@@ -134,7 +134,8 @@ class Planner:
             TypeError: ``model`` is not a module, ``blocks`` is a string,
                 ``min_sqnr_db`` is not a number, or ``output_held`` not a bool.
             ValueError: ``backend`` is unknown, a block path names no submodule,
-                or ``min_sqnr_db`` is not finite.
+                ``min_sqnr_db`` is not finite, or the model has blocks
+                checkpointed by a plan's ``apply`` (revert it first).
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -148,6 +149,12 @@ class Planner:
         self.output_held = output_held
         self._limit: FidelityLimit | None = None
         self._limited: dict[tuple[int, str], int] = {}  # choices (units) that lost a lossy option, per setting
+        applied = checkpointed_blocks(model)
+        if applied:
+            raise ValueError(
+                f"plan: blocks {list(applied)} are checkpointed by a plan's apply: plan the model as it runs "
+                "without them (plan.revert(model) first), or its surveys would model them as never recomputed"
+            )
         self.blocks = find_blocks(model) if blocks is None else tuple(blocks)
         resolve_blocks(model, self.blocks)  # a bad path fails here, before any compile
         self._args = (model, example_inputs, loss_fn, backend, seed)
@@ -268,7 +275,18 @@ class Planner:
         baseline, floor = self.baseline_bytes, self.floor_bytes
         log = [f"{_name(*setting)}: not planned: {why}" for setting, why in self._skipped.items()]
         if check and budget_bytes < floor:
-            return self._chosen(self._below_floor(budget_bytes, log), log, _SMALLEST, verbose)
+            try:
+                return self._chosen(self._below_floor(budget_bytes, log), log, _SMALLEST, verbose)
+            except InfeasibleBudgetError as error:
+                if error.floor_bytes <= floor:
+                    raise
+                # every smallest-payload plan checked above the modelled floor; the search's own plan at that
+                # floor may check within it: name what a budget of the floor gets (planned, checked) or its error
+                try:
+                    lowest = self._plan(floor, False, check).predicted_peak_bytes
+                except InfeasibleBudgetError as above:
+                    lowest = above.floor_bytes
+                raise InfeasibleBudgetError(budget_bytes, lowest, baseline, checked=True) from None
         check_budget(budget_bytes, floor, baseline)
         ranked: list[tuple[tuple[int, str], Survey, Plan]] = []
         unfaithful: list[Plan] = []
@@ -336,7 +354,8 @@ class Planner:
 
         Raises:
             InfeasibleBudgetError: none meets the budget; it names the lowest
-                checked peak where that is below the modelled floor (``checked``), else the modelled floor.
+                checked peak (``checked``; above the modelled floor where every
+                check peaked above it), else, where nothing was checked, the modelled floor.
         """
         floor = self.floor_bytes
         near = [(s, found) for s, found in self._usable() if found.floor_bytes <= floor * (1 + FLOOR_MARGIN)]
@@ -356,11 +375,11 @@ class Planner:
                 f"{_name(*setting)}: below its modelled floor {found.floor_bytes / _MiB:.2f} MiB: every candidate "
                 f"at its smallest payload, {peak / _MiB:.2f} MiB on the graphs compiled with its hooks"
             )
-        checked = list(self._checked.values())  # these, and every plan checked for earlier budgets
-        meets = [(p, peak) for p, peak in checked if peak <= budget_bytes and self._faithful(p)]
-        lowest = min([floor, *(peak for p, peak in checked if self._faithful(p))])
-        if not meets:
-            raise InfeasibleBudgetError(budget_bytes, lowest, self.baseline_bytes, checked=lowest < floor)
+        checked = [(p, peak) for p, peak in self._checked.values() if self._faithful(p)]  # with earlier budgets' checks
+        meets = [(p, peak) for p, peak in checked if peak <= budget_bytes]
+        if not meets:  # a checked peak is a budget that is met; the modelled floor, where none was checked, may not be
+            lowest = min((peak for _, peak in checked), default=floor)
+            raise InfeasibleBudgetError(budget_bytes, lowest, self.baseline_bytes, checked=bool(checked))
         return cheapest(meets, budget_bytes)
 
     def _checked_best(

@@ -42,10 +42,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from savedhooks.fidelity.sensitivity import call_model
+from savedhooks.fidelity.sensitivity import call_model, kept_buffers
 
 __all__ = ["FULL", "MODES", "SAVED_OPS", "SELECTIVE", "block_seconds", "check_mode", "checkpoint_blocks", "checkpointed",
-           "find_blocks", "resolve_blocks", "restore_blocks", "save_products"]
+           "checkpointed_blocks", "find_blocks", "resolve_blocks", "restore_blocks", "save_products"]
 
 _ORIGINAL = "_savedhooks_forward"  # attribute of a checkpointed block: its forward before
 FULL, SELECTIVE = "full", "selective"
@@ -180,6 +180,26 @@ def checkpoint_blocks(model: torch.nn.Module, paths: Sequence[str], mode: str = 
         block.forward = functools.partial(checkpoint, original, **keywords)
 
 
+def checkpointed_blocks(model: torch.nn.Module) -> dict[str, str]:
+    """The blocks :func:`checkpoint_blocks` changed (a plan's ``apply``) and not restored, with their modes.
+
+    Args:
+        model: a module.
+
+    Returns:
+        Module path -> ``"full"`` or ``"selective"``, in module order.
+
+    Raises:
+        Nothing.
+    """
+    found = {}
+    for path, module in model.named_modules():
+        if _ORIGINAL in vars(module):
+            keywords = getattr(vars(module).get("forward"), "keywords", {})
+            found[path] = SELECTIVE if "context_fn" in keywords else FULL
+    return found
+
+
 def restore_blocks(model: torch.nn.Module, paths: Sequence[str] | None = None) -> None:
     """Undo :func:`checkpoint_blocks` on the named blocks (default: every block of the model).
 
@@ -241,8 +261,8 @@ def block_seconds(
         Seconds per block, in the order of ``paths``.
 
     Raises:
-        ValueError: a path names no submodule, ``repeats`` < 1, or an unknown ``mode``.
-        RuntimeError: a block did not run in the forward.
+        ValueError: a path names no submodule, ``repeats`` < 1, an unknown
+            ``mode``, or a block did not run in the forward.
     """
     if repeats < 1:
         raise ValueError(f"block_seconds: repeats must be >= 1, got {repeats}")
@@ -258,7 +278,9 @@ def block_seconds(
     deltas = _block_deltas(model, example_inputs, blocks, repeats, lambda: (now(),), contextlib.nullcontext())
     missing = [path for path, d in zip(paths, deltas) if not d]
     if missing:
-        raise RuntimeError(f"block_seconds: blocks {missing} did not run in the model's forward")
+        raise ValueError(
+            f"block_seconds: blocks {missing} did not run in the model's forward (pass blocks= the blocks it runs)"
+        )
     seconds = tuple(min(t for (t,) in d) for d in deltas)
     if mode == FULL:
         return seconds
@@ -303,7 +325,7 @@ def _block_deltas(
     handles = [h for i, b in enumerate(blocks) for h in (b.register_forward_pre_hook(pre(i)),
                                                           b.register_forward_hook(post(i)))]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), mode:
+        with torch.no_grad(), kept_buffers(model), torch.random.fork_rng(devices=[]), mode:
             for _ in range(repeats):
                 call_model(model, example_inputs)
     finally:

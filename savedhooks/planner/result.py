@@ -12,7 +12,14 @@ from savedhooks.codecs import Bitmask, Downcast, Float8, Offload, Policy
 from savedhooks.codecs.base import Codec
 from savedhooks.hooks import HookPair
 from savedhooks.planner.census import plan_key
-from savedhooks.planner.recompute import FULL, SELECTIVE, check_mode, checkpoint_blocks, restore_blocks
+from savedhooks.planner.recompute import (
+    FULL,
+    SELECTIVE,
+    check_mode,
+    checkpoint_blocks,
+    checkpointed_blocks,
+    restore_blocks,
+)
 
 __all__ = ["CODECS", "InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "check_budget", "check_output_held"]
 
@@ -205,9 +212,18 @@ class Plan:
             ``model``.
 
         Raises:
-            ValueError: ``model`` lacks a block the plan names.
+            ValueError: ``model`` lacks a block the plan names, or has blocks
+                checkpointed otherwise (another plan applied: revert it first).
+                Applying the same plan again changes nothing.
         """
-        checkpoint_blocks(model, self.recompute, self.recompute_mode)
+        mode = self.recompute_mode
+        other = [path for path, m in checkpointed_blocks(model).items() if path not in self.recompute or m != mode]
+        if other:
+            raise ValueError(
+                f"Plan.apply: blocks {other} are checkpointed already, not as this plan recomputes them "
+                "(another plan applied?): revert that plan first"
+            )
+        checkpoint_blocks(model, self.recompute, mode)
         return model
 
     def revert(self, model: torch.nn.Module) -> torch.nn.Module:

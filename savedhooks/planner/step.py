@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,23 +17,26 @@ import torch
 import torch.utils._pytree as pytree
 
 from savedhooks.fidelity.select import mark_loss
-from savedhooks.fidelity.sensitivity import call_model
+from savedhooks.fidelity.sensitivity import call_model, kept_buffers
 from savedhooks.memory.graph import tensor_storages
 from savedhooks.memory.measure import measure_peak
 from savedhooks.memory.sizes import allocated_bytes, storage_key, tensor_nbytes
 from savedhooks.planner.census import GraphTimeline, timeline_of
-from savedhooks.planner.recompute import FULL, checkpointed
+from savedhooks.planner.recompute import FULL, checkpointed, resolve_blocks
 from savedhooks.planner.recording import COPIED_INPUTS, GraphRecorder, recording_backend
 
 __all__ = [
     "NotCompiledError",
     "RecordedStep",
+    "checkpoint_regions",
+    "counting_runs",
     "device_of",
     "gradient_bytes",
     "graph_timelines",
     "loss_peak",
     "output_terms",
     "record_step",
+    "run_order",
     "train_step",
 ]
 
@@ -50,12 +54,17 @@ class RecordedStep:
         backwards: the backward graphs' timelines, in the order they ran.
         output: the model's output, detached.
         fused: the graphs were modelled as inductor runs them.
+        runs: per entry of ``forwards``, the index of its compiled graph (in
+            compile order, which a census's ``g<i>`` follows where every graph
+            saves a tensor): a graph dynamo reused within the step appears once
+            per run (:func:`graph_timelines`).
     """
 
     forwards: list[GraphTimeline]
     backwards: list[GraphTimeline]
     output: Any
     fused: bool
+    runs: tuple[int, ...] = ()
 
 
 def device_of(example_inputs: Any) -> torch.device:
@@ -82,11 +91,12 @@ def train_step(
     seed: int,
     grads: dict[str, torch.Tensor | None] | None = None,
 ) -> Any:
-    """One training step (forward, loss, backward) under ``seed``; the model's gradients are cleared after.
+    """One training step (forward, loss, backward) under ``seed``; the model's gradients are cleared and its buffers restored after.
 
     Args:
         fn: the model, compiled or not.
-        model: the module (its gradients are cleared before and after).
+        model: the module (its gradients are cleared before and after; its buffers,
+            such as batch norm's running statistics, are restored after).
         example_inputs: as for :func:`savedhooks.plan`.
         loss_fn: turns the output into a scalar.
         seed: ``torch.manual_seed`` before the step (the global RNG is restored after).
@@ -100,7 +110,7 @@ def train_step(
         Whatever the model or the loss raises.
     """
     model.zero_grad(set_to_none=True)
-    with torch.random.fork_rng(devices=[]):
+    with kept_buffers(model), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         output = call_model(fn, example_inputs)
         mark_loss()  # a census tells the loss's saves from the model's eager ones
@@ -264,9 +274,11 @@ def record_step(
 
     Raises:
         ValueError: ``backend`` is unknown, or a ``recompute`` path names no submodule.
-        NotCompiledError: the model did not compile (dynamo ran it eagerly).
+        NotCompiledError: the model did not compile (dynamo ran it eagerly), or
+            fewer checkpointed regions ran in its graphs than blocks were checkpointed.
     """
     recording, recorder, fused = recording_backend(backend, unhook=unhook)
+    runs: list[int] = []
     with (
         checkpointed(model, tuple(recompute), recompute_mode),
         torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16),
@@ -275,7 +287,7 @@ def record_step(
     ):
         try:
             with within(), recorder.kernel_order():
-                compiled = torch.compile(model, backend=recording)
+                compiled = torch.compile(model, backend=counting_runs(recording, recorder, runs))
                 output = train_step(compiled, model, example_inputs, loss_fn, seed, grads)
         finally:
             torch._dynamo.reset()
@@ -286,16 +298,97 @@ def record_step(
             "(Below a DDP or FSDP2 wrapper dynamo compiles only frames of user code: a model whose forward is "
             "torch's, such as nn.Sequential, runs eagerly, and so does a checkpointed block there.)"
         )
-    forwards, backwards = graph_timelines(recorder, fused)
-    return RecordedStep(forwards, backwards, output, fused)
+    order = run_order(runs, len(recorder.forwards))
+    regions = sum(len(checkpoint_regions(recorder.forwards[g])) for g in order)
+    blocks = len({id(b) for b in resolve_blocks(model, recompute)}) if recompute else 0
+    if regions < blocks:
+        raise NotCompiledError(
+            f"plan: {blocks} blocks were checkpointed but the compiled forwards ran {regions} checkpointed "
+            "regions: the others ran eagerly (torch.utils.checkpoint is not traced from an eager frame, such as a "
+            "forward with a graph break in the loop over its blocks), which the memory model does not see"
+        )
+    forwards, backwards = graph_timelines(recorder, fused, order)
+    return RecordedStep(forwards, backwards, output, fused, order)
 
 
-def graph_timelines(recorder: GraphRecorder, fused: bool) -> tuple[list[GraphTimeline], list[GraphTimeline]]:
-    """The timelines of a recorder's graphs: forwards in trace order, backwards in the order they ran.
+def counting_runs(compile: Callable[..., Any], recorder: GraphRecorder, runs: list[int]) -> Callable[..., Any]:
+    """``compile`` as a ``torch.compile`` backend whose compiled graphs append their forward's index to ``runs`` per call.
+
+    Dynamo reuses a compiled graph wherever its guards hold: blocks of one class
+    compiled as frames of their own (a graph break in the loop over them) run one
+    graph several times in a step, and each run saves its own tensors.
+
+    Args:
+        compile: the recording backend (:func:`savedhooks.planner.recording.recording_backend`).
+        recorder: its recorder.
+        runs: filled with the index in ``recorder.forwards`` of each forward run,
+            in order (a compile that records no forward graph, or several, is not counted).
+
+    Returns:
+        The backend.
+
+    Raises:
+        Nothing (the wrapped backend's errors pass through when it compiles).
+    """
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        before = len(recorder.forwards)
+        compiled = compile(gm, example_inputs)
+        if len(recorder.forwards) != before + 1:
+            return compiled
+
+        @functools.wraps(compiled)
+        def run(*args: Any) -> Any:
+            runs.append(before)
+            return compiled(*args)
+
+        return run
+
+    return backend
+
+
+def checkpoint_regions(gm: torch.fx.GraphModule) -> set[int]:
+    """The activation-checkpoint regions a compiled forward graph runs (its nodes' ``ac_graph_id``).
+
+    Args:
+        gm: a recorded forward graph.
+
+    Returns:
+        The regions' ids.
+
+    Raises:
+        Nothing.
+    """
+    return {n.meta["ac_graph_id"] for n in gm.graph.nodes if "ac_graph_id" in n.meta}
+
+
+def run_order(runs: Sequence[int], graphs: int) -> tuple[int, ...]:
+    """The compiled graph of each forward run: ``runs`` where it counted every graph, else each graph once in order.
+
+    Args:
+        runs: what :func:`counting_runs` filled.
+        graphs: how many forward graphs were recorded.
+
+    Returns:
+        Graph indices, one per forward run.
+
+    Raises:
+        Nothing.
+    """
+    return tuple(runs) if set(runs) == set(range(graphs)) else tuple(range(graphs))
+
+
+def graph_timelines(
+    recorder: GraphRecorder, fused: bool, runs: Sequence[int] | None = None
+) -> tuple[list[GraphTimeline], list[GraphTimeline]]:
+    """The timelines of a recorder's graphs as they ran: forwards in run order, backwards in the reverse.
 
     Args:
         recorder: what one step's compile kept (as many backward graphs as forward graphs).
         fused: model the graphs as inductor runs them (:func:`savedhooks.planner.census.timeline_of`).
+        runs: the forward graph of each run, in order (:func:`run_order`); a
+            graph that runs twice appears twice, and so do its timelines. None:
+            each graph once, in trace order.
 
     Returns:
         ``(forwards, backwards)``; each forward's saved values are its backward's placeholders.
@@ -303,9 +396,12 @@ def graph_timelines(recorder: GraphRecorder, fused: bool) -> tuple[list[GraphTim
     Raises:
         ValueError: as :func:`savedhooks.planner.census.timeline_of`.
     """
-    forwards = [
-        timeline_of(fw, {n.name for n in bw.graph.find_nodes(op="placeholder")}, fused=fused)
-        for fw, bw in zip(recorder.forwards, reversed(recorder.backwards))
-    ]
-    copied = [fw.meta.get(COPIED_INPUTS, ()) for fw in reversed(recorder.forwards)]
-    return forwards, [timeline_of(bw, fused=fused, copied=c) for bw, c in zip(recorder.backwards, copied)]
+    order = tuple(range(len(recorder.forwards))) if runs is None else tuple(runs)
+    # a backward compiles when it first runs: in the backward of its graph's last forward run
+    backward_of = dict(zip(dict.fromkeys(reversed(order)), recorder.backwards))
+    forwards, backwards = [], []
+    for g, fw in enumerate(recorder.forwards):
+        bw = backward_of[g]
+        forwards.append(timeline_of(fw, {n.name for n in bw.graph.find_nodes(op="placeholder")}, fused=fused))
+        backwards.append(timeline_of(bw, fused=fused, copied=fw.meta.get(COPIED_INPUTS, ())))
+    return [forwards[g] for g in order], [backwards[g] for g in reversed(order)]

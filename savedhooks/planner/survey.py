@@ -57,7 +57,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -289,7 +289,7 @@ def survey(
         TypeError: ``model`` is not a module, or ``output_held`` not a bool.
         ValueError: ``backend`` is unknown, the output has no floating tensor
             and no ``loss_fn``, or a ``recompute`` path names no submodule.
-        NotCompiledError: the model did not compile (dynamo ran it eagerly).
+        NotCompiledError: as :func:`savedhooks.planner.step.record_step`.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -309,14 +309,20 @@ def survey(
     outlives_loss, held = output_terms(step, device, output_held)
     loss = loss_peak(loss_fn, step.output, device, seed, outlives_loss)
     timeline = step_timeline(forwards, backwards, eager, loss, held)
-    groups, blocked = _choice_groups(run.census, forwards)
+    runs = step.runs or tuple(range(len(forwards)))
+    first = {g: r for r, g in reversed(list(enumerate(runs)))}  # a graph's first run: its census index's timeline
+    groups, blocked = _choice_groups(run.census, [forwards[first[g]] for g in sorted(first)])
+    at = {t.key: _run_keys(t.key, runs) for ts in groups.values() for t in ts if t.key not in blocked}
     units = tuple(
         Unit(
             key,
             sum(t.bytes for t in ts),
-            tuple((*timeline.spans[t.key], t.bytes) for t in ts if t.key in timeline.spans and t.key not in blocked),
-            _merged_options([_options(same, device, backend, key_of_saved(same[0]) in by_loss) for same in _by_plan_key(ts)]),
-            tuple(span for t in ts if t.key not in blocked for span in _reread(t, timeline, device, fused)),
+            tuple((*timeline.spans[k], t.bytes) for t in ts for k in at.get(t.key, ()) if k in timeline.spans),
+            _per_run(
+                _merged_options([_options(same, device, backend, key_of_saved(same[0]) in by_loss) for same in _by_plan_key(ts)]),
+                sum(t.bytes * max(len(at.get(t.key, ())), 1) for t in ts) / max(sum(t.bytes for t in ts), 1),
+            ),
+            tuple(span for t in ts for span in _reread(t, at.get(t.key, ()), timeline, device, fused)),
         )
         for key, ts in sorted(groups.items())
     )
@@ -326,19 +332,32 @@ def survey(
     )
 
 
+def _run_keys(key: str, runs: tuple[int, ...]) -> list[str]:
+    """The timeline keys of a census key: ``"g<i>:<node>"`` once per run of graph ``i`` (see :attr:`RecordedStep.runs`).
+
+    A census lists what the hooks saw while the graphs were traced, once per
+    compiled graph; a graph that dynamo reused runs, and saves, once per call,
+    each run under the same plan key. Eager keys are their own.
+    """
+    graph, _, name = key.partition(":")
+    if not graph.startswith("g") or not graph[1:].isdigit():
+        return [key]
+    return [f"g{r}:{name}" for r, g in enumerate(runs) if g == int(graph[1:])]
+
+
 def _reread(
-    saved: SavedTensor, timeline: StepTimeline, device: torch.device, fused: bool
+    saved: SavedTensor, keys: Collection[str], timeline: StepTimeline, device: torch.device, fused: bool
 ) -> list[tuple[int, int, int]]:
-    """Under inductor, the points after the first use of ``saved`` where a fused decode holds only the payload.
+    """Under inductor, the points after the first use of ``saved`` (at each of its timeline ``keys``) where a fused decode holds only the payload.
 
     Floating tensors only, and not the 16-bit ones on the CPU, which the codecs
     decode with their materializing ops (:func:`savedhooks.codecs.base.uses_fused`).
     """
-    if not fused or saved.key not in timeline.spans or not saved.dtype.is_floating_point:
+    if not fused or not saved.dtype.is_floating_point:
         return []
     if materializes_better(torch.empty(0, dtype=saved.dtype, device=device)):
         return []
-    return [(start, end, saved.bytes) for start, end in timeline.reread.get(saved.key, ())]
+    return [(a, b, saved.bytes) for k in keys if k in timeline.spans for a, b in timeline.reread.get(k, ())]
 
 
 def _by_plan_key(tensors: tuple[SavedTensor, ...]) -> list[list[SavedTensor]]:
@@ -381,6 +400,11 @@ def _choice_groups(
     for t in census:
         units.setdefault(unit_of[key_of[t.key]], []).append(t)
     return {k: tuple(v) for k, v in units.items()}, blocked
+
+
+def _per_run(options: tuple[Option, ...], runs: float) -> tuple[Option, ...]:
+    """Options whose times count every run of a reused graph (``runs``: the unit's runs, weighted by bytes)."""
+    return options if runs == 1 else tuple(dataclasses.replace(o, seconds=o.seconds * runs) for o in options)
 
 
 def _merged_options(per_key: list[tuple[Option, ...]]) -> tuple[Option, ...]:
