@@ -167,8 +167,8 @@ def kept_buffers(model: torch.nn.Module) -> Iterator[None]:
     and ``num_batches_tracked``); the steps that :func:`sensitivity` and
     ``sh.plan`` run are measurements, not training. Each buffer is copied (on
     its device) before and written back after; a buffer the step replaced is
-    put back. Lazy modules' uninitialized buffers
-    and inference tensors are left alone.
+    put back. Lazy modules' uninitialized buffers and inference tensors are
+    left alone.
 
     Args:
         model: the module.

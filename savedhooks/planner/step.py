@@ -64,7 +64,7 @@ class RecordedStep:
     backwards: list[GraphTimeline]
     output: Any
     fused: bool
-    runs: tuple[int, ...] = ()
+    runs: tuple[int, ...]
 
 
 def device_of(example_inputs: Any) -> torch.device:

@@ -309,7 +309,7 @@ def survey(
     outlives_loss, held = output_terms(step, device, output_held)
     loss = loss_peak(loss_fn, step.output, device, seed, outlives_loss)
     timeline = step_timeline(forwards, backwards, eager, loss, held)
-    runs = step.runs or tuple(range(len(forwards)))
+    runs = step.runs
     first = {g: r for r, g in reversed(list(enumerate(runs)))}  # a graph's first run: its census index's timeline
     groups, blocked = _choice_groups(run.census, [forwards[first[g]] for g in sorted(first)])
     at = {t.key: _run_keys(t.key, runs) for ts in groups.values() for t in ts if t.key not in blocked}
