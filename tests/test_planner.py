@@ -671,6 +671,28 @@ def test_a_cpu_call_of_several_kernels_allocates_before_it_and_frees_after_it():
     assert max(timeline([KernelCall(("relu", "sum_1", "exp"), extern=False)]).live) == relu + 4 + exp
 
 
+def test_a_pointwise_kernel_writes_in_place_only_into_an_input_inductor_was_donated():
+    # inductor reuses a dying graph input only if AOTAutograd donated it (a saved
+    # activation no forward output holds); never an incoming gradient, nor a saved
+    # value the forward also returned (HF's logits, which its loss read inside the
+    # graph): the kernel allocates its output beside them
+    size = 64 * 64 * 4
+
+    def peak(backward, donated=None):
+        gm = _traced(backward, (64, 64), (64, 64))
+        if donated is not None:
+            gm.meta["savedhooks_donated"] = donated
+        return max(timeline_of(gm, fused=True).live)
+
+    def both_die(saved_a, tangents_1):
+        return saved_a * tangents_1 + 1
+
+    assert peak(both_die) < size  # saved_a taken (no record: any saved activation)
+    assert peak(both_die, ("saved_a_1",)) < size
+    assert peak(both_die, ()) >= size  # saved_a also a forward output: not donated
+    assert peak(lambda primals_1, tangents_1: primals_1 * tangents_1) >= size  # a gradient is never taken
+
+
 def test_a_scatter_into_its_fill_takes_the_fills_buffer_within_one_call():
     # inductor lowers scatter_add(zeros, ...) as a fill and a scatter into that buffer:
     # one 16 KiB buffer, not two, across the whole call (exp's output is made at its

@@ -69,7 +69,7 @@ from savedhooks.memory import build_graph_memory, freed_inputs, saved_activation
 from savedhooks.memory.estimate import _input_bytes, _report_device
 from savedhooks.memory.fusion import inlined_nodes, is_alias, is_view
 from savedhooks.memory.sizes import storage_key, tensor_nbytes
-from savedhooks.planner.recording import COPIED_INPUTS, REALIZED, KernelCall, kernel_calls, run_in_kernel_order
+from savedhooks.planner.recording import COPIED_INPUTS, DONATED, REALIZED, KernelCall, kernel_calls, run_in_kernel_order
 
 __all__ = [
     "GraphTimeline",
@@ -252,7 +252,11 @@ def _reused_in_place(
     """Per node, the bytes inductor writes in place: an output that takes a same-size buffer dying where it is made.
 
     Inductor's generated code does this (``buf5 = buf2; del buf2  # reuse``
-    before a fused pointwise kernel), a saved input included; the buffer model
+    before a fused pointwise kernel), a saved input included where AOTAutograd
+    donated it (:data:`DONATED`; without that record, any saved activation):
+    never an incoming gradient, nor a saved value the forward also returned
+    (a model's logits that its loss read inside the graph: the kernel that
+    makes the logits' gradient allocates it beside both). The buffer model
     allocates before it frees, so without this rule a GELU backward counts its
     output on top of the matmul gradient it overwrites. A scatter
     (:data:`_SCATTERS`) writes into its first input's buffer where that input
@@ -261,6 +265,11 @@ def _reused_in_place(
     """
     nodes = {n.name: n for n in gm.graph.nodes}
     position = {name: i for i, name in enumerate(memory.node_names)}
+    donated = set(gm.meta[DONATED] if DONATED in gm.meta else saved_activations(gm))
+
+    def own(buffers: tuple[int, ...]) -> tuple[int, ...]:
+        """``buffers`` less the graph inputs inductor may not write in place."""
+        return tuple(b for b in buffers if not memory.buffers[b].is_input or memory.buffers[b].name in donated)
 
     def taken(made: tuple[int, ...], dying: tuple[int, ...]) -> int:
         """Bytes of ``made`` that take the place of a same-size buffer among ``dying``."""
@@ -277,10 +286,10 @@ def _reused_in_place(
         """The buffers dying at node ``i`` that its output may take: any for a pointwise op, a scatter's first input's."""
         node = nodes[memory.node_names[i]]
         if torch.Tag.pointwise in getattr(node.target, "tags", ()):
-            return memory.frees[i]
+            return own(memory.frees[i])
         if node.target in _SCATTERS and isinstance(node.args[0], torch.fx.Node):
             into = position.get(_maker(node.args[0]).name)
-            return tuple(b for b in memory.frees[i] if into is not None and b in memory.allocs[into])
+            return own(tuple(b for b in memory.frees[i] if into is not None and b in memory.allocs[into]))
         return ()
 
     reused = [0] * len(memory.node_names)

@@ -50,6 +50,7 @@ import torch
 from savedhooks.codecs import fp8
 from savedhooks.fidelity.select import SavedTensor
 from savedhooks.fidelity.sensitivity import default_loss, sensitivity
+from savedhooks.planner.caches import caches_off
 from savedhooks.planner.result import Plan
 from savedhooks.planner.step import train_step
 from savedhooks.planner.survey import Survey
@@ -220,6 +221,7 @@ def measure_limit(
     with (
         torch._functorch.config.patch(enable_autograd_cache=False),
         torch._inductor.config.patch(fx_graph_cache=False),
+        caches_off(model),  # as the plan trains
     ):
         report = sensitivity(model, example_inputs, fp8(), loss_fn, backend, individually, seed, verbose=False)
     if not report.groups:

@@ -43,7 +43,10 @@ def plan(
     ``torch._dynamo.reset()``: plan before compiling anything else.
 
     Args:
-        model: the module to train (not compiled: the plan compiles it).
+        model: the module to train (not compiled: the plan compiles it). A
+            transformers model plans and trains with its configs'
+            ``use_cache`` off (:mod:`savedhooks.planner.caches`), as
+            transformers' own gradient checkpointing trains.
         example_inputs: a tuple of positional arguments, a dict of keyword
             arguments, or one tensor, of the shapes training uses.
         budget_bytes: the peak to meet, in bytes above what is alive before the
@@ -95,11 +98,16 @@ def plan(
     Raises:
         TypeError: ``model`` is not a module, ``budget_bytes`` not an int,
             ``blocks`` a string, ``min_sqnr_db`` not a number, ``check``
-            not a bool or None, or ``output_held`` not a bool.
-        ValueError: ``budget_bytes`` is not positive, ``backend`` is unknown, a
-            block path names no submodule, ``min_sqnr_db`` is not finite, the
-            output has no floating tensor and no ``loss_fn``, or the model has
-            blocks checkpointed by a plan's ``apply`` (revert it first).
+            not a bool or None, ``output_held`` not a bool, or ``loss_fn``
+            returns other than a floating tensor.
+        ValueError: ``model`` is compiled already, ``budget_bytes`` is not
+            positive, ``backend`` is unknown, a block path names no submodule,
+            ``min_sqnr_db`` is not finite, the output has no floating tensor
+            and no ``loss_fn``, the loss is not a scalar, the model raises on
+            ``example_inputs`` (one eager forward checks them; the model's
+            error is the cause), ``example_inputs`` ask for a KV cache
+            (``use_cache=True``), or the model has blocks checkpointed by a
+            plan's ``apply`` (revert it first).
         NotCompiledError: the model did not compile (dynamo ran it eagerly).
         InfeasibleBudgetError: the budget is below the lowest peak reachable
             (the error names it: with ``check``, the lowest checked peak where

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from savedhooks.metrics import worst_sqnr
+from savedhooks.planner.caches import check_no_cache_input
 from savedhooks.planner.check import (
     cheapest,
     check_peak,
@@ -83,6 +84,7 @@ from savedhooks.planner.result import (
     check_budget,
     check_output_held,
 )
+from savedhooks.planner.step import check_call
 from savedhooks.planner.survey import NotCompiledError, Survey, survey
 
 __all__ = ["FLOOR_MARGIN", "MAX_STRATEGIES", "Planner"]
@@ -118,7 +120,7 @@ class Planner:
         min_sqnr_db: float | None = None,
         output_held: bool = False,
     ) -> None:
-        """Set up the planner; nothing is compiled until a survey is needed.
+        """Set up the planner: one eager forward (no grad) checks the inputs; nothing is compiled until a survey is needed.
 
         Args:
             model: the module to train (not compiled: the planner compiles it).
@@ -132,19 +134,30 @@ class Planner:
 
         Raises:
             TypeError: ``model`` is not a module, ``blocks`` is a string,
-                ``min_sqnr_db`` is not a number, or ``output_held`` not a bool.
-            ValueError: ``backend`` is unknown, a block path names no submodule,
-                ``min_sqnr_db`` is not finite, or the model has blocks
-                checkpointed by a plan's ``apply`` (revert it first).
+                ``min_sqnr_db`` is not a number, ``output_held`` not a bool,
+                or ``loss_fn`` returns other than a floating tensor.
+            ValueError: ``model`` is compiled already, ``backend`` is unknown,
+                a block path names no submodule, ``min_sqnr_db`` is not
+                finite, the model has blocks checkpointed by a plan's
+                ``apply`` (revert it first), ``example_inputs`` ask for a KV
+                cache (``use_cache=True``), the model raises on
+                ``example_inputs`` (its error is the cause), or the loss is
+                not a scalar.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
+        if _compiled(model):
+            raise ValueError(
+                "plan: model is compiled already (torch.compile(model) or model.compile()): plan the module itself "
+                "(the planner compiles it for each survey), then plan.apply(model) and compile it"
+            )
         if backend not in ("inductor", "aot_eager"):
             raise ValueError(f"plan: backend must be 'inductor' or 'aot_eager', got {backend!r}")
         if isinstance(blocks, str):
             raise TypeError(f"plan: blocks must be a sequence of module paths, got the string {blocks!r}")
         check_min_sqnr(min_sqnr_db)
         check_output_held(output_held, "plan")
+        check_no_cache_input(example_inputs)
         self.min_sqnr_db = min_sqnr_db
         self.output_held = output_held
         self._limit: FidelityLimit | None = None
@@ -157,6 +170,7 @@ class Planner:
             )
         self.blocks = find_blocks(model) if blocks is None else tuple(blocks)
         resolve_blocks(model, self.blocks)  # a bad path fails here, before any compile
+        check_call(model, example_inputs, loss_fn)  # so do bad inputs and a loss that is not a scalar
         self._args = (model, example_inputs, loss_fn, backend, seed)
         count = len(self.blocks)
         steps = min(count + 1, MAX_STRATEGIES)
@@ -455,3 +469,7 @@ def _name(k: int, mode: str, verb: str = "recompute") -> str:
     """A recompute setting in the log: ``"recompute 2 blocks"``, ``"recompute 2 blocks selectively"``."""
     return f"{verb} {k} blocks" + (" selectively" if k and mode == SELECTIVE else "")
 
+
+def _compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is ``torch.compile``'s wrapper of a module, or a module compiled in place by ``.compile()``."""
+    return isinstance(model, torch._dynamo.OptimizedModule) or getattr(model, "_compiled_call_impl", None) is not None

@@ -8,7 +8,8 @@ Design notes
   longest (from early in the forward to late in the backward).
 * Checkpointing a block replaces the block instance's ``forward`` with a call
   of ``torch.utils.checkpoint.checkpoint(original forward, use_reentrant=False)``.
-  The module tree, ``state_dict`` keys and hooks are unchanged; under
+  The module tree and ``state_dict`` keys are unchanged (one forward
+  pre-hook drops KV cache arguments: :mod:`savedhooks.planner.caches`); under
   ``torch.compile`` dynamo traces the call as its activation-checkpoint
   higher-order op and the partitioner recomputes the block in the backward
   (torch's mechanism; nothing of ours recomputes). :func:`restore_blocks`
@@ -43,11 +44,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from savedhooks.fidelity.sensitivity import call_model, kept_buffers
+from savedhooks.planner.caches import caches_off, without_cache_arguments
 
 __all__ = ["FULL", "MODES", "SAVED_OPS", "SELECTIVE", "block_seconds", "check_mode", "checkpoint_blocks", "checkpointed",
            "checkpointed_blocks", "find_blocks", "resolve_blocks", "restore_blocks", "save_products"]
 
 _ORIGINAL = "_savedhooks_forward"  # attribute of a checkpointed block: its forward before
+_CACHE_HOOK = "_savedhooks_cache_hook"  # attribute of a checkpointed block: its pre-hook's handle (_no_cache)
 FULL, SELECTIVE = "full", "selective"
 MODES = (FULL, SELECTIVE)
 _aten = torch.ops.aten
@@ -153,7 +156,9 @@ def checkpoint_blocks(model: torch.nn.Module, paths: Sequence[str], mode: str = 
     """Recompute the named blocks in the backward (``torch.utils.checkpoint``, non-reentrant).
 
     Idempotent: a block already checkpointed stays checkpointed once, in the
-    mode it was checkpointed with.
+    mode it was checkpointed with. A checkpointed block called in train mode
+    with grad enabled runs without a KV cache (``use_cache=False``, cache
+    arguments None: :func:`savedhooks.planner.caches.without_cache_arguments`).
 
     Args:
         model: the module holding the blocks.
@@ -178,6 +183,14 @@ def checkpoint_blocks(model: torch.nn.Module, paths: Sequence[str], mode: str = 
         original = block.forward
         setattr(block, _ORIGINAL, original)
         block.forward = functools.partial(checkpoint, original, **keywords)
+        # outside the checkpoint, like the module's other hooks; the forward stays torch's own frame
+        setattr(block, _CACHE_HOOK, block.register_forward_pre_hook(_no_cache, with_kwargs=True))
+
+
+def _no_cache(block: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A checkpointed block's forward pre-hook: its KV cache arguments dropped when a backward will recompute it."""
+    kept = without_cache_arguments(block, kwargs)
+    return None if kept is kwargs else (args, kept)
 
 
 def checkpointed_blocks(model: torch.nn.Module) -> dict[str, str]:
@@ -218,6 +231,7 @@ def restore_blocks(model: torch.nn.Module, paths: Sequence[str] | None = None) -
         if _ORIGINAL in vars(block):
             del block.forward
             delattr(block, _ORIGINAL)
+            vars(block).pop(_CACHE_HOOK).remove()
 
 
 @contextlib.contextmanager
@@ -325,7 +339,7 @@ def _block_deltas(
     handles = [h for i, b in enumerate(blocks) for h in (b.register_forward_pre_hook(pre(i)),
                                                           b.register_forward_hook(post(i)))]
     try:
-        with torch.no_grad(), kept_buffers(model), torch.random.fork_rng(devices=[]), mode:
+        with torch.no_grad(), kept_buffers(model), caches_off(model), torch.random.fork_rng(devices=[]), mode:
             for _ in range(repeats):
                 call_model(model, example_inputs)
     finally:

@@ -25,15 +25,17 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch._dynamo.backends.debugging import boxed_nop
+from torch._inductor import ir as inductor_ir
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.virtualized import V
 
 from savedhooks.compilers import placed_aot_eager, reorder_pass
 from savedhooks.memory.fusion import is_alias
 from savedhooks.passes import is_backward_graph, reorder_for_memory, unhook_names
 
 __all__ = [
-    "COPIED_INPUTS", "REALIZED", "GraphRecorder", "KernelCall", "fresh_backend", "kernel_calls", "recording_backend",
-    "run_in_kernel_order",
+    "COPIED_INPUTS", "DONATED", "REALIZED", "GraphRecorder", "KernelCall", "fresh_backend", "kernel_calls",
+    "recording_backend", "run_in_kernel_order",
 ]
 
 
@@ -79,8 +81,9 @@ class GraphRecorder(CustomGraphPass):
         graph's ``meta["savedhooks_kernel_order"]``, the FX nodes whose values
         inductor stored (its buffers' origin nodes) in ``meta["savedhooks_realized"]``,
         the kernels its generated code runs as one call in
-        ``meta["savedhooks_kernel_calls"]`` (:func:`kernel_calls`);
-        a compile nested in the graph's run (a codec's eager path) is not recorded.
+        ``meta["savedhooks_kernel_calls"]`` (:func:`kernel_calls`), the
+        inputs whose buffers it may write in place in ``meta["savedhooks_donated"]``
+        (:data:`DONATED`); a compile nested in the graph's run (a codec's eager path) is not recorded.
 
         Args:
             None.
@@ -111,6 +114,7 @@ class GraphRecorder(CustomGraphPass):
                     if (origin := getattr(buffer.node, "origin_node", None)) is not None
                 )
                 self._last.meta[COPIED_INPUTS] = _copied_inputs(self._last.graph)
+                self._last.meta[DONATED] = _donated_inputs()
             return ordered
 
         inductor_memory.reorder_for_peak_memory = reorder
@@ -226,10 +230,27 @@ def _copied_inputs(graph: torch.fx.Graph) -> tuple[str, ...]:
     return tuple(sorted(copied))
 
 
+def _donated_inputs() -> tuple[str, ...]:
+    """The graph's inputs whose buffers inductor may reuse in place: AOTAutograd's donated buffers.
+
+    Only a backward's saved activations that no forward output or input holds
+    are donated (``collect_bw_donated_buffer_idxs``); inductor's scheduler
+    writes a dying input in place only if it is one (``get_donated_buffers``).
+    Incoming gradients (``tangents_*``) and saved values that are also the
+    model's outputs (logits a loss inside the graph read) never are: a kernel
+    reading them for the last time still allocates its output.
+    Read from the graph being compiled (``V.graph``) at scheduling time.
+    """
+    donated = getattr(inductor_ir, "DonatedBuffer", None)
+    inputs = getattr(V.graph, "graph_inputs_original", None) or {}
+    return tuple(sorted(name for name, value in inputs.items() if donated is not None and isinstance(value, donated)))
+
+
 _KERNEL_ORDER = "savedhooks_kernel_order"
 _CALLS = "savedhooks_kernel_calls"
 REALIZED = "savedhooks_realized"  # graph meta: the FX nodes whose values inductor stored
 COPIED_INPUTS = "savedhooks_copied_inputs"  # graph meta: inputs returned as inductor's copies (_copied_inputs)
+DONATED = "savedhooks_donated"  # graph meta: the inputs inductor may write in place (_donated_inputs)
 
 
 def kernel_calls(gm: torch.fx.GraphModule) -> list[KernelCall]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from savedhooks.codecs import Bitmask, Downcast, Float8, Offload, Policy
 from savedhooks.codecs.base import Codec
 from savedhooks.hooks import HookPair
+from savedhooks.planner.caches import restore_caches, turn_caches_off
 from savedhooks.planner.census import plan_key
 from savedhooks.planner.recompute import (
     FULL,
@@ -204,6 +206,10 @@ class Plan:
 
         Call it on the module that was planned, before ``torch.compile``;
         :meth:`revert` undoes it. The module tree and ``state_dict`` are unchanged.
+        A model whose configs (``module.config``, transformers) have
+        ``use_cache=True`` gets ``use_cache=False`` with a warning, recompute
+        or not: the plan was made, and trains, without a KV cache
+        (:mod:`savedhooks.planner.caches`).
 
         Args:
             model: the planned module.
@@ -224,10 +230,18 @@ class Plan:
                 "(another plan applied?): revert that plan first"
             )
         checkpoint_blocks(model, self.recompute, mode)
+        changed = turn_caches_off(model)
+        if changed:
+            warnings.warn(
+                f"Plan.apply: set use_cache=False on the model's config ({len(changed)} config(s) had it on): a plan "
+                "trains without a KV cache, as it was planned (a recomputed block would append to the cache again); "
+                "Plan.revert restores it",
+                stacklevel=2,
+            )
         return model
 
     def revert(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Undo :meth:`apply`.
+        """Undo :meth:`apply`: the blocks run as before, and configs it set to ``use_cache=False`` get it back.
 
         Args:
             model: the module :meth:`apply` changed.
@@ -239,6 +253,7 @@ class Plan:
             ValueError: ``model`` lacks a block the plan names.
         """
         restore_blocks(model, self.recompute)
+        restore_caches(model)
         return model
 
     @property

@@ -17,10 +17,11 @@ import torch
 import torch.utils._pytree as pytree
 
 from savedhooks.fidelity.select import mark_loss
-from savedhooks.fidelity.sensitivity import call_model, kept_buffers
+from savedhooks.fidelity.sensitivity import call_model, default_loss, kept_buffers
 from savedhooks.memory.graph import tensor_storages
 from savedhooks.memory.measure import measure_peak
 from savedhooks.memory.sizes import allocated_bytes, storage_key, tensor_nbytes
+from savedhooks.planner.caches import caches_off
 from savedhooks.planner.census import GraphTimeline, timeline_of
 from savedhooks.planner.recompute import FULL, checkpointed, resolve_blocks
 from savedhooks.planner.recording import COPIED_INPUTS, GraphRecorder, recording_backend
@@ -28,6 +29,7 @@ from savedhooks.planner.recording import COPIED_INPUTS, GraphRecorder, recording
 __all__ = [
     "NotCompiledError",
     "RecordedStep",
+    "check_call",
     "checkpoint_regions",
     "counting_runs",
     "device_of",
@@ -83,6 +85,47 @@ def device_of(example_inputs: Any) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
+def check_call(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None, what: str = "plan") -> None:
+    """Run the model once on ``example_inputs`` (eager, no grad) and the loss on its output: the planner's input check.
+
+    The steps the planner compiles would meet a bad input inside dynamo or
+    autograd, whose messages name neither argument; this forward names them.
+
+    Args:
+        model: the module.
+        example_inputs: as for :func:`savedhooks.plan`.
+        loss_fn: as for :func:`savedhooks.plan` (None: the default loss).
+        what: how errors name the caller.
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: the model raised on ``example_inputs`` (the model's error
+            is the cause), or the loss is not a single value.
+        TypeError: ``loss_fn`` returned something other than a floating tensor.
+    """
+    with torch.no_grad(), kept_buffers(model), caches_off(model), torch.random.fork_rng(devices=[]):
+        try:
+            output = call_model(model, example_inputs)
+        except Exception as error:
+            first = (str(error).strip().splitlines() or [""])[0][:300]
+            raise ValueError(
+                f"{what}: the model raised {type(error).__name__} on example_inputs ({first}): pass the inputs of one "
+                "training step as the model takes them (a tuple of positional arguments, a dict of keyword "
+                "arguments, or one tensor), with the shapes and dtypes training uses"
+            ) from error
+        loss = (loss_fn or default_loss)(output)
+    if not isinstance(loss, torch.Tensor) or not (loss.is_floating_point() or loss.is_complex()):
+        kind = f"a {loss.dtype} tensor" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TypeError(f"{what}: loss_fn must return a floating scalar tensor to call backward on, got {kind}")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"{what}: loss_fn must return a scalar (one element) to call backward on, got shape {tuple(loss.shape)}: "
+            "reduce it (for example .mean() or .sum())"
+        )
+
+
 def train_step(
     fn: Callable[..., Any],
     model: torch.nn.Module,
@@ -91,7 +134,7 @@ def train_step(
     seed: int,
     grads: dict[str, torch.Tensor | None] | None = None,
 ) -> Any:
-    """One training step (forward, loss, backward) under ``seed``; the model's gradients are cleared and its buffers restored after.
+    """One training step (forward, loss, backward) under ``seed``, KV caches off; the model's gradients are cleared and its buffers restored after.
 
     Args:
         fn: the model, compiled or not.
@@ -110,7 +153,7 @@ def train_step(
         Whatever the model or the loss raises.
     """
     model.zero_grad(set_to_none=True)
-    with kept_buffers(model), torch.random.fork_rng(devices=[]):
+    with kept_buffers(model), caches_off(model), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         output = call_model(fn, example_inputs)
         mark_loss()  # a census tells the loss's saves from the model's eager ones

@@ -1,0 +1,174 @@
+"""KV caches off while a plan trains: a recomputed block must not append to a cache a second time.
+
+Design notes
+------------
+* A transformers decoder built from its shipped config has ``use_cache=True``:
+  each layer appends its keys and values to a cache object in the forward. A
+  block that :mod:`savedhooks.planner.recompute` checkpoints runs its forward
+  again in the backward, appends again, and torch's checkpoint fails (its
+  recomputed ops no longer match the saved ones). transformers' own gradient
+  checkpointing trains with the cache off; plans do the same.
+* The setting lives in the configs the model's modules hold (``module.config``,
+  one object shared by most modules, separate copies in encoder-decoder
+  stacks). Every config whose ``use_cache`` is true is set to ``False``:
+  while the planner runs its steps (:func:`caches_off`), and from
+  ``Plan.apply`` to ``Plan.revert`` (:func:`turn_caches_off`,
+  :func:`restore_caches`), for every plan, recompute or not. A model trained
+  with the cache on also returns each layer's keys and values: forward
+  outputs, which saved-tensor hooks never pack, held to the end of the step.
+* A cache asked for in the call itself (``use_cache=True`` among the keyword
+  arguments, a cache object passed to a block) is not a config: a checkpointed
+  block called with grad enabled in train mode drops those arguments
+  (:func:`without_cache_arguments`), as transformers' checkpointed layers do,
+  and the planner refuses example inputs that ask for a cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["CACHE_ARGUMENTS", "cache_configs", "caches_off", "check_no_cache_input", "restore_caches",
+           "turn_caches_off", "without_cache_arguments"]
+
+# keyword arguments through which transformers' layers receive a KV cache (names vary by model and release)
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+_TURNED_OFF = "_savedhooks_caches_off"  # attribute of a model: the configs Plan.apply set to use_cache=False
+
+
+def cache_configs(model: torch.nn.Module) -> list[Any]:
+    """The distinct configs held by ``model``'s modules (``module.config``) whose ``use_cache`` is true.
+
+    Args:
+        model: a module (a transformers model, or anything holding one).
+
+    Returns:
+        The config objects, each once, in module order; empty for a model
+        without them.
+
+    Raises:
+        Nothing.
+    """
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", False) is True:
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def caches_off(model: torch.nn.Module) -> Iterator[None]:
+    """``use_cache=False`` on the model's configs for the duration of a ``with`` block (those changed are restored).
+
+    Args:
+        model: the module.
+
+    Returns:
+        A context manager.
+
+    Raises:
+        Nothing (what the block raises passes through, after the configs are restored).
+    """
+    configs = cache_configs(model)
+    for config in configs:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs:
+            config.use_cache = True
+
+
+def turn_caches_off(model: torch.nn.Module) -> list[Any]:
+    """Set ``use_cache=False`` on the model's configs until :func:`restore_caches` (``Plan.apply``).
+
+    Args:
+        model: the module.
+
+    Returns:
+        The configs changed by this call (empty where none had the cache on).
+
+    Raises:
+        Nothing.
+    """
+    configs = cache_configs(model)
+    for config in configs:
+        config.use_cache = False
+    if configs:
+        object.__setattr__(model, _TURNED_OFF, (*getattr(model, _TURNED_OFF, ()), *configs))
+    return configs
+
+
+def restore_caches(model: torch.nn.Module) -> None:
+    """Undo :func:`turn_caches_off` on ``model`` (nothing where it changed nothing).
+
+    Args:
+        model: the module.
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing.
+    """
+    for config in vars(model).pop(_TURNED_OFF, ()):
+        config.use_cache = True
+
+
+def check_no_cache_input(example_inputs: Any, what: str = "plan") -> None:
+    """Refuse example inputs that ask the model for a KV cache.
+
+    Args:
+        example_inputs: as for :func:`savedhooks.plan`.
+        what: how the error names the caller.
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: ``example_inputs`` is a dict with ``use_cache`` true or a
+            cache argument (:data:`CACHE_ARGUMENTS`) that is not None.
+    """
+    if not isinstance(example_inputs, Mapping):
+        return
+    asked = [name for name in ("use_cache", *CACHE_ARGUMENTS)
+             if example_inputs.get(name) not in (None, False)]
+    if asked:
+        raise ValueError(
+            f"{what}: example_inputs pass {asked[0]}={example_inputs[asked[0]]!r}: a plan trains without a KV cache "
+            "(recomputed blocks would append to it again); leave it out (the plan sets the config's use_cache to "
+            "False while it runs) or pass use_cache=False"
+        )
+
+
+def without_cache_arguments(block: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A checkpointed block's keyword arguments without a KV cache, when the call records a backward.
+
+    Args:
+        block: the block (a module; its ``training`` flag is read).
+        kwargs: the keyword arguments of its forward call.
+
+    Returns:
+        ``kwargs``, or a copy with ``use_cache=False`` and each cache argument
+        (:data:`CACHE_ARGUMENTS`) None, when ``block`` is in train mode and
+        grad is enabled (a recompute will run); a call without grad (evaluation,
+        generation) keeps its cache.
+
+    Raises:
+        Nothing.
+    """
+    if not (getattr(block, "training", False) and torch.is_grad_enabled()):
+        return kwargs
+    if not any(kwargs.get(name) not in (None, False) for name in ("use_cache", *CACHE_ARGUMENTS)):
+        return kwargs
+    kept = dict(kwargs)
+    if kept.get("use_cache"):
+        kept["use_cache"] = False
+    for name in CACHE_ARGUMENTS:
+        if kept.get(name) is not None:
+            kept[name] = None
+    return kept

@@ -1,0 +1,139 @@
+"""sh.plan on models as transformers ships them (KV cache on), and its errors for bad input.
+
+A transformers decoder built from its default config has ``use_cache=True``:
+a block that a plan checkpoints appends to the cache again when it is
+recomputed, and torch's checkpoint fails in the backward. Plans train with the
+cache off, as transformers' own gradient checkpointing does.
+"""
+
+import dataclasses
+import os
+import warnings
+
+import pytest
+import torch
+
+import savedhooks as sh
+from savedhooks.planner.caches import cache_configs, check_no_cache_input, without_cache_arguments
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    # the shipped default config, sizes shrunk: use_cache=True, dropout 0.1, SDPA attention
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=256, n_positions=64)
+    assert config.use_cache is True
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, config.vocab_size, (2, 32))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _loss(out):
+    return out.loss
+
+
+def test_gpt2_as_shipped_plans_with_recompute_and_trains_with_the_cache_off_until_revert():
+    model, inputs = _gpt2()
+    planner = sh.planner.Planner(model, inputs, loss_fn=_loss, backend="aot_eager")
+    # a budget between the floor and the baseline: recompute settings are surveyed (they crashed with the cache on)
+    plan = planner.plan((planner.baseline_bytes + planner.floor_bytes) // 2)
+    assert not planner._skipped, planner._skipped
+    recomputing = [s for s in planner.strategies if s[0]]
+    assert all(s in planner._surveys for s in recomputing)
+    assert model.config.use_cache is True, "planning leaves the config as it was"
+
+    forced = dataclasses.replace(plan, recompute=planner.blocks[:1])  # a plan that recomputes a block
+    with pytest.warns(UserWarning, match="use_cache=False"):
+        forced.apply(model)
+    assert model.config.use_cache is False
+    compiled = torch.compile(model, backend=sh.backend("aot_eager"))
+    for asked in ({}, {"use_cache": True}):  # a cache asked for in the call: the recomputed block runs without it
+        model.zero_grad(set_to_none=True)
+        with sh.saved_tensors_hooks(forced.hooks):
+            out = compiled(**inputs, **asked)
+        out.loss.backward()
+        assert (out.past_key_values is None) == (not asked)
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    forced.revert(model)
+    assert model.config.use_cache is True
+    torch._dynamo.reset()
+
+
+def test_a_checkpointed_block_called_with_a_cache_drops_it_only_when_a_backward_will_recompute_it():
+    block = torch.nn.Linear(2, 2)
+    kwargs = {"use_cache": True, "cache": object(), "attention_mask": 1}
+    dropped = without_cache_arguments(block.train(), kwargs)
+    assert dropped == {"use_cache": False, "cache": None, "attention_mask": 1}
+    assert kwargs["use_cache"] is True, "the caller's dict is not changed"
+    with torch.no_grad():
+        assert without_cache_arguments(block, kwargs) is kwargs
+    assert without_cache_arguments(block.eval(), kwargs) is kwargs
+    plain = {"attention_mask": 1, "use_cache": False}
+    assert without_cache_arguments(block.train(), plain) is plain
+
+
+def test_cache_configs_finds_each_config_once_and_only_those_with_the_cache_on():
+    class Config:
+        def __init__(self, use_cache):
+            self.use_cache = use_cache
+
+    shared, off = Config(True), Config(False)
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))
+    model[0].config, model[1].config, model[2].config = shared, shared, off
+    assert cache_configs(model) == [shared]
+
+
+def test_example_inputs_that_ask_for_a_cache_are_refused_naming_the_argument():
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="use_cache=True"):
+        check_no_cache_input({"input_ids": ids, "use_cache": True})
+    check_no_cache_input({"input_ids": ids, "use_cache": False})
+    check_no_cache_input((ids,))
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused_before_any_compile():
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar .* shape \(4, 16\)"):
+        sh.plan(_Mlp(), (torch.randn(4, 16),), budget_bytes=1 << 20, loss_fn=lambda out: out)
+    with pytest.raises(TypeError, match="loss_fn must return a floating scalar tensor"):
+        sh.plan(_Mlp(), (torch.randn(4, 16),), budget_bytes=1 << 20, loss_fn=lambda out: 1.0)
+
+
+def test_inputs_the_model_cannot_take_are_refused_naming_example_inputs():
+    with pytest.raises(ValueError, match="raised RuntimeError on example_inputs") as info:
+        sh.plan(_Mlp(), (torch.randn(4, 7),), budget_bytes=1 << 20)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(ValueError, match="on example_inputs"):
+        sh.plan(_Mlp(), {"y": torch.randn(4, 16)}, budget_bytes=1 << 20)
+
+
+def test_a_compiled_model_is_refused():
+    model = _Mlp()
+    with pytest.raises(ValueError, match="model is compiled already"):
+        sh.plan(torch.compile(model), (torch.randn(4, 16),), budget_bytes=1 << 20)
+    model.compile()
+    with pytest.raises(ValueError, match="model is compiled already"):
+        sh.plan(model, (torch.randn(4, 16),), budget_bytes=1 << 20)
+
+
+def test_the_input_check_leaves_the_model_as_it_was():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sh.planner.Planner(model, (torch.randn(8, 16),), backend="aot_eager")
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
