@@ -1,0 +1,70 @@
+"""sh.plan on a transformers decoder as shipped, trained with its own loss, under inductor: plans meet the budget.
+
+With the loss inside the compiled forward (``labels=``), the backward's first
+kernel reads the logits (saved, and returned as the model's output) and the
+zero gradient of that output for the last time, and writes the logits'
+gradient: inductor allocates it beside both, because neither was donated.
+The memory model counts that, so the modelled peak of the step, with hooks or
+without, is the measured one.
+"""
+
+import os
+
+import pytest
+import torch
+
+import savedhooks as sh
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _qwen2():
+    transformers = pytest.importorskip("transformers")
+    # the default config (use_cache=True, GQA, RMSNorm, rotary), sizes shrunk; a vocabulary large
+    # enough that the logits are a large share of the step
+    config = transformers.Qwen2Config(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=384, vocab_size=8192,
+                                      max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).train()
+    ids = torch.randint(0, config.vocab_size, (2, 128))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _measured(model, inputs, hooks=None):
+    compiled = torch.compile(model)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        if hooks is None:
+            loss = compiled(**inputs).loss
+        else:
+            with sh.saved_tensors_hooks(hooks):
+                loss = compiled(**inputs).loss
+        loss.backward()
+
+    step()
+    peak = sh.memory.measure_peak(step, device="cpu")
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+def test_a_plan_for_a_decoder_with_its_own_loss_meets_its_budget_as_modelled():
+    model, inputs = _qwen2()
+    planner = sh.planner.Planner(model, inputs, loss_fn=lambda out: out.loss)
+    baseline = planner.baseline_bytes
+    model.config.use_cache = False  # the no-hook step as a plan trains it
+    measured = _measured(model, inputs)
+    model.config.use_cache = True
+    torch._dynamo.reset()
+    assert abs(baseline - measured) <= 0.05 * measured, (baseline, measured)
+
+    budget = (planner.floor_bytes + measured) // 2  # the logits and their gradient set a high floor here
+    plan = planner.plan(budget)
+    with pytest.warns(UserWarning, match="use_cache=False"):
+        plan.apply(model)
+    got = _measured(model, inputs, plan.hooks)
+    plan.revert(model)
+    torch._dynamo.reset()
+    assert got <= 1.05 * budget, (got, budget, plan.predicted_peak_bytes)
+    assert abs(got - plan.predicted_peak_bytes) <= 0.05 * got, (got, plan.predicted_peak_bytes)
