@@ -58,6 +58,7 @@ def split_late_addmm(graph: torch.fx.Graph) -> list[torch.fx.Node]:
             add = graph.call_function(_aten.add.Tensor, (bias, mm))
             add.meta["val"] = _aten.add.Tensor(bias.meta["val"], mm.meta["val"])
         add.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        position[mm] = position[add] = position[node]  # a later addmm may take this add as its bias
         node.replace_all_uses_with(add)
         graph.erase_node(node)
         made.append(mm)

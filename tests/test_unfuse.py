@@ -47,6 +47,19 @@ def test_a_late_bias_is_split_and_fused_again_where_nothing_moved():
     torch.testing.assert_close(gm(a, b, c), _late_bias(a, b, c))
 
 
+def _chained_late_biases(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    first = torch.addmm(c.sin().cos(), a, b)  # split: its bias is made after a and b
+    return torch.addmm(first, a, d)  # its bias is the add the first split made (a mixture of experts' sum)
+
+
+def test_an_addmm_whose_bias_a_split_made_is_split_too():
+    a, b, c, d = torch.randn(8, 16), torch.randn(16, 4), torch.randn(8, 4), torch.randn(16, 4)
+    gm = make_fx(_chained_late_biases, tracing_mode="fake")(a, b, c, d)
+    assert len(split_late_addmm(gm.graph)) == 2
+    gm.recompile()
+    torch.testing.assert_close(gm(a, b, c, d), _chained_late_biases(a, b, c, d))
+
+
 def test_a_moved_mm_stays_split():
     a, b, c = torch.randn(8, 16), torch.randn(16, 4), torch.randn(8, 4)
     gm = make_fx(_late_bias, tracing_mode="fake")(a, b, c)
