@@ -231,6 +231,16 @@ def _llama_like(name: str, cls: str, **extra: Any) -> Callable[[Dims], tuple[Any
     return config
 
 
+def _bert_like(name: str, cls: str) -> Callable[[Dims], tuple[Any, str]]:
+    """A config without KV heads (``hidden_size``, ``intermediate_size``, ...) shrunk to the dims."""
+
+    def config(d: Dims) -> tuple[Any, str]:
+        return _cfg(name, cls, num_hidden_layers=d.layers, hidden_size=d.hidden, num_attention_heads=d.heads,
+                    intermediate_size=d.intermediate, vocab_size=d.vocab)  # fmt: skip
+
+    return config
+
+
 def _gpt2(d: Dims) -> tuple[Any, str]:
     return _cfg("GPT2Config", "GPT2LMHeadModel", n_layer=d.layers, n_embd=d.hidden, n_head=d.heads, vocab_size=d.vocab)
 
@@ -245,31 +255,11 @@ def _mpt(d: Dims) -> tuple[Any, str]:
     return _cfg("MptConfig", "MptForCausalLM", n_layers=d.layers, d_model=d.hidden, n_heads=d.heads, vocab_size=d.vocab)
 
 
-def _gpt_neox(d: Dims) -> tuple[Any, str]:
-    return _cfg("GPTNeoXConfig", "GPTNeoXForCausalLM", num_hidden_layers=d.layers, hidden_size=d.hidden,
-                num_attention_heads=d.heads, intermediate_size=d.intermediate, vocab_size=d.vocab)  # fmt: skip
-
-
-def _phi(d: Dims) -> tuple[Any, str]:
-    return _cfg("PhiConfig", "PhiForCausalLM", num_hidden_layers=d.layers, hidden_size=d.hidden,
-                num_attention_heads=d.heads, intermediate_size=d.intermediate, vocab_size=d.vocab)  # fmt: skip
-
-
 def _qwen2_moe(d: Dims) -> tuple[Any, str]:
     return _cfg("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_hidden_layers=d.layers, hidden_size=d.hidden,
                 num_attention_heads=d.heads, num_key_value_heads=d.kv_heads, intermediate_size=d.intermediate,
                 moe_intermediate_size=d.intermediate // 2, shared_expert_intermediate_size=d.intermediate,
                 num_experts=d.experts, vocab_size=d.vocab)  # fmt: skip
-
-
-def _bert(d: Dims) -> tuple[Any, str]:
-    return _cfg("BertConfig", "BertForMaskedLM", num_hidden_layers=d.layers, hidden_size=d.hidden,
-                num_attention_heads=d.heads, intermediate_size=d.intermediate, vocab_size=d.vocab)  # fmt: skip
-
-
-def _roberta(d: Dims) -> tuple[Any, str]:
-    return _cfg("RobertaConfig", "RobertaForMaskedLM", num_hidden_layers=d.layers, hidden_size=d.hidden,
-                num_attention_heads=d.heads, intermediate_size=d.intermediate, vocab_size=d.vocab)  # fmt: skip
 
 
 def _t5(d: Dims) -> tuple[Any, str]:
@@ -331,11 +321,12 @@ _ENTRIES = (
     ZooModel("gemma", "decoder", _llama_like("GemmaConfig", "GemmaForCausalLM"), _lm, note="tied, scaled embeddings"),
     ZooModel("opt", "decoder", _opt, _lm, note="learned positions"),
     ZooModel("mpt", "decoder", _mpt, _lm, note="ALiBi; use_cache False as shipped"),
-    ZooModel("gpt-neox", "decoder", _gpt_neox, _lm, note="parallel residual, partial rotary"),
-    ZooModel("phi", "decoder", _phi, _lm, note="parallel residual, partial rotary"),
+    ZooModel("gpt-neox", "decoder", _bert_like("GPTNeoXConfig", "GPTNeoXForCausalLM"), _lm,
+             note="parallel residual, partial rotary"),
+    ZooModel("phi", "decoder", _bert_like("PhiConfig", "PhiForCausalLM"), _lm, note="parallel residual, partial rotary"),
     ZooModel("qwen2-moe", "moe", _qwen2_moe, _lm, note="8 experts, top 4, a shared expert"),
-    ZooModel("bert", "encoder", _bert, _mlm, note="masked LM"),
-    ZooModel("roberta", "encoder", _roberta, _mlm, note="masked LM"),
+    ZooModel("bert", "encoder", _bert_like("BertConfig", "BertForMaskedLM"), _mlm, note="masked LM"),
+    ZooModel("roberta", "encoder", _bert_like("RobertaConfig", "RobertaForMaskedLM"), _mlm, note="masked LM"),
     ZooModel("t5", "seq2seq", _t5, _s2s, note="relative position buckets; decoder start id 0 set"),
     ZooModel("bart", "seq2seq", _bart, _s2s),
     ZooModel("vit", "vision", _vit, _img),
