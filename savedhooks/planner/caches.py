@@ -135,8 +135,7 @@ def check_no_cache_input(example_inputs: Any, what: str = "plan") -> None:
     """
     if not isinstance(example_inputs, Mapping):
         return
-    asked = [name for name in ("use_cache", *CACHE_ARGUMENTS)
-             if example_inputs.get(name) not in (None, False)]
+    asked = [name for name in ("use_cache", *CACHE_ARGUMENTS) if _asks(example_inputs.get(name))]
     if asked:
         raise ValueError(
             f"{what}: example_inputs pass {asked[0]}={example_inputs[asked[0]]!r}: a plan trains without a KV cache "
@@ -163,7 +162,7 @@ def without_cache_arguments(block: Any, kwargs: dict[str, Any]) -> dict[str, Any
     """
     if not (getattr(block, "training", False) and torch.is_grad_enabled()):
         return kwargs
-    if not any(kwargs.get(name) not in (None, False) for name in ("use_cache", *CACHE_ARGUMENTS)):
+    if not any(_asks(kwargs.get(name)) for name in ("use_cache", *CACHE_ARGUMENTS)):
         return kwargs
     kept = dict(kwargs)
     if kept.get("use_cache"):
@@ -172,3 +171,8 @@ def without_cache_arguments(block: Any, kwargs: dict[str, Any]) -> dict[str, Any
         if kept.get(name) is not None:
             kept[name] = None
     return kept
+
+
+def _asks(value: Any) -> bool:
+    """Whether an argument's value asks for a cache: anything but None and False (a tensor is not compared)."""
+    return value is not None and value is not False
