@@ -1,5 +1,6 @@
 """sh.sensitivity: which saved tensors hurt the gradients when packed, and the worst-gradient metric."""
 
+import dataclasses
 import functools
 import math
 
@@ -353,3 +354,97 @@ def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_se
     assert {k: len(v) for k, v in restored.items()} == ({True: 2, False: 0} if placement else {})
     for on, off in zip(*grads):
         assert (on - off).norm() <= 1e-5 * off.norm()
+
+
+class _Attention(nn.Module):
+    """One attention block as transformers writes it: query, key and value projections, fused SDPA, output projection."""
+
+    def __init__(self, dim: int = 128, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (proj(x).view(b, t, self.heads, c // self.heads).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(out.transpose(1, 2).reshape(b, t, c))
+
+
+_CHOSEN: list[tuple[tuple[int, ...], sh.Codec | None]] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chosen(sh.Policy):
+    """The policy's choice for every saved tensor, recorded in ``_CHOSEN``; packs nothing."""
+
+    def choose(self, x: torch.Tensor) -> int:
+        index = super().choose(x)
+        _CHOSEN.append((tuple(x.shape), None if index < 0 else self.codecs()[index]))
+        return -1
+
+
+def _chosen(fn, x, **rules) -> dict[tuple[int, ...], set]:
+    _CHOSEN.clear()
+    with sh.saved_tensors_hooks(_Chosen(**rules).hooks()):
+        fn(x).sum().backward()
+    chosen = {}
+    for shape, codec in _CHOSEN:
+        chosen.setdefault(shape, set()).add(type(codec).__name__ if codec is not None else None)
+    return chosen
+
+
+@pytest.mark.filterwarnings("ignore:savedhooks hook")
+def test_policy_packs_fused_attentions_query_key_value_and_output_in_bf16():
+    torch.manual_seed(0)
+    model, x = _Attention(), torch.randn(4, 256, 128)
+    heads = (4, 4, 256, 32)
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        chosen = _chosen(compiled, x)
+        # the query, key, value and output of the fused op: bf16; its logsumexp: kept
+        assert chosen == {heads: {"Downcast"}, (4, 4, 256): {None}}
+        torch._dynamo.reset()
+        assert _chosen(torch.compile(model, backend="aot_eager"), x, attention=None)[heads] == {"Float8"}
+    finally:
+        torch._dynamo.reset()
+    # eager: only the output is recognized (by its autograd node); the query, key and value are saved before it
+    # runs, as views of the projections' outputs, which go to fp8 with the output projection's input
+    assert _chosen(model, x) == {heads: {"Downcast"}, (1024, 128): {"Float8"}}
+    assert _chosen(model, x, attention=None) == {heads: {"Float8"}, (1024, 128): {"Float8"}}
+
+
+def test_attention_nodes_name_torchs_autograd_nodes():
+    from savedhooks.codecs.policy import ATTENTION_NODES, ATTENTION_OPS
+
+    assert len(ATTENTION_NODES) == len(ATTENTION_OPS)
+    assert [n for n in ATTENTION_NODES if not hasattr(torch._C._functions, n)] == []
+    assert [op for op in ATTENTION_OPS if not hasattr(torch.ops.aten, op)] == []
+
+
+class _ReturnsWhatItSaves(nn.Module):
+    """A wide head whose output is returned and also saved for the backward (a causal LM's logits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(128, 128), nn.Linear(128, 4096)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(nn.functional.gelu(self.lin(x)))
+        return torch.stack([logits.sum(), logits.square().sum()]), logits
+
+
+def test_policy_packs_activations_small_only_next_to_a_value_the_forward_returns():
+    torch.manual_seed(0)
+    model, x = _ReturnsWhatItSaves(), torch.randn(8, 64, 128)  # activations 256 KiB, logits 8 MiB
+    try:
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend="aot_eager")
+        packed = _census(sh.Policy(), lambda: fn(x)[0].sum().backward())
+        # the logits are stored as they are (returned); gelu's input and output are packed, not kept as
+        # smaller than a sixteenth of the logits
+        assert (8 * 64, 4096) not in packed and (8, 64, 4096) not in packed
+        assert packed and all(math.prod(s) == 8 * 64 * 128 for s in packed)
+    finally:
+        torch._dynamo.reset()

@@ -15,6 +15,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from savedhooks.codecs.base import (
+    ALIAS_OPS,
     Codec,
     _op_name,
     _through_aliases,
@@ -25,15 +26,20 @@ from savedhooks.codecs.base import (
 )
 from savedhooks.codecs.bitmask import Bitmask
 from savedhooks.codecs.centered import Centered
+from savedhooks.codecs.downcast import Downcast
 from savedhooks.codecs.fp8 import Float8
 from savedhooks.codecs.indices import PoolIndices
-from savedhooks.codecs.placement import saved_for_an_eager_loss
+from savedhooks.codecs.placement import decodes_twice, saved_for_an_eager_loss
+from savedhooks.contract import HookContext
 from savedhooks.hooks import hook_context
 
 __all__ = [
+    "ATTENTION_NODES",
+    "ATTENTION_OPS",
     "BATCH_NORM_OPS",
     "DEFAULT_KEEP_OPS",
     "Policy",
+    "is_attention_operand",
     "is_batch_norm_input",
     "is_narrow_softmax",
     "is_periodic_argument",
@@ -67,6 +73,24 @@ BATCH_NORM_OPS = (
     "_native_batch_norm_legit_functional",
     "cudnn_batch_norm",
     "miopen_batch_norm",
+)
+
+# Fused attention ops: their backward recomputes the probabilities from the saved query and key (against the saved
+# logsumexp) and each row's correction rowsum(grad_out * out) from the saved output
+ATTENTION_OPS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+    "_cudnn_attention_forward",
+)
+# The autograd nodes of the same ops, by which eager mode recognizes their output
+ATTENTION_NODES = tuple(
+    "".join(part.capitalize() for part in op.removesuffix("_forward").strip("_").split("_")) + "Backward0"
+    for op in ATTENTION_OPS
 )
 
 # Periodic functions whose argument the backward may recompute from a saved value (rotary angles)
@@ -138,6 +162,54 @@ def is_batch_norm_input(node: torch.fx.Node) -> bool:
     return False
 
 
+def is_attention_operand(x: torch.Tensor, node: torch.fx.Node | None) -> bool:
+    """Whether a saved value is an operand of fused attention: its query, key, value or output.
+
+    The backward of fused attention recomputes the probabilities from the
+    saved query and key against the saved logsumexp, and subtracts from each
+    row of the probabilities' gradient ``rowsum(grad_out * out)`` computed from
+    the saved output. fp8's relative error of up to 2**-4 in these operands
+    puts the recomputed probabilities and the saved statistics out of step,
+    and the query's and key's gradients take the whole error (a Qwen2
+    decoder's output alone packed in fp8: 16 dB worst gradient; its query,
+    key, value and output in bf16, the rest in fp8: 28 dB under inductor).
+
+    Args:
+        x: the saved tensor.
+        node: its node in the forward graph under compile; None in eager mode,
+            where only the output is recognized, by the autograd node that made
+            it (:data:`ATTENTION_NODES`, output 0): the query, key and value are
+            saved before the op runs, and nothing then tells which op saves them.
+
+    Returns:
+        Under compile, True when the value (looking through ``detach`` /
+        ``alias``) is one of the first three arguments of an op of
+        :data:`ATTENTION_OPS`, or that op's first output.
+    """
+    if node is None:
+        return x.grad_fn is not None and x.output_nr == 0 and type(x.grad_fn).__name__ in ATTENTION_NODES
+    node = _through_aliases(node)
+    if (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and node.args[1] == 0
+        and _op_name(getattr(node.args[0], "target", None)) in ATTENTION_OPS
+    ):
+        return True
+    frontier, seen = [node], set()
+    while frontier:  # the value and its aliases (a saved ``detach`` of what the op read)
+        current = frontier.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for user in current.users:
+            if user.target in ALIAS_OPS:
+                frontier.append(user)
+            elif _op_name(user.target) in ATTENTION_OPS and any(a is current for a in user.args[:3]):
+                return True
+    return False
+
+
 def is_periodic_argument(name: str, bw_graph: torch.fx.Graph) -> bool:
     """Whether the backward computes a sine, cosine or tangent of a saved value (rotary angles).
 
@@ -189,12 +261,22 @@ def is_narrow_softmax(x: torch.Tensor, node: torch.fx.Node | None, classes: int)
     return producing_op(node) in _SOFTMAX_OPS or _op_name(node.meta.get("original_aten")) in _SOFTMAX_OPS
 
 
-def largest_saved_bytes(bw_graph: torch.fx.Graph) -> int | None:
-    """Bytes of the largest tensor a compiled forward saves for its backward.
+def largest_saved_bytes(bw_graph: torch.fx.Graph, fw_graph: torch.fx.Graph | None = None) -> int | None:
+    """Bytes of the largest tensor a compiled forward saves for its backward that a pack hook packs.
+
+    With ``fw_graph``, a saved value that is an input of the forward (a
+    parameter: the caller holds it) or that the forward also returns so that a
+    decoded copy would hold its bytes twice (a causal LM's logits, saved for
+    the loss's backward and returned; stored as they are,
+    :func:`savedhooks.codecs.placement.decodes_twice`) does not count: no codec
+    packs it, and a rule relative to it would keep every activation smaller
+    than a sixteenth of the logits.
 
     Args:
         bw_graph: the backward graph being compiled (its placeholders are the
             saved values and the tangents).
+        fw_graph: the forward graph, whose nodes have the saved values' names;
+            None: every saved value counts.
 
     Returns:
         The size in bytes, or None when a saved size is symbolic.
@@ -203,9 +285,15 @@ def largest_saved_bytes(bw_graph: torch.fx.Graph) -> int | None:
         Nothing.
     """
     largest = 0
+    fw_nodes = {n.name: n for n in fw_graph.nodes} if fw_graph is not None else {}
     for node in bw_graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
         if node.name.startswith("tangents") or not isinstance(val, torch.Tensor):
+            continue
+        fw_node = fw_nodes.get(node.name)
+        if fw_node is not None and (
+            fw_node.op == "placeholder" or decodes_twice(HookContext(fw_node, fw_graph, bw_graph))
+        ):
             continue
         numel = val.numel()
         if not isinstance(numel, int):
@@ -248,9 +336,10 @@ class Policy(Codec):
     narrow_softmax: int = 256
     relative_bytes: float = 1 / 16
     centered: Codec | None = Centered()
+    attention: Codec | None = Downcast(torch.bfloat16)
 
     def __post_init__(self) -> None:
-        for name in ("floating", "boolean", "integer", "centered"):
+        for name in ("floating", "boolean", "integer", "centered", "attention"):
             object.__setattr__(self, name, as_codec(getattr(self, name), f"policy({name}=...)"))
         if self.centered is not None and not isinstance(self.centered, Centered):
             raise TypeError(f"policy: centered must be a savedhooks.Centered codec or None, got {self.centered!r}")
@@ -265,8 +354,10 @@ class Policy(Codec):
             raise ValueError(f"policy: relative_bytes must be a number in [0, 1), got {self.relative_bytes!r}")
 
     def codecs(self) -> tuple[Codec, ...]:
-        """The configured codecs, in the fixed order floating, boolean, integer, centered."""
-        return tuple(c for c in (self.floating, self.boolean, self.integer, self.centered) if c is not None)
+        """The configured codecs, in the fixed order floating, boolean, integer, centered, attention."""
+        return tuple(
+            c for c in (self.floating, self.boolean, self.integer, self.centered, self.attention) if c is not None
+        )
 
     def keeps(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is stored as it is whatever its dtype (the rules of :func:`policy`)."""
@@ -286,7 +377,7 @@ class Policy(Codec):
             return True
         if x.is_floating_point() and is_periodic_argument(ctx.node.name, ctx.bw_graph):
             return True
-        largest = largest_saved_bytes(ctx.bw_graph) if self.relative_bytes else None
+        largest = largest_saved_bytes(ctx.bw_graph, ctx.fw_graph) if self.relative_bytes else None
         return largest is not None and isinstance(nbytes, int) and nbytes < self.relative_bytes * largest
 
     def _centers(self, x: torch.Tensor, ctx: Any) -> bool:
@@ -316,6 +407,12 @@ class Policy(Codec):
             ctx = hook_context()
             if codec is not None and self._centers(x, ctx):
                 codec = self.centered
+            elif (
+                codec is not None
+                and self.attention is not None
+                and is_attention_operand(x, ctx.node if ctx is not None else None)
+            ):
+                codec = self.attention
         else:
             codec = self.integer
         if codec is None or not codec.accepts(x):
@@ -332,6 +429,7 @@ def policy(
     narrow_softmax: int = 256,
     relative_bytes: float = 1 / 16,
     centered: Any = Centered(),
+    attention: Any = Downcast(torch.bfloat16),
 ):
     """Hooks that pick a codec for each saved tensor, and keep the ones that lossy packing hurts.
 
@@ -341,12 +439,14 @@ def policy(
     ``narrow_softmax`` classes (a classifier's loss head); under compile, tensors
     smaller than ``relative_bytes`` of the largest one the same graph saves (a
     rotary table shared by the whole batch: its error is the same in every
-    sequence); under compile, the argument of a sine, cosine or tangent that the
+    sequence; the largest counted is the largest that a codec packs, not a
+    parameter or a value the forward also returns); under compile, the argument of a sine, cosine or tangent that the
     backward recomputes (rotary angles: :func:`is_periodic_argument`); in eager mode, a log-softmax's output
     (an eager loss's, which every codec stores as it is: packing it only adds memory at the loss's peak,
     :func:`savedhooks.codecs.placement.saved_for_an_eager_loss`). The rest: fp8 for floating tensors (under
     inductor, a batch norm's input as its deviation from each channel's mean: ``centered``),
-    bitmasks for bool ones, max-pool indices in int16 or int32 and inductor's
+    under compile, the query, key, value and output of fused attention in ``attention`` (bf16:
+    :func:`is_attention_operand`; in eager mode its output only), bitmasks for bool ones, max-pool indices in int16 or int32 and inductor's
     max-pool window offsets in 2 or 4 bits (lossless).
 
     Args:
@@ -375,6 +475,10 @@ def policy(
             float32 (the benchmark's cnn under inductor: 27.9 dB against 18.0
             uncentered, README "Under inductor"). None: ``floating``. Unused when
             ``floating`` is None.
+        attention: the codec for the query, key, value and output of a
+            fused attention op under compile, for its output in eager mode
+            (:func:`is_attention_operand`), instead of ``floating``; default bf16. None: ``floating``. Unused
+            when ``floating`` is None.
 
     Returns:
         The cached :class:`~savedhooks.HookPair`.
@@ -386,5 +490,5 @@ def policy(
             ``relative_bytes`` is malformed.
     """
     return Policy(
-        floating, boolean, integer, min_bytes, tuple(keep_ops), narrow_softmax, relative_bytes, centered
+        floating, boolean, integer, min_bytes, tuple(keep_ops), narrow_softmax, relative_bytes, centered, attention
     ).hooks()
