@@ -17,6 +17,16 @@ Design notes
   packed once per version and the payload shared, also with a view that reads all
   of it (relu's ``(B, T, C)`` output and the ``(B*T, C)`` view a matmul saves); the
   cache holds the tensor weakly and is cleared when backward starts unpacking.
+* Eager autograd saves a node's inputs before the node exists, so a pack hook
+  cannot tell which op reads them. A codec with ``eager_window = n > 0`` has the
+  last ``n`` tensors packed in its context that its ``eager_holds(x)`` accepts
+  (default: all) held as they are and packed late:
+  when an op that also saves an output saves it (its inputs were saved just
+  before), the held tensors that are inputs of that op's autograd node (directly
+  or through a view) learn it as a reader, and the codec sees those readers
+  while packing them (:func:`eager_readers`; fused attention's query, key and
+  value). Held tensors are packed when ``n`` newer ones are held, when the
+  context exits, or not at all when backward reads them first.
 """
 
 from __future__ import annotations
@@ -55,6 +65,33 @@ class _Aliasing:
         self.packed, self.tensor, self.version = packed, tensor, tensor._version
 
 
+class _Held:
+    """Eager-mode payload of a tensor held as it is until its readers are known (``eager_window``)."""
+
+    __slots__ = ("tensor", "version", "edge", "readers", "packed")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.version = tensor._version
+        self.edge = (tensor.grad_fn, tensor.output_nr)
+        self.readers: set[str] = set()
+        self.packed: Any = None
+
+
+class _Frame:
+    """One active ``savedhooks.saved_tensors_hooks`` context: its hook functions and eager-mode state."""
+
+    __slots__ = ("fns", "cache", "window", "holds", "held")
+
+    def __init__(self, fns: _HookFunctions | None, codec: Any = None) -> None:
+        self.fns = fns
+        self.cache: dict[int, tuple[Any, int, Any]] = {}
+        # a codec's eager_window, and which tensors it holds (eager_holds; default: all)
+        self.window: int = getattr(codec, "eager_window", 0) if fns is not None else 0
+        self.holds: Callable[[torch.Tensor], bool] = getattr(codec, "eager_holds", lambda x: True)
+        self.held: list[_Held] = []
+
+
 class _ViewOf:
     """Eager-mode payload of a view that covers its whole base: the base's payload, shared."""
 
@@ -74,8 +111,28 @@ def _check_version(fns: _HookFunctions, tensor: torch.Tensor, version: int) -> N
 
 
 _FUNCTIONS: dict[str, _HookFunctions] = {}
-# Per thread: the stack of active savedhooks contexts, as (hook functions, eager pack cache).
+# Per thread: the stack of active savedhooks contexts (_Frame), and the readers of the tensor being packed late.
 _active = threading.local()
+
+# Autograd nodes that return a view of their input: a held base is an input of a node that reads a view of it.
+_VIEW_NODES = frozenset(
+    {"ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0", "TransposeBackward1", "PermuteBackward0",
+     "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "AliasBackward0", "TBackward0",
+     "ReshapeAliasBackward0", "ExpandBackward0", "SliceBackward0", "SelectBackward0", "AsStridedBackward0"}
+)  # fmt: skip
+
+
+def eager_readers() -> frozenset[str]:
+    """The autograd nodes known to read the tensor being packed, in eager mode (empty when none is known).
+
+    Set only while a tensor held under a codec's ``eager_window`` is packed late:
+    the class names (``type(node).__name__``) of the nodes that saved an output
+    while it was held and read it, directly or through a view.
+
+    Returns:
+        A frozenset of autograd node class names.
+    """
+    return getattr(_active, "readers", frozenset())
 
 
 # --- trampolines: the only functions the hook GraphModules call --------------------
@@ -129,6 +186,15 @@ def _pack_cached(fns: _HookFunctions, x: torch.Tensor, cache: dict[int, tuple[An
     hit = cache.get(id(x)) if cache is not None else None
     if hit is not None and hit[0]() is x and hit[1] == x._version:
         return hit[2]
+    frame = _eager_frame(fns)
+    if frame is not None and frame.window:
+        _note_readers(frame, x)
+        if frame.holds(x):
+            return _hold(frame, x)
+    return _pack_now(fns, x, cache)
+
+
+def _pack_now(fns: _HookFunctions, x: torch.Tensor, cache: dict[int, tuple[Any, int, Any]] | None) -> Any:
     packed = _pack_checked(fns, x)
     if _holds_storage_of(packed, x):  # not cached: the cache would keep x alive
         return _Aliasing(packed, x)
@@ -136,6 +202,58 @@ def _pack_cached(fns: _HookFunctions, x: torch.Tensor, cache: dict[int, tuple[An
         return packed
     cache[id(x)] = (weakref.ref(x, lambda _, k=id(x): cache.pop(k, None)), x._version, packed)
     return packed
+
+
+def _note_readers(frame: _Frame, x: torch.Tensor) -> None:
+    """Tell the held tensors that the autograd node which made ``x`` reads them, where it does."""
+    if x.grad_fn is None or not frame.held:
+        return
+    inputs = _input_edges(x.grad_fn)
+    name = type(x.grad_fn).__name__
+    for held in frame.held:
+        if held.edge[0] is not None and any(held.edge[0] is fn and held.edge[1] == nr for fn, nr in inputs):
+            held.readers.add(name)
+
+
+def _hold(frame: _Frame, x: torch.Tensor) -> _Held:
+    """Hold ``x`` as it is in ``frame``'s window; the oldest held tensor beyond the window is packed."""
+    held = _Held(x)
+    frame.cache[id(x)] = (weakref.ref(x, lambda _, k=id(x), c=frame.cache: c.pop(k, None)), x._version, held)
+    frame.held.append(held)
+    while len(frame.held) > frame.window:
+        _settle(frame, frame.held.pop(0))
+    return held
+
+
+def _input_edges(node: Any) -> list[tuple[Any, int]]:
+    """The edges to ``node``'s inputs, and below each input, the edges through views down to the viewed tensor."""
+    edges = []
+    for fn, nr in node.next_functions:
+        while fn is not None:
+            edges.append((fn, nr))
+            if type(fn).__name__ not in _VIEW_NODES or not fn.next_functions:
+                break
+            fn, nr = fn.next_functions[0]
+    return edges
+
+
+def _settle(frame: _Frame, held: _Held) -> None:
+    """Pack a held tensor now, its readers visible to the codec; one changed in place stays for unpack to refuse."""
+    x = held.tensor
+    if x is None or x._version != held.version:
+        return
+    _active.readers = frozenset(held.readers)
+    try:
+        held.packed = _pack_now(frame.fns, x, None)
+    finally:
+        _active.readers = frozenset()
+    held.tensor, held.edge = None, (None, 0)
+
+
+def settle_held(frame: _Frame) -> None:
+    """Pack every tensor ``frame`` holds (its context exits: the forward that saved them is over)."""
+    while frame.held:
+        _settle(frame, frame.held.pop(0))
 
 
 def _covers(view: torch.Tensor, base: torch.Tensor) -> bool:
@@ -150,6 +268,14 @@ def _covers(view: torch.Tensor, base: torch.Tensor) -> bool:
 
 
 def _unpack(fns: _HookFunctions, packed: Any) -> torch.Tensor:
+    if isinstance(packed, _Held):
+        if packed.tensor is not None:  # backward reads it before it was packed
+            _check_version(fns, packed.tensor, packed.version)
+            frame = _eager_frame(fns)
+            if frame is not None and packed in frame.held:
+                frame.held.remove(packed)
+            return packed.tensor
+        packed = packed.packed
     if isinstance(packed, _ViewOf):
         base = _unpack(fns, packed.packed).contiguous()  # contiguous, like the base it was packed from
         return base.as_strided(packed.size, packed.stride, packed.offset)
@@ -171,11 +297,16 @@ _pack_outside_dynamo = torch._dynamo.disable(_pack)
 _unpack_outside_dynamo = torch._dynamo.disable(_unpack)
 
 
-def _eager_cache(fns: _HookFunctions) -> dict[int, tuple[Any, int, Any]] | None:
+def _eager_frame(fns: _HookFunctions) -> _Frame | None:
     stack = getattr(_active, "stack", None)
-    if not stack or stack[-1][0] is not fns:  # torch's own hooks were pushed above ours
+    if not stack or stack[-1].fns is not fns:  # torch's own hooks were pushed above ours
         return None
-    return stack[-1][1]
+    return stack[-1]
+
+
+def _eager_cache(fns: _HookFunctions) -> dict[int, tuple[Any, int, Any]] | None:
+    frame = _eager_frame(fns)
+    return frame.cache if frame is not None else None
 
 
 def _holds_storage_of(packed: Any, x: torch.Tensor) -> bool:

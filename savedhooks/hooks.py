@@ -41,7 +41,16 @@ from savedhooks.contract import (
     _probe,
     hook_context,
 )
-from savedhooks.eager import _FUNCTIONS, _active, _local_trampoline, _run_pack, _run_unpack
+from savedhooks.eager import (
+    _FUNCTIONS,
+    _active,
+    _Frame,
+    _local_trampoline,
+    _run_pack,
+    _run_unpack,
+    eager_readers,
+    settle_held,
+)
 from savedhooks.identity import UnfingerprintableError, fingerprint_details
 from savedhooks.compilers import inductor_placement
 
@@ -53,6 +62,7 @@ __all__ = [
     "HookPair",
     "HookTypeError",
     "PackHook",
+    "eager_readers",
     "hook",
     "hook_context",
     "make_hook_pair",
@@ -114,7 +124,9 @@ class HookPair:
 # --- building pairs ------------------------------------------------------------------
 
 
-def _hook_graph_module(target: Callable[..., Any], args: tuple[Any, ...], cache_hash: str | None, stage: str) -> torch.fx.GraphModule:
+def _hook_graph_module(
+    target: Callable[..., Any], args: tuple[Any, ...], cache_hash: str | None, stage: str
+) -> torch.fx.GraphModule:
     graph = torch.fx.Graph()
     call = graph.call_function(target, (graph.placeholder("x" if stage == "pack" else "packed"), *args))
     # AOTAutograd caches graphs containing wrapped Python calls only with a user hash.
@@ -368,9 +380,9 @@ class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors 
             self._entered.append(stack.pop_all())
         if not hasattr(_active, "stack"):
             _active.stack = []
-        _active.stack.append((self._functions, {}))
+        _active.stack.append(_Frame(self._functions, self.hooks.codec))
         return self.hooks
 
     def __exit__(self, *exc_info: object) -> None:
-        _active.stack.pop()
+        settle_held(_active.stack.pop())
         self._entered.pop().__exit__(*exc_info)

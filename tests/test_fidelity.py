@@ -357,7 +357,7 @@ def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_se
 
 
 class _Attention(nn.Module):
-    """One attention block as transformers writes it: query, key and value projections, fused SDPA, output projection."""
+    """An attention block as transformers writes it: query, key and value projections, fused SDPA, output projection."""
 
     def __init__(self, dim: int = 128, heads: int = 4) -> None:
         super().__init__()
@@ -376,18 +376,22 @@ _CHOSEN: list[tuple[tuple[int, ...], sh.Codec | None]] = []
 
 @dataclasses.dataclass(frozen=True)
 class _Chosen(sh.Policy):
-    """The policy's choice for every saved tensor, recorded in ``_CHOSEN``; packs nothing."""
+    """The policy, its choice for every saved tensor recorded in ``_CHOSEN`` as it packs it."""
 
     def choose(self, x: torch.Tensor) -> int:
         index = super().choose(x)
         _CHOSEN.append((tuple(x.shape), None if index < 0 else self.codecs()[index]))
-        return -1
+        return index
+
+    def eager_holds(self, x: torch.Tensor) -> bool:
+        return self.floating is not None and sh.Policy.choose(self, x) == 0
 
 
 def _chosen(fn, x, **rules) -> dict[tuple[int, ...], set]:
     _CHOSEN.clear()
     with sh.saved_tensors_hooks(_Chosen(**rules).hooks()):
-        fn(x).sum().backward()
+        loss = fn(x).sum()
+    loss.backward()
     chosen = {}
     for shape, codec in _CHOSEN:
         chosen.setdefault(shape, set()).add(type(codec).__name__ if codec is not None else None)
@@ -409,10 +413,32 @@ def test_policy_packs_fused_attentions_query_key_value_and_output_in_bf16():
         assert _chosen(torch.compile(model, backend="aot_eager"), x, attention=None)[heads] == {"Float8"}
     finally:
         torch._dynamo.reset()
-    # eager: only the output is recognized (by its autograd node); the query, key and value are saved before it
-    # runs, as views of the projections' outputs, which go to fp8 with the output projection's input
-    assert _chosen(model, x) == {heads: {"Downcast"}, (1024, 128): {"Float8"}}
+    # eager: the output is recognized by its autograd node; the query, key and value, saved before it runs as views
+    # of the projections' outputs, by that node reading them (held until it saves its output); the output
+    # projection's input goes to fp8
+    assert _chosen(model, x) == {heads: {"Downcast"}, (1024, 128): {"Downcast", "Float8"}}
+    assert [type(c).__name__ for shape, c in _CHOSEN if shape == (1024, 128)].count("Downcast") == 3
     assert _chosen(model, x, attention=None) == {heads: {"Float8"}, (1024, 128): {"Float8"}}
+
+
+def test_eager_policy_holds_tensors_until_their_reader_is_known_and_nothing_is_lost():
+    torch.manual_seed(0)
+    model, x = _Attention(), torch.randn(4, 256, 128)
+    want = train_step_grads(model, model, x)
+    outside = worst_sqnr(train_step_grads(model, model, x, sh.policy()), want)  # all packed when the context exits
+    model.zero_grad(set_to_none=True)
+    with sh.saved_tensors_hooks(sh.policy()):  # backward reads what is still held as it is
+        model(x).square().sum().backward()
+    inside = worst_sqnr([p.grad for p in model.parameters()], want)
+    assert outside >= POLICY_DB and inside >= outside
+    # a held tensor changed in place before it is packed is refused at backward, as torch refuses it
+    lin = nn.Linear(64, 64)
+    with sh.saved_tensors_hooks(sh.policy()):
+        a = lin(torch.randn(32, 64))
+        b = a.sin()  # saves a: held
+        a.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        b.sum().backward()
 
 
 def test_attention_nodes_name_torchs_autograd_nodes():

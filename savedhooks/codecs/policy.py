@@ -31,7 +31,7 @@ from savedhooks.codecs.fp8 import Float8
 from savedhooks.codecs.indices import PoolIndices
 from savedhooks.codecs.placement import decodes_twice, saved_for_an_eager_loss
 from savedhooks.contract import HookContext
-from savedhooks.hooks import hook_context
+from savedhooks.hooks import eager_readers, hook_context
 
 __all__ = [
     "ATTENTION_NODES",
@@ -177,9 +177,11 @@ def is_attention_operand(x: torch.Tensor, node: torch.fx.Node | None) -> bool:
     Args:
         x: the saved tensor.
         node: its node in the forward graph under compile; None in eager mode,
-            where only the output is recognized, by the autograd node that made
-            it (:data:`ATTENTION_NODES`, output 0): the query, key and value are
-            saved before the op runs, and nothing then tells which op saves them.
+            where the output is recognized by the autograd node that made it
+            (:data:`ATTENTION_NODES`, output 0), and the query, key and value,
+            which are saved before the op runs, by that node reading them
+            (:func:`savedhooks.hooks.eager_readers`, known when the policy's
+            ``eager_window`` held them until the op saved its output).
 
     Returns:
         Under compile, True when the value (looking through ``detach`` /
@@ -187,7 +189,9 @@ def is_attention_operand(x: torch.Tensor, node: torch.fx.Node | None) -> bool:
         :data:`ATTENTION_OPS`, or that op's first output.
     """
     if node is None:
-        return x.grad_fn is not None and x.output_nr == 0 and type(x.grad_fn).__name__ in ATTENTION_NODES
+        if x.grad_fn is not None and x.output_nr == 0 and type(x.grad_fn).__name__ in ATTENTION_NODES:
+            return True
+        return not eager_readers().isdisjoint(ATTENTION_NODES)
     node = _through_aliases(node)
     if (
         node.op == "call_function"
@@ -353,6 +357,20 @@ class Policy(Codec):
         if not isinstance(self.relative_bytes, (int, float)) or not 0 <= self.relative_bytes < 1:
             raise ValueError(f"policy: relative_bytes must be a number in [0, 1), got {self.relative_bytes!r}")
 
+    @property
+    def eager_window(self) -> int:
+        """In eager mode, how many saved tensors are held before packing, until the op reading them is known.
+
+        Fused attention saves its query, key and value before it runs, and then
+        its output (:mod:`savedhooks.eager`): three; none without an ``attention``
+        codec. Only tensors bound for ``floating`` are held (:meth:`eager_holds`).
+        """
+        return 3 if self.attention is not None and self.floating is not None else 0
+
+    def eager_holds(self, x: torch.Tensor) -> bool:
+        """Whether eager mode holds ``x`` until its readers are known: it would go to ``floating``."""
+        return self.floating is not None and self.choose(x) == 0
+
     def codecs(self) -> tuple[Codec, ...]:
         """The configured codecs, in the fixed order floating, boolean, integer, centered, attention."""
         return tuple(
@@ -440,13 +458,17 @@ def policy(
     smaller than ``relative_bytes`` of the largest one the same graph saves (a
     rotary table shared by the whole batch: its error is the same in every
     sequence; the largest counted is the largest that a codec packs, not a
-    parameter or a value the forward also returns); under compile, the argument of a sine, cosine or tangent that the
-    backward recomputes (rotary angles: :func:`is_periodic_argument`); in eager mode, a log-softmax's output
-    (an eager loss's, which every codec stores as it is: packing it only adds memory at the loss's peak,
-    :func:`savedhooks.codecs.placement.saved_for_an_eager_loss`). The rest: fp8 for floating tensors (under
-    inductor, a batch norm's input as its deviation from each channel's mean: ``centered``),
-    under compile, the query, key, value and output of fused attention in ``attention`` (bf16:
-    :func:`is_attention_operand`; in eager mode its output only), bitmasks for bool ones, max-pool indices in int16 or int32 and inductor's
+    parameter or a value the forward also returns); under compile, the argument
+    of a sine, cosine or tangent that the backward recomputes (rotary angles:
+    :func:`is_periodic_argument`); in eager mode, a log-softmax's output (an
+    eager loss's, which every codec stores as it is: packing it only adds memory
+    at the loss's peak, :func:`savedhooks.codecs.placement.saved_for_an_eager_loss`).
+    The rest: fp8 for floating tensors (under inductor, a batch norm's input as
+    its deviation from each channel's mean: ``centered``), the query, key, value
+    and output of fused attention in ``attention`` (bf16: :func:`is_attention_operand`;
+    in eager mode the query, key and value are held until the op saves its
+    output: :attr:`Policy.eager_window`), bitmasks for bool ones, max-pool
+    indices in int16 or int32 and inductor's
     max-pool window offsets in 2 or 4 bits (lossless).
 
     Args:
@@ -476,8 +498,8 @@ def policy(
             uncentered, README "Under inductor"). None: ``floating``. Unused when
             ``floating`` is None.
         attention: the codec for the query, key, value and output of a
-            fused attention op under compile, for its output in eager mode
-            (:func:`is_attention_operand`), instead of ``floating``; default bf16. None: ``floating``. Unused
+            fused attention op (:func:`is_attention_operand`), instead of
+            ``floating``; default bf16. None: ``floating``. Unused
             when ``floating`` is None.
 
     Returns:
