@@ -272,8 +272,10 @@ def _unpack(fns: _HookFunctions, packed: Any) -> torch.Tensor:
         if packed.tensor is not None:  # backward reads it before it was packed
             _check_version(fns, packed.tensor, packed.version)
             frame = _eager_frame(fns)
-            if frame is not None and packed in frame.held:
-                frame.held.remove(packed)
+            if frame is not None:  # backward has started: the forward's sharing is over
+                frame.cache.clear()
+                if packed in frame.held:
+                    frame.held.remove(packed)
             return packed.tensor
         packed = packed.packed
     if isinstance(packed, _ViewOf):

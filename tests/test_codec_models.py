@@ -223,13 +223,16 @@ def test_eager_packs_each_activation_once_and_never_parameters():
     assert sorted(encoded) == [(4, 4), (4, 16), (4, 16)]
 
 
-def test_eager_pack_cache_does_not_keep_tensors_alive():
+@pytest.mark.parametrize("codec", ["fp8", "policy"])  # the policy holds the last saved tensors (eager_window)
+def test_eager_pack_cache_does_not_keep_tensors_alive(codec):
     from savedhooks import hooks as hooks_module
 
     model = mlp(width=16)
-    with sh.saved_tensors_hooks(sh.fp8()):
-        loss = model(torch.randn(4, 8)).square().sum()
-        cache = hooks_module._active.stack[-1][1]
+    with sh.saved_tensors_hooks(getattr(sh, codec)()):
+        loss = model(torch.randn(64, 8)).square().sum()  # 4 KiB activations: above the policy's min_bytes
+        frame = hooks_module._active.stack[-1]
+        cache = frame.cache
+        assert len(frame.held) == (3 if codec == "policy" else 0)
         loss.backward()
         del loss
         gc.collect()
