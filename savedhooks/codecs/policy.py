@@ -186,7 +186,8 @@ def is_attention_operand(x: torch.Tensor, node: torch.fx.Node | None) -> bool:
     Returns:
         Under compile, True when the value (looking through ``detach`` /
         ``alias``) is one of the first three arguments of an op of
-        :data:`ATTENTION_OPS`, or that op's first output.
+        :data:`ATTENTION_OPS`, or that op's first output; in eager mode, True
+        for that op's output and for a tensor one of those ops reads.
     """
     if node is None:
         if x.grad_fn is not None and x.output_nr == 0 and type(x.grad_fn).__name__ in ATTENTION_NODES:
@@ -284,9 +285,6 @@ def largest_saved_bytes(bw_graph: torch.fx.Graph, fw_graph: torch.fx.Graph | Non
 
     Returns:
         The size in bytes, or None when a saved size is symbolic.
-
-    Raises:
-        Nothing.
     """
     largest = 0
     fw_nodes = {n.name: n for n in fw_graph.nodes} if fw_graph is not None else {}
