@@ -171,27 +171,26 @@ def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
         return _pack_checked(fns, x)
     if _frees_nothing(x):
         return _Passthrough(x)
-    cache = _eager_cache(fns)
-    if cache is None:  # torch's own hooks entered directly: no sharing within the forward
-        return _pack_cached(fns, x, None)
+    frame = _eager_frame(fns)
+    if frame is None:  # torch's own hooks entered directly: no sharing within the forward
+        return _pack_now(fns, x, None)
     base = x._base if x._is_view() else None
     if base is not None and _covers(x, base) and not _frees_nothing(base):
         # relu's (B, T, C) output and the (B*T, C) view the next matmul saves: one payload
         # the view keeps its own shape, also when the base's payload is the base itself
-        return _ViewOf(_pack_cached(fns, base, cache), x)
-    return _pack_cached(fns, x, cache)
+        return _ViewOf(_pack_cached(frame, base), x)
+    return _pack_cached(frame, x)
 
 
-def _pack_cached(fns: _HookFunctions, x: torch.Tensor, cache: dict[int, tuple[Any, int, Any]] | None) -> Any:
-    hit = cache.get(id(x)) if cache is not None else None
+def _pack_cached(frame: _Frame, x: torch.Tensor) -> Any:
+    hit = frame.cache.get(id(x))
     if hit is not None and hit[0]() is x and hit[1] == x._version:
         return hit[2]
-    frame = _eager_frame(fns)
-    if frame is not None and frame.window:
+    if frame.window:
         _note_readers(frame, x)
         if frame.holds(x):
             return _hold(frame, x)
-    return _pack_now(fns, x, cache)
+    return _pack_now(frame.fns, x, frame.cache)
 
 
 def _pack_now(fns: _HookFunctions, x: torch.Tensor, cache: dict[int, tuple[Any, int, Any]] | None) -> Any:
@@ -286,9 +285,9 @@ def _unpack(fns: _HookFunctions, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Passthrough):
             return packed.tensor
         packed = packed.packed
-    cache = _eager_cache(fns)
-    if cache:  # backward has started: the forward's sharing is over, drop the entries
-        cache.clear()
+    frame = _eager_frame(fns)
+    if frame is not None:  # backward has started: the forward's sharing is over, drop the entries
+        frame.cache.clear()
     return _unpack_checked(fns, packed)
 
 
@@ -304,11 +303,6 @@ def _eager_frame(fns: _HookFunctions) -> _Frame | None:
     if not stack or stack[-1].fns is not fns:  # torch's own hooks were pushed above ours
         return None
     return stack[-1]
-
-
-def _eager_cache(fns: _HookFunctions) -> dict[int, tuple[Any, int, Any]] | None:
-    frame = _eager_frame(fns)
-    return frame.cache if frame is not None else None
 
 
 def _holds_storage_of(packed: Any, x: torch.Tensor) -> bool:

@@ -51,6 +51,7 @@ __all__ = [
     "producing_op",
     "to_rows",
     "uses_fused",
+    "uses_through_aliases",
     "uses_triton",
 ]
 
@@ -400,6 +401,27 @@ def unpack_saved(codec: Codec, packed: tuple[int, Any]) -> torch.Tensor:
     return codec.codecs()[index].decode(payload)
 
 
+def uses_through_aliases(nodes: list[torch.fx.Node]) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """The nodes that read ``nodes``, looking through ``detach`` / ``alias``.
+
+    Args:
+        nodes: values of one graph.
+
+    Returns:
+        ``(user, value it reads)`` pairs, the value being one of ``nodes`` or
+        one of their aliases.
+    """
+    frontier, uses = list(nodes), []
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.target in ALIAS_OPS:
+                frontier.append(user)
+            else:
+                uses.append((user, node))
+    return uses
+
+
 def backward_uses(name: str, bw_graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
     """The backward nodes that read a saved value, looking through ``detach`` / ``alias``.
 
@@ -410,20 +432,8 @@ def backward_uses(name: str, bw_graph: torch.fx.Graph) -> list[tuple[torch.fx.No
     Returns:
         ``(user, value it reads)`` pairs, the value being the placeholder or one
         of its aliases; empty when no placeholder has that name.
-
-    Raises:
-        Nothing.
     """
-    frontier = [n for n in bw_graph.find_nodes(op="placeholder") if n.name == name]
-    uses = []
-    while frontier:
-        node = frontier.pop()
-        for user in node.users:
-            if user.target in ALIAS_OPS:
-                frontier.append(user)
-            else:
-                uses.append((user, node))
-    return uses
+    return uses_through_aliases([n for n in bw_graph.find_nodes(op="placeholder") if n.name == name])
 
 
 def sign_only_in_backward() -> bool:

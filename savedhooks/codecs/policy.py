@@ -15,7 +15,6 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from savedhooks.codecs.base import (
-    ALIAS_OPS,
     Codec,
     _op_name,
     _through_aliases,
@@ -23,6 +22,7 @@ from savedhooks.codecs.base import (
     backward_uses,
     producing_op,
     uses_fused,
+    uses_through_aliases,
 )
 from savedhooks.codecs.bitmask import Bitmask
 from savedhooks.codecs.centered import Centered
@@ -39,6 +39,7 @@ __all__ = [
     "BATCH_NORM_OPS",
     "DEFAULT_KEEP_OPS",
     "Policy",
+    "SDPA_OPS",
     "is_attention_operand",
     "is_batch_norm_input",
     "is_narrow_softmax",
@@ -49,14 +50,19 @@ __all__ = [
     "producing_op",
 ]
 
-# Statistics saved by normalization and fused attention: small, and their error is
-# amplified (rstd multiplies every element of a row; the logsumexp of attention
-# re-normalizes every probability in backward).
-DEFAULT_KEEP_OPS = (
+# The SDPA kernels (each returns its output, then its logsumexp)
+SDPA_OPS = (
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
+)
+
+# Statistics saved by normalization and fused attention: small, and their error is
+# amplified (rstd multiplies every element of a row; the logsumexp of attention
+# re-normalizes every probability in backward).
+DEFAULT_KEEP_OPS = (
+    *SDPA_OPS,
     "native_layer_norm",
     "native_group_norm",
     "native_batch_norm",
@@ -78,10 +84,7 @@ BATCH_NORM_OPS = (
 # Fused attention ops: their backward recomputes the probabilities from the saved query and key (against the saved
 # logsumexp) and each row's correction rowsum(grad_out * out) from the saved output
 ATTENTION_OPS = (
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
+    *SDPA_OPS,
     "_scaled_dot_product_fused_attention_overrideable",
     "_flash_attention_forward",
     "_efficient_attention_forward",
@@ -201,18 +204,10 @@ def is_attention_operand(x: torch.Tensor, node: torch.fx.Node | None) -> bool:
         and _op_name(getattr(node.args[0], "target", None)) in ATTENTION_OPS
     ):
         return True
-    frontier, seen = [node], set()
-    while frontier:  # the value and its aliases (a saved ``detach`` of what the op read)
-        current = frontier.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        for user in current.users:
-            if user.target in ALIAS_OPS:
-                frontier.append(user)
-            elif _op_name(user.target) in ATTENTION_OPS and any(a is current for a in user.args[:3]):
-                return True
-    return False
+    return any(
+        _op_name(user.target) in ATTENTION_OPS and any(a is value for a in user.args[:3])
+        for user, value in uses_through_aliases([node])  # a saved ``detach`` of what the op read
+    )
 
 
 def is_periodic_argument(name: str, bw_graph: torch.fx.Graph) -> bool:
