@@ -58,8 +58,8 @@ def step(model: torch.nn.Module, x: torch.Tensor, hooks: sh.HookPair | None) -> 
     """Compile (aot_eager) and run a step of mean(model(x)^2), then run it twice more measured.
 
     Returns:
-        The bytes the measured forward leaves alive for backward (CPU memory trace,
-        the least of the two); the gradients in ``.grad`` are the last step's.
+        The bytes the measured forward leaves alive for backward (CPU memory trace
+        of the main thread's allocations, :func:`_left_alive`; the least of the two); the gradients in ``.grad`` are the last step's.
     """
     compiled = torch.compile(model, backend="aot_eager")
     losses = []
@@ -70,16 +70,36 @@ def step(model: torch.nn.Module, x: torch.Tensor, hooks: sh.HookPair | None) -> 
 
     forward()  # compiles
     losses.pop().backward()
-    # the main thread's bytes only: gloo's worker threads copy each all-gather through a buffer of
-    # their own, and under load one freed after the trace stopped counted as held (50 KB under FSDP2);
-    # the least of two measured forwards: a 50,816-byte buffer still counted in one of them now and then
-    # (CI, 2026-11-27: the policy's saved bytes 97,092 against 46,276 in another run)
     saved = []
     for _ in range(2):
         model.zero_grad(set_to_none=True)
-        saved.append(sh.memory.cpu_memory_trace(forward, calling_thread_only=True)[-1])
+        saved.append(_left_alive(forward))
         losses.pop().backward()
     return min(saved)
+
+
+# FSDP2's op that all-gathers a module's parameters. Gloo's async work holds the output buffer and may
+# let go of it on a worker thread after the forward returns: then a block's parameters would count as held.
+_ALL_GATHER = "FSDP::all_gather ("
+
+
+def _left_alive(fn) -> int:
+    """The bytes the calling thread allocates in ``fn`` and still holds when it returns.
+
+    Allocations inside FSDP2's all-gather are left out: they hold parameters in
+    transit, not tensors saved for backward.
+    """
+    nodes = sh.memory.measure.profiled_nodes(fn)
+    caller = next(n.start_tid for n in nodes if n.name == sh.memory.measure.CALL_MARK)
+
+    def in_all_gather(node) -> bool:
+        while node is not None and not node.name.startswith(_ALL_GATHER):
+            node = node.parent
+        return node is not None
+
+    kept = [n for n in nodes if not in_all_gather(n)]
+    live = sh.memory.measure.traced_bytes(sh.memory.measure.cpu_allocations(kept), caller)
+    return live[-1][1] if live else 0
 
 
 def _wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
