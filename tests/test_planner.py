@@ -9,6 +9,7 @@ import torch
 from models import measured_step_peak as _measured_peak
 from models import planner_mlp as _mlp
 from models import square_mean_loss as _loss
+from models import transformer
 
 import savedhooks as sh
 from savedhooks.fidelity.select import SavedTensor
@@ -169,6 +170,38 @@ def test_offload_is_a_choice_for_accelerator_tensors_with_no_device_payload(monk
     small = SavedTensor("g0:b", "mm", (8, 8), torch.float32, 256)
     offload = survey_module._options([small], torch.device("cuda"), "inductor")
     assert all(o.name != "offload" for o in offload)
+
+
+def test_no_fp8_option_where_the_policy_holds_a_tensor_in_bf16(monkeypatch):
+    survey_module = _survey_module()
+    monkeypatch.setattr(survey_module, "seconds_per_byte", lambda codec, dtype, device, backend: 1e-9)
+    held = SavedTensor("g0:q", "mm", (64, 64), torch.float32, 64 * 64 * 4, sh.Downcast(torch.bfloat16))
+    assert [o.name for o in survey_module._options([held], torch.device("cpu"), "inductor")] == ["keep", "bf16"]
+    packed = SavedTensor("g0:mm", "mm", (64, 64), torch.float32, 64 * 64 * 4, sh.Float8())
+    assert [o.name for o in survey_module._options([packed], torch.device("cpu"), "inductor")] == [
+        "keep",
+        "bf16",
+        "fp8",
+    ]
+
+
+def test_a_plan_never_packs_fused_attentions_operands_in_fp8():
+    """The census records the policy's bf16 for SDPA's query, key, value and output; at the floor the plan
+    packs every candidate it can, fp8 where offered, and those in bf16 at most."""
+    torch.manual_seed(0)
+    model, x = transformer(2, 64), torch.randn(4, 64, 64)
+    survey = sh.planner.survey(model, (x,), loss_fn=_loss, backend="aot_eager")
+    # per layer: the query, key and value (views of one projection's output: one unit), and the output
+    # (with the view of it that the output projection saves: one storage, one choice)
+    attention = {key for key, ts in survey.saved.items() if any(isinstance(t.packed_as, sh.Downcast) for t in ts)}
+    assert len(attention) == 2 * 2
+    options = {u.key: [o.name for o in u.options] for u in survey.units}
+    assert all(options[key] == ["keep", "bf16"] for key in attention)
+    assert any("fp8" in names for names in options.values())
+    floor = survey.plan(survey.floor_bytes)
+    choices = {t.key: t.choice for t in floor.tensors}
+    assert {choices[key] for key in attention} == {"bf16"}
+    assert "fp8" in choices.values()
 
 
 def test_unit_options_must_start_with_keep():
@@ -401,7 +434,9 @@ def test_a_fidelity_limit_prices_lossy_options_and_takes_away_those_too_harmful_
         live=(256,),
         backend="aot_eager",
     )
-    per_byte = {(op, (8, 8), torch.float32): math.inf if math.isnan(db) else 10 ** (-db / 10) / 256 for op, db in ops.items()}
+    per_byte = {
+        (op, (8, 8), torch.float32): math.inf if math.isnan(db) else 10 ** (-db / 10) / 256 for op, db in ops.items()
+    }
     limit = FidelityLimit(25.0, per_byte)
     restricted, lost = limit.restrict(found)
     kept = {u.key: [o.name for o in u.options] for u in restricted.units}

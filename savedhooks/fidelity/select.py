@@ -41,6 +41,8 @@ class SavedTensor:
         shape: its shape (concrete sizes; symbolic ones as strings).
         dtype: its dtype.
         bytes: ``numel * element_size`` before packing.
+        packed_as: the codec the census's ``inner`` picks for it (None where
+            not recorded).
     """
 
     key: str
@@ -48,6 +50,7 @@ class SavedTensor:
     shape: tuple[int | str, ...]
     dtype: torch.dtype
     bytes: int
+    packed_as: Codec | None = None
 
 
 @dataclasses.dataclass
@@ -140,7 +143,7 @@ def concrete_size(s: object) -> int | str:
 
 @dataclasses.dataclass(frozen=True)
 class Census(Codec):
-    """Packs nothing; records every saved tensor that ``inner`` would pack."""
+    """Packs nothing; records every saved tensor that ``inner`` would pack, with the codec it would pick."""
 
     inner: Codec
 
@@ -150,9 +153,10 @@ class Census(Codec):
     def choose(self, x: torch.Tensor) -> int:
         key, op = _key(x)
         # AOTAutograd may trace a hook more than once per saved value: list it once
-        if self.inner.choose(x) >= 0 and all(t.key != key for t in _RUN.census):
-            nbytes = x.numel() * x.element_size()
-            _RUN.census.append(SavedTensor(key, op, tuple(map(concrete_size, x.shape)), x.dtype, int(nbytes)))
+        index = self.inner.choose(x)
+        if index >= 0 and all(t.key != key for t in _RUN.census):
+            nbytes, codec = x.numel() * x.element_size(), self.inner.codecs()[index]
+            _RUN.census.append(SavedTensor(key, op, tuple(map(concrete_size, x.shape)), x.dtype, int(nbytes), codec))
         return -1
 
 

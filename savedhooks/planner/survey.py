@@ -31,7 +31,11 @@ Design notes
   views of one storage (they free it together, so they get one choice).
 * Options per candidate: keep; bf16 (float32 and float64 tensors); fp8 (the
   policy's codec, e4m3 blocks of 128); a bitmask for bool tensors; offload to
-  pinned host memory for tensors on an accelerator (no device payload). Payload
+  pinned host memory for tensors on an accelerator (no device payload). Where
+  the policy holds a tensor in a 16-bit float (fused attention's operands,
+  ``Policy.attention``), fp8 is not offered: the backward recomputes the
+  attention probabilities from them, and fp8's rounding there lands whole in
+  the query and key gradients (:func:`savedhooks.codecs.policy.is_attention_operand`). Payload
   bytes (device bytes) come from encoding a fake tensor of the candidate's
   shape; time from :func:`savedhooks.planner.costs.seconds_per_byte` on the
   inputs' device (for offload: the copies there and back, as if unhidden).
@@ -64,7 +68,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from savedhooks.codecs import Policy
+from savedhooks.codecs import Downcast, Policy
 from savedhooks.codecs.base import materializes_better
 from savedhooks.fidelity.select import Census, SavedTensor, keyed_run
 from savedhooks.fidelity.sensitivity import default_loss
@@ -89,7 +93,8 @@ def _options(
 ) -> tuple[Option, ...]:
     """Keep, and each codec that accepts the tensors, with device payload bytes (fake encode) and time.
 
-    Keep alone where ``by_loss`` (the eager loss saves one of them).
+    Keep alone where ``by_loss`` (the eager loss saves one of them). No fp8
+    where the policy packs one of them in a 16-bit float (module notes).
 
     Offload is a choice for tensors on an accelerator (its payload on the device
     is 0 bytes; host bytes are not counted); its time is the copies' round trip,
@@ -104,6 +109,8 @@ def _options(
     if by_loss:
         return tuple(options)  # packing frees nothing at the loss's peak (module notes)
     names = ("bitmask",) if first.dtype == torch.bool else ("bf16", "fp8") if first.dtype.is_floating_point else ()
+    if any(isinstance(t.packed_as, Downcast) for t in tensors):
+        names = tuple(n for n in names if n != "fp8")
     for name in (*names, "offload"):
         codec = CODECS[name]
         if name == "bf16" and first.dtype not in (torch.float32, torch.float64):
@@ -319,7 +326,9 @@ def survey(
             sum(t.bytes for t in ts),
             tuple((*timeline.spans[k], t.bytes) for t in ts for k in at.get(t.key, ()) if k in timeline.spans),
             _per_run(
-                _merged_options([_options(same, device, backend, key_of_saved(same[0]) in by_loss) for same in _by_plan_key(ts)]),
+                _merged_options(
+                    [_options(same, device, backend, key_of_saved(same[0]) in by_loss) for same in _by_plan_key(ts)]
+                ),
                 sum(t.bytes * max(len(at.get(t.key, ())), 1) for t in ts) / max(sum(t.bytes for t in ts), 1),
             ),
             tuple(span for t in ts for span in _reread(t, at.get(t.key, ()), timeline, device, fused)),
@@ -327,8 +336,16 @@ def survey(
         for key, ts in sorted(groups.items())
     )
     return Survey(
-        units, groups, timeline.live, backend, recompute, recompute_seconds, recompute_mode, loss,
-        output_held=output_held, loss_saved=by_loss,
+        units,
+        groups,
+        timeline.live,
+        backend,
+        recompute,
+        recompute_seconds,
+        recompute_mode,
+        loss,
+        output_held=output_held,
+        loss_saved=by_loss,
     )
 
 
