@@ -1,12 +1,13 @@
 """sh.sensitivity: which saved tensors hurt the gradients when packed, and the worst-gradient metric."""
 
+import contextlib
 import dataclasses
 import functools
 import math
 
 import pytest
 import torch
-from models import INDUCTOR_CNN_OPTIONS, POLICY_DB, train_step_grads, worst_sqnr
+from models import INDUCTOR_CNN_OPTIONS, POLICY_DB, train_step_grads, transformer, worst_sqnr
 from torch import nn
 
 import savedhooks as sh
@@ -247,7 +248,9 @@ def test_policy_narrows_max_pool_indices_losslessly_under_compile(side, narrow, 
     reference = [g.clone() for g in _grads(model, model, x, None)]
     widths = []
     encode = sh.codecs.PoolIndices.encode
-    monkeypatch.setattr(sh.codecs.PoolIndices, "encode", lambda self, t: widths.append(encode(self, t)[0].dtype) or encode(self, t))
+    monkeypatch.setattr(
+        sh.codecs.PoolIndices, "encode", lambda self, t: widths.append(encode(self, t)[0].dtype) or encode(self, t)
+    )
     got = _grads(model, torch.compile(model, backend="aot_eager"), x, sh.policy(floating=None, boolean=None))
     assert set(widths) == narrow and len(widths) >= 2  # both pools' indices (traced once or more each)
     assert all(torch.equal(a, b) for a, b in zip(reference, got))  # lossless: the same gradients, bit for bit
@@ -326,8 +329,9 @@ def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_se
     x = torch.randn(8, 3, 16, 16)
     restored = {}
     restore = savedhooks.compilers.restore_input_layout
-    monkeypatch.setattr(savedhooks.compilers, "restore_input_layout",
-                        lambda graph: restored.setdefault(layout_now[0], restore(graph)))
+    monkeypatch.setattr(
+        savedhooks.compilers, "restore_input_layout", lambda graph: restored.setdefault(layout_now[0], restore(graph))
+    )
     layout_now = [None]
 
     def saved_bytes(layout: bool) -> tuple[int, list[torch.Tensor]]:
@@ -419,6 +423,36 @@ def test_policy_packs_fused_attentions_query_key_value_and_output_in_bf16():
     assert _chosen(model, x) == {heads: {"Downcast"}, (1024, 128): {"Downcast", "Float8"}}
     assert [type(c).__name__ for shape, c in _CHOSEN if shape == (1024, 128)].count("Downcast") == 3
     assert _chosen(model, x, attention=None) == {heads: {"Float8"}, (1024, 128): {"Float8"}}
+
+
+def _autocast_grads(model, x, hooks, compiled):
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="aot_eager") if compiled else model
+    hooked = sh.saved_tensors_hooks(hooks) if hooks is not None else contextlib.nullcontext()
+    with torch.autocast("cpu", dtype=torch.bfloat16), hooked:
+        y = fn(x)
+    y.float().square().mean().backward()
+    torch._dynamo.reset()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.filterwarnings("ignore:savedhooks hook")
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_policy_keeps_autocast_s_weight_copies(compiled):
+    """Under bf16 autocast the matmuls save the weights' bf16 copies: kept as they are, the activations packed."""
+    torch.manual_seed(0)
+    model, x = transformer(2, 64), torch.randn(8, 128, 64)
+    weights = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    weights |= {shape[::-1] for shape in weights}
+    _CHOSEN.clear()
+    got = _autocast_grads(model, x, _Chosen().hooks(), compiled)
+    copies = [codec for shape, codec in _CHOSEN if shape in weights]
+    packed = [codec for shape, codec in _CHOSEN if shape not in weights and codec is not None]
+    assert copies and all(codec is None for codec in copies)
+    assert packed and all(isinstance(codec, (sh.Float8, sh.Downcast)) for codec in packed)
+    want = _autocast_grads(model, x, None, compiled)
+    assert worst_sqnr(got, want) >= POLICY_DB
 
 
 def test_eager_policy_holds_tensors_until_their_reader_is_known_and_nothing_is_lost():

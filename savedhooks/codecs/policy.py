@@ -42,6 +42,7 @@ __all__ = [
     "SDPA_OPS",
     "is_attention_operand",
     "is_batch_norm_input",
+    "is_cast_of_input",
     "is_narrow_softmax",
     "is_periodic_argument",
     "is_statistic_of",
@@ -98,6 +99,19 @@ ATTENTION_NODES = tuple(
 
 # Periodic functions whose argument the backward may recompute from a saved value (rotary angles)
 _PERIODIC_OPS = ("sin", "cos", "tan")
+
+# Ops that change a value's dtype, layout or shape and nothing else (what autocast does to a weight), and the
+# autograd nodes of the same in eager mode; the casts among them
+_CAST_OR_VIEW_OPS = (
+    "convert_element_type", "_to_copy", "clone", "alias", "detach", "view", "_unsafe_view", "reshape", "permute",
+    "t", "transpose", "expand", "unsqueeze", "squeeze", "slice", "select",
+)  # fmt: skip
+_CAST_OPS = ("convert_element_type", "_to_copy")
+_CAST_OR_VIEW_NODES = (
+    "ToCopyBackward0", "CloneBackward0", "AliasBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+    "PermuteBackward0", "TBackward0", "TransposeBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+    "SqueezeBackward1", "SliceBackward0", "SelectBackward0",
+)  # fmt: skip
 
 # (log-)softmax outputs: autograd node names in eager mode, aten op names in graphs
 _SOFTMAX_NODES = ("LogSoftmaxBackward0", "SoftmaxBackward0")
@@ -208,6 +222,46 @@ def is_attention_operand(x: torch.Tensor, node: torch.fx.Node | None) -> bool:
         _op_name(user.target) in ATTENTION_OPS and any(a is value for a in user.args[:3])
         for user, value in uses_through_aliases([node])  # a saved ``detach`` of what the op read
     )
+
+
+def is_cast_of_input(x: torch.Tensor, node: torch.fx.Node | None) -> bool:
+    """Whether a saved value is a parameter cast (autocast's bf16 copy of a weight), through casts and views only.
+
+    Without autocast the graph saves a weight as the forward input it is,
+    which no codec packs; under autocast it saves the weight's low-precision
+    copy for the matmul's input gradient. fp8's rounding of a weight is the
+    same error for every token: it does not average out over the batch in the
+    gradients, as an activation's does, and it passes into every gradient
+    upstream, a layer's share each (bf16 autocast under inductor, the worst
+    parameter gradient of the tests' decoder in
+    ``test_policy_keeps_autocast_s_weight_copies``).
+
+    Args:
+        x: the saved tensor.
+        node: its node in the forward graph under compile; None in eager mode.
+
+    Returns:
+        Under compile, True when walking back from the value through
+        :data:`_CAST_OR_VIEW_OPS` passes a dtype cast and reaches a placeholder
+        of the forward graph (a placeholder reached through views alone may be
+        an activation that an earlier graph handed over, which is packed). In
+        eager mode, True when the autograd nodes from ``x.grad_fn`` back are
+        casts and views (:data:`_CAST_OR_VIEW_NODES`) down to a leaf's
+        ``AccumulateGrad``.
+    """
+    if node is None:
+        fn, steps = x.grad_fn, 0
+        while fn is not None and type(fn).__name__ in _CAST_OR_VIEW_NODES:
+            inputs = [f for f, _ in fn.next_functions if f is not None]
+            fn, steps = (inputs[0] if len(inputs) == 1 else None), steps + 1
+        return steps > 0 and type(fn).__name__ == "AccumulateGrad"
+    cast = False
+    while node.op == "call_function" and _op_name(node.target) in _CAST_OR_VIEW_OPS and node.args:
+        cast = cast or _op_name(node.target) in _CAST_OPS
+        node = node.args[0]
+        if not isinstance(node, torch.fx.Node):
+            return False
+    return cast and node.op == "placeholder"
 
 
 def is_periodic_argument(name: str, bw_graph: torch.fx.Graph) -> bool:
@@ -382,6 +436,8 @@ class Policy(Codec):
             return True
         if saved_for_an_eager_loss(x, ctx):
             return True
+        if x.is_floating_point() and is_cast_of_input(x, node):
+            return True
         if ctx is None:
             return False
         if is_statistic_of(ctx.node, self.keep_ops):
@@ -453,7 +509,9 @@ def policy(
     sequence; the largest counted is the largest that a codec packs, not a
     parameter or a value the forward also returns); under compile, the argument
     of a sine, cosine or tangent that the backward recomputes (rotary angles:
-    :func:`is_periodic_argument`); in eager mode, a log-softmax's output (an
+    :func:`is_periodic_argument`); a parameter's copy through casts and views
+    (autocast's bf16 weight: its rounding error is the same for every token,
+    :func:`is_cast_of_input`); in eager mode, a log-softmax's output (an
     eager loss's, which every codec stores as it is: packing it only adds memory
     at the loss's peak, :func:`savedhooks.codecs.placement.saved_for_an_eager_loss`).
     The rest: fp8 for floating tensors (under inductor, a batch norm's input as
