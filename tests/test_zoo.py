@@ -4,8 +4,10 @@ Per entry, one test runs (a) ``sh.policy()`` around plain ``torch.compile``
 (inductor) against the compiled step without hooks, and (b) the same eager
 against the eager step: both run, (a)'s measured peak is below the compiled
 step's, and the worst parameter gradient's SQNR against the reference is at
-least :data:`MIN_SQNR_DB`. Each costs two inductor compiles (a minute or two on 2 CPU
-cores); the entries outside :data:`QUICK` are marked ``slow``.
+least :data:`MIN_SQNR_DB`. Another runs (d), (a) under bf16 autocast against the
+compiled bf16 step without hooks, to the same bounds. Each costs two inductor
+compiles (a minute or two on 2 CPU cores); the entries outside :data:`QUICK` are
+marked ``slow``.
 """
 
 import math
@@ -86,3 +88,12 @@ def test_policy_compiled_and_eager_on_tiny_entry(name):
     assert row.a_ratio < 1.0, row  # the compiled step's peak, with saved activations packed, is lower
     assert row.a_sqnr >= MIN_SQNR_DB, (row.a_sqnr, row.worst)
     assert row.b_sqnr >= MIN_SQNR_DB, (row.b_sqnr, row.worst)
+
+
+@pytest.mark.parametrize("name", _params(zoo.ZOO))
+def test_policy_under_bf16_autocast_on_tiny_entry(name):
+    # autocast saves the weights' bf16 copies for the matmuls: the policy keeps them (is_cast_of_input)
+    row = zoo.measure_model(zoo.ZOO[name], "tiny", only=("d",))
+    assert not row.errors, row.errors
+    assert row.d_ratio < 1.0, row
+    assert row.d_sqnr >= MIN_SQNR_DB, (row.d_sqnr, row.worst)

@@ -224,7 +224,7 @@ def is_attention_operand(x: torch.Tensor, node: torch.fx.Node | None) -> bool:
     )
 
 
-def is_cast_of_input(x: torch.Tensor, node: torch.fx.Node | None) -> bool:
+def is_cast_of_input(x: torch.Tensor, node: torch.fx.Node | None, bw_graph: torch.fx.Graph | None = None) -> bool:
     """Whether a saved value is a parameter cast (autocast's bf16 copy of a weight), through casts and views only.
 
     Without autocast the graph saves a weight as the forward input it is,
@@ -239,15 +239,19 @@ def is_cast_of_input(x: torch.Tensor, node: torch.fx.Node | None) -> bool:
     Args:
         x: the saved tensor.
         node: its node in the forward graph under compile; None in eager mode.
+        bw_graph: under compile, the backward graph, whose outputs tell which
+            forward inputs get a gradient (None: any input counts).
 
     Returns:
         Under compile, True when walking back from the value through
         :data:`_CAST_OR_VIEW_OPS` passes a dtype cast and reaches a placeholder
-        of the forward graph (a placeholder reached through views alone may be
-        an activation that an earlier graph handed over, which is packed). In
-        eager mode, True when the autograd nodes from ``x.grad_fn`` back are
-        casts and views (:data:`_CAST_OR_VIEW_NODES`) down to a leaf's
-        ``AccumulateGrad``.
+        of the forward graph that gets a gradient (a parameter; the batch's own
+        inputs get none, and their copies are packed as activations are; a
+        placeholder reached through views alone may be an activation that an
+        earlier graph handed over, which is packed too). In eager
+        mode, True when the autograd nodes from ``x.grad_fn`` back are casts
+        and views (:data:`_CAST_OR_VIEW_NODES`) down to a leaf's
+        ``AccumulateGrad`` (a leaf that requires grad).
     """
     if node is None:
         fn, steps = x.grad_fn, 0
@@ -261,7 +265,20 @@ def is_cast_of_input(x: torch.Tensor, node: torch.fx.Node | None) -> bool:
         node = node.args[0]
         if not isinstance(node, torch.fx.Node):
             return False
-    return cast and node.op == "placeholder"
+    return cast and node.op == "placeholder" and (bw_graph is None or _gets_a_gradient(node, bw_graph))
+
+
+def _gets_a_gradient(placeholder: torch.fx.Node, bw_graph: torch.fx.Graph) -> bool:
+    """Whether the backward graph returns a gradient for this forward input (its outputs follow the inputs).
+
+    True where the backward's outputs do not line up with the forward's inputs (unknown: kept).
+    """
+    inputs = [n for n in placeholder.graph.nodes if n.op == "placeholder"]
+    output = next((n for n in reversed(bw_graph.nodes) if n.op == "output"), None)
+    grads = output.args[0] if output is not None and output.args else None
+    if not isinstance(grads, (tuple, list)) or len(grads) != len(inputs):
+        return True
+    return grads[inputs.index(placeholder)] is not None
 
 
 def is_periodic_argument(name: str, bw_graph: torch.fx.Graph) -> bool:
@@ -436,7 +453,7 @@ class Policy(Codec):
             return True
         if saved_for_an_eager_loss(x, ctx):
             return True
-        if x.is_floating_point() and is_cast_of_input(x, node):
+        if x.is_floating_point() and is_cast_of_input(x, node, ctx.bw_graph if ctx is not None else None):
             return True
         if ctx is None:
             return False
