@@ -115,7 +115,7 @@ _FUNCTIONS: dict[str, _HookFunctions] = {}
 _active = threading.local()
 
 # Autograd nodes that return a view of their input: a held base is an input of a node that reads a view of it.
-_VIEW_NODES = frozenset(
+VIEW_NODES = frozenset(
     {"ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0", "TransposeBackward1", "PermuteBackward0",
      "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "AliasBackward0", "TBackward0",
      "ReshapeAliasBackward0", "ExpandBackward0", "SliceBackward0", "SelectBackward0", "AsStridedBackward0"}
@@ -230,7 +230,7 @@ def _input_edges(node: Any) -> list[tuple[Any, int]]:
     for fn, nr in node.next_functions:
         while fn is not None:
             edges.append((fn, nr))
-            if type(fn).__name__ not in _VIEW_NODES or not fn.next_functions:
+            if type(fn).__name__ not in VIEW_NODES or not fn.next_functions:
                 break
             fn, nr = fn.next_functions[0]
     return edges

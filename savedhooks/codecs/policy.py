@@ -31,6 +31,7 @@ from savedhooks.codecs.fp8 import Float8
 from savedhooks.codecs.indices import PoolIndices
 from savedhooks.codecs.placement import decodes_twice, saved_for_an_eager_loss
 from savedhooks.contract import HookContext
+from savedhooks.eager import VIEW_NODES
 from savedhooks.hooks import eager_readers, hook_context
 
 __all__ = [
@@ -107,11 +108,7 @@ _CAST_OR_VIEW_OPS = (
     "t", "transpose", "expand", "unsqueeze", "squeeze", "slice", "select",
 )  # fmt: skip
 _CAST_OPS = ("convert_element_type", "_to_copy")
-_CAST_OR_VIEW_NODES = (
-    "ToCopyBackward0", "CloneBackward0", "AliasBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
-    "PermuteBackward0", "TBackward0", "TransposeBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
-    "SqueezeBackward1", "SliceBackward0", "SelectBackward0",
-)  # fmt: skip
+_CAST_OR_VIEW_NODES = VIEW_NODES | {"ToCopyBackward0", "CloneBackward0"}
 
 # (log-)softmax outputs: autograd node names in eager mode, aten op names in graphs
 _SOFTMAX_NODES = ("LogSoftmaxBackward0", "SoftmaxBackward0")
