@@ -25,13 +25,47 @@ import torch.fx
 
 from savedhooks.memory.sizes import storage_key
 
-__all__ = ["inlined_nodes", "is_alias", "is_view"]
+__all__ = ["inlined_nodes", "is_alias", "is_constant_fill", "is_view"]
 
 _FUSING_TAGS = (torch.Tag.pointwise, torch.Tag.reduction)
+
+# ops without a pointwise tag that inductor lowers to a pointwise loop body all the same (``tensor_constructor``,
+# ``iota``): a constant fill such as the zeros of ``_safe_softmax``'s ``where`` is computed in its readers' kernels
+_CONSTANT_FILLS = frozenset(
+    op
+    for op in (
+        getattr(torch.ops.aten, "full", None),
+        getattr(torch.ops.aten, "full_like", None),
+        getattr(torch.ops.aten, "zeros", None),
+        getattr(torch.ops.aten, "ones", None),
+        getattr(torch.ops.aten, "zeros_like", None),
+        getattr(torch.ops.aten, "ones_like", None),
+        getattr(torch.ops.aten, "scalar_tensor", None),
+        getattr(torch.ops.prims, "iota", None),
+    )
+    if op is not None
+)
 
 
 def _tags(node: torch.fx.Node) -> tuple[torch.Tag, ...]:
     return tuple(getattr(node.target, "tags", ())) if node.op == "call_function" else ()
+
+
+def is_constant_fill(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a constant fill that inductor lowers to a pointwise loop body (``full``, ``zeros``, ``iota``, ...).
+
+    Args:
+        node: an FX node.
+
+    Returns:
+        True for ``full``, ``zeros``, ``ones`` (and their ``_like`` forms),
+        ``scalar_tensor`` and ``iota``: they carry no ``pointwise`` tag, but
+        inductor computes them inside the kernels that read them.
+
+    Raises:
+        Nothing.
+    """
+    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in _CONSTANT_FILLS
 
 
 def is_view(node: torch.fx.Node) -> bool:
@@ -88,21 +122,27 @@ def inlined_nodes(graph: torch.fx.Graph, realized: Collection[str] = ()) -> set[
 
     Args:
         graph: an AOTAutograd forward or backward graph (nodes with ``meta["val"]``).
-        realized: names of nodes known to have a buffer although the rule would
-            inline them (inductor realizes a pointwise result that many kernels
-            read); they and their views are not inlined.
+        realized: names of the nodes inductor stored, where a compile recorded
+            them (:meth:`savedhooks.planner.recording.GraphRecorder.kernel_order`):
+            they and their views are not inlined (inductor realizes a pointwise
+            result that many kernels read). With that record, a constant fill
+            (:func:`is_constant_fill`) it does not name is a candidate too;
+            without it (a pass that runs before inductor lowers the graph) fills
+            keep their buffer.
 
     Returns:
-        The nodes with the ``pointwise`` tag whose consumers, looking through
-        views, are all pointwise ops or reductions (never an output, an extern
-        kernel or a custom op), and the views of such nodes.
+        The candidate nodes (the ``pointwise`` tag; see ``realized``) whose
+        consumers, looking through views, are all pointwise ops or reductions
+        (never an output, an extern kernel or a custom op), and the views of
+        such nodes.
 
     Raises:
         Nothing.
     """
     inlined: set[torch.fx.Node] = set()
     for node in reversed(graph.nodes):  # consumers first: a view of an inlined node is inlined too
-        if torch.Tag.pointwise not in _tags(node) or not isinstance(node.meta.get("val"), torch.Tensor):
+        candidate = torch.Tag.pointwise in _tags(node) or (realized and is_constant_fill(node))
+        if not candidate or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
         if node.name in realized:
             continue

@@ -68,8 +68,16 @@ from savedhooks.hooks import hook_context
 from savedhooks.memory import build_graph_memory, freed_inputs, saved_activations, simulate
 from savedhooks.memory.estimate import _input_bytes, _report_device
 from savedhooks.memory.fusion import inlined_nodes, is_alias, is_view
-from savedhooks.memory.sizes import storage_key, tensor_nbytes
-from savedhooks.planner.recording import COPIED_INPUTS, DONATED, REALIZED, KernelCall, kernel_calls, run_in_kernel_order
+from savedhooks.memory.sizes import size_hint, storage_key, tensor_nbytes
+from savedhooks.planner.recording import (
+    COPIED_INPUTS,
+    DONATED,
+    FUSED_KERNELS,
+    REALIZED,
+    KernelCall,
+    kernel_calls,
+    run_in_kernel_order,
+)
 
 __all__ = [
     "GraphTimeline",
@@ -238,12 +246,33 @@ def _per_call(memory: Any, spans: list[tuple[int, int]]) -> Any:
 
 # ops that inductor lowers as a write into a copy of their first input, which is that input's own buffer
 # when nothing reads it later (a fill then a scatter: an embedding's backward)
-_SCATTERS = frozenset({
-    torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.default,
-    torch.ops.aten._unsafe_masked_index_put_accumulate.default, torch.ops.aten.index_add.default,
-    torch.ops.aten.scatter.src, torch.ops.aten.scatter.value, torch.ops.aten.scatter_add.default,
-    torch.ops.aten.scatter_reduce.two,
-})
+_SCATTERS = frozenset(
+    {
+        torch.ops.aten.index_put.default,
+        torch.ops.aten._unsafe_index_put.default,
+        torch.ops.aten._unsafe_masked_index_put_accumulate.default,
+        torch.ops.aten.index_add.default,
+        torch.ops.aten.scatter.src,
+        torch.ops.aten.scatter.value,
+        torch.ops.aten.scatter_add.default,
+        torch.ops.aten.scatter_reduce.two,
+    }
+)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors have the same sizes and strides (at their hints; a size-1 dimension's stride aside).
+
+    Then an element's index is the same in both.
+    """
+
+    def layout(t: torch.Tensor) -> list[tuple[int, int]]:
+        return [(n, s if n != 1 else 0) for n, s in ((size_hint(n), size_hint(s)) for n, s in zip(t.shape, t.stride()))]
+
+    try:
+        return layout(a) == layout(b)
+    except (TypeError, ValueError):
+        return False
 
 
 def _reused_in_place(
@@ -256,9 +285,11 @@ def _reused_in_place(
     donated it (:data:`DONATED`; without that record, any saved activation):
     never an incoming gradient, nor a saved value the forward also returned
     (a model's logits that its loss read inside the graph: the kernel that
-    makes the logits' gradient allocates it beside both). The buffer model
-    allocates before it frees, so without this rule a GELU backward counts its
-    output on top of the matmul gradient it overwrites. A scatter
+    makes the logits' gradient allocates it beside both), and only where the
+    op reads the buffer at the index it writes (not through a transpose) and
+    no other node of its fused kernel reads it (``decide_inplace_update``).
+    The buffer model allocates before it frees, so without this rule a GELU
+    backward counts its output on top of the matmul gradient it overwrites. A scatter
     (:data:`_SCATTERS`) writes into its first input's buffer where that input
     dies in it. ``memory`` is the node-by-node model (before :func:`_per_call`);
     the bytes a kernel reuses count over its whole call.
@@ -282,11 +313,61 @@ def _reused_in_place(
                 total += size
         return total
 
+    span_of = {i: (first, last) for first, last in spans for i in range(first, last + 1)}
+    kernels_of: dict[str, set[int]] = {}
+    for k, names in enumerate(gm.meta.get(FUSED_KERNELS, ())):
+        for name in names:
+            kernels_of.setdefault(name, set()).add(k)
+
+    def read_elsewhere(b: int, i: int) -> bool:
+        """Whether another node of ``i``'s fused kernel that stores something (a reduction too) reads buffer ``b``.
+
+        Inductor writes in place only into a buffer whose one remaining reader
+        is the writing node, read at the index it writes
+        (``SchedulerNode.decide_inplace_update``; a kernel's nodes complete
+        together): a softmax's scores, read by its max, its sum and its
+        exponential in one kernel, stay beside the exponential until the
+        kernel ends.
+        """
+        mine = kernels_of.get(memory.node_names[i])
+        first, last = span_of.get(i, (i, i))
+        return bool(mine) and any(
+            j != i and memory.allocs[j] and b in memory.reads[j] and mine & kernels_of.get(memory.node_names[j], set())
+            for j in range(first, last + 1)
+        )
+
+    inlined = inlined_nodes(gm.graph, gm.meta.get(REALIZED, ()))
+
+    def at_own_index(b: int, i: int) -> bool:
+        """Whether node ``i`` reads buffer ``b`` only laid out as it writes its output (inductor's ``can_inplace``).
+
+        A pointwise op reads its inputs through views and inlined pointwise
+        nodes; a read through a transpose (a clone of a permuted tensor) or a
+        broadcast reads another index than it writes, and inductor allocates
+        the output beside the input.
+        """
+        node = nodes[memory.node_names[i]]
+        made = nodes.get(memory.buffers[b].name)
+        key, out = (_storage(made) if made is not None else None), node.meta.get("val")
+        if key is None or not isinstance(out, torch.Tensor):
+            return True
+        frontier, seen = [node], set()
+        while frontier:
+            for arg in frontier.pop().all_input_nodes:
+                val = arg.meta.get("val")
+                if isinstance(val, torch.Tensor) and storage_key(val) == key:
+                    if not _same_layout(val, out):
+                        return False
+                elif arg in inlined and arg not in seen:
+                    seen.add(arg)
+                    frontier.append(arg)
+        return True
+
     def reusable(i: int) -> tuple[int, ...]:
         """The buffers dying at node ``i`` that its output may take: any for a pointwise op, a scatter's first input's."""
         node = nodes[memory.node_names[i]]
         if torch.Tag.pointwise in getattr(node.target, "tags", ()):
-            return own(memory.frees[i])
+            return own(tuple(b for b in memory.frees[i] if at_own_index(b, i) and not read_elsewhere(b, i)))
         if node.target in _SCATTERS and isinstance(node.args[0], torch.fx.Node):
             into = position.get(_maker(node.args[0]).name)
             return own(tuple(b for b in memory.frees[i] if into is not None and b in memory.allocs[into]))

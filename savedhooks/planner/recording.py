@@ -34,8 +34,16 @@ from savedhooks.memory.fusion import is_alias
 from savedhooks.passes import is_backward_graph, reorder_for_memory, unhook_names
 
 __all__ = [
-    "COPIED_INPUTS", "DONATED", "REALIZED", "GraphRecorder", "KernelCall", "fresh_backend", "kernel_calls",
-    "recording_backend", "run_in_kernel_order",
+    "COPIED_INPUTS",
+    "DONATED",
+    "FUSED_KERNELS",
+    "REALIZED",
+    "GraphRecorder",
+    "KernelCall",
+    "fresh_backend",
+    "kernel_calls",
+    "recording_backend",
+    "run_in_kernel_order",
 ]
 
 
@@ -81,7 +89,8 @@ class GraphRecorder(CustomGraphPass):
         graph's ``meta["savedhooks_kernel_order"]``, the FX nodes whose values
         inductor stored (its buffers' origin nodes) in ``meta["savedhooks_realized"]``,
         the kernels its generated code runs as one call in
-        ``meta["savedhooks_kernel_calls"]`` (:func:`kernel_calls`), the
+        ``meta["savedhooks_kernel_calls"]`` (:func:`kernel_calls`), the FX
+        nodes lowered into each of its (fused) kernels in :data:`FUSED_KERNELS`, the
         inputs whose buffers it may write in place in ``meta["savedhooks_donated"]``
         (:data:`DONATED`); a compile nested in the graph's run (a codec's eager path) is not recorded.
 
@@ -107,6 +116,17 @@ class GraphRecorder(CustomGraphPass):
                     for sub in subs
                 ]
                 self._last.meta[_CALLS] = _calls(ordered)
+                self._last.meta[FUSED_KERNELS] = [
+                    sorted(
+                        {
+                            o.name
+                            for sub in snode.get_nodes()
+                            if getattr(sub, "node", None) is not None
+                            for o in sub.node.get_origins()
+                        }
+                    )
+                    for snode in ordered
+                ]
                 self._last.meta[REALIZED] = sorted(
                     origin.name
                     for snode in ordered
@@ -150,8 +170,11 @@ def _calls(ordered: list[Any]) -> list[KernelCall]:
     calls: list[KernelCall] = []
     run: list[str] = []
     for snode in ordered:
-        made = [origin.name for sub in snode.get_nodes()
-                if (origin := getattr(getattr(sub, "node", None), "origin_node", None)) is not None]
+        made = [
+            origin.name
+            for sub in snode.get_nodes()
+            if (origin := getattr(getattr(sub, "node", None), "origin_node", None)) is not None
+        ]
         device = snode.get_device()
         extern = snode.is_extern() or snode.is_template()
         if not extern and (device is None or device.type == "cpu"):
@@ -171,8 +194,11 @@ def _calls(ordered: list[Any]) -> list[KernelCall]:
 
 def _runs_an_op(node: torch.fx.Node) -> bool:
     """Whether an FX node among an extern kernel's origins is the op it runs, not one lowered into its inputs."""
-    return (node.op == "call_function" and not is_alias(node)
-            and torch.Tag.pointwise not in getattr(node.target, "tags", ()))
+    return (
+        node.op == "call_function"
+        and not is_alias(node)
+        and torch.Tag.pointwise not in getattr(node.target, "tags", ())
+    )
 
 
 def _stored(snode: Any) -> list[Any]:
@@ -249,6 +275,7 @@ def _donated_inputs() -> tuple[str, ...]:
 _KERNEL_ORDER = "savedhooks_kernel_order"
 _CALLS = "savedhooks_kernel_calls"
 REALIZED = "savedhooks_realized"  # graph meta: the FX nodes whose values inductor stored
+FUSED_KERNELS = "savedhooks_fused_kernels"  # graph meta: per kernel inductor generated, the FX nodes lowered into it
 COPIED_INPUTS = "savedhooks_copied_inputs"  # graph meta: inputs returned as inductor's copies (_copied_inputs)
 DONATED = "savedhooks_donated"  # graph meta: the inputs inductor may write in place (_donated_inputs)
 
