@@ -11,7 +11,7 @@ import torch
 
 from savedhooks.codecs import Bitmask, Downcast, Float8, Offload, Policy
 from savedhooks.codecs.base import Codec
-from savedhooks.hooks import HookPair
+from savedhooks.hooks import HookPair, hook_context
 from savedhooks.planner.caches import restore_caches, turn_caches_off
 from savedhooks.planner.census import plan_key
 from savedhooks.planner.recompute import (
@@ -90,7 +90,12 @@ class InfeasibleFidelityError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Planned(Codec):
-    """The codec a plan runs: its choice per plan key; the policy for saved tensors it does not name."""
+    """The codec a plan runs: its choice per plan key; the policy for saved tensors it does not name.
+
+    A saved tensor whose node, op and dtype the plan names at another shape
+    (the plan used at other input shapes) is one it does not name: the policy
+    packs it, and a warning says so once per compiled graph.
+    """
 
     choices: tuple[tuple[str, str], ...]
     fallback: Codec | None = dataclasses.field(default_factory=Policy)
@@ -100,18 +105,44 @@ class Planned(Codec):
         if unknown:
             raise ValueError(f"Planned: unknown codec names {sorted(unknown)}; known: keep, {', '.join(CODECS)}")
         object.__setattr__(self, "_lookup", dict(self.choices))
+        roles: dict[tuple[str, ...], str] = {}
+        for key, _ in self.choices:
+            parts = key.split("|")
+            if len(parts) == 4 and parts[0] != "eager":  # eager keys name no node
+                roles[(parts[0], parts[1], parts[3])] = parts[2]
+        object.__setattr__(self, "_shape_of_role", roles)
+        object.__setattr__(self, "_warned", set())
 
     def codecs(self) -> tuple[Codec, ...]:
         return tuple(CODECS.values()) + (self.fallback.codecs() if self.fallback is not None else ())
 
     def choose(self, x: torch.Tensor) -> int:
-        name = self._lookup.get(plan_key(x))
+        key = plan_key(x)
+        name = self._lookup.get(key)
         if name is None:
+            self._warn_if_reshaped(key)
             index = self.fallback.choose(x) if self.fallback is not None else -1
             return -1 if index < 0 else len(CODECS) + index
         if name == "keep" or not CODECS[name].accepts(x):
             return -1
         return list(CODECS).index(name)
+
+    def _warn_if_reshaped(self, key: str) -> None:
+        """Warn (once per compiled graph) where ``key``'s node, op and dtype are planned at another shape."""
+        parts = key.split("|")
+        planned = self._shape_of_role.get((parts[0], parts[1], parts[3])) if len(parts) == 4 else None
+        context = hook_context()
+        graph = id(context.fw_graph) if context is not None else None
+        if planned is None or graph in self._warned:
+            return
+        self._warned.add(graph)
+        warnings.warn(
+            f"sh.plan: the plan was made for other input shapes (saved tensor {parts[0]} ({parts[1]}) is "
+            f"{parts[2]} here, {planned} in the plan): the saved tensors it does not name are packed as "
+            "sh.policy() packs them and its budget does not hold; plan again with inputs of these shapes to meet one",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
