@@ -168,7 +168,10 @@ def test_bf16_rows_compare_with_the_bf16_row_and_run_only_when_asked():
     ]
     names = {c.name for c, _ in jobs(None, None, "cpu", "mlp")}
     assert "compiled" in names and not names & {"bf16", "bf16 sh policy", "bf16 checkpoint"}
-    assert {c.name for c, _ in jobs(["bf16", "bf16 sh policy"], ["aot_eager"], "cpu", "mlp")} == {"bf16", "bf16 sh policy"}
+    assert {c.name for c, _ in jobs(["bf16", "bf16 sh policy"], ["aot_eager"], "cpu", "mlp")} == {
+        "bf16",
+        "bf16 sh policy",
+    }
 
 
 def test_above_baseline_is_marked_in_the_table_and_a_bool_in_the_csv(tmp_path):
@@ -275,7 +278,12 @@ def test_train_seeds_compare_each_run_with_no_hooks_at_its_own_seed(tmp_path, ca
                        "--backend", "eager", "--seeds", "2", "--out", str(tmp_path)]) == 0  # fmt: skip
     out = capsys.readouterr().out
     rows = list(csv.DictReader((tmp_path / "train.csv").open()))
-    assert [(r["config"], r["seed"]) for r in rows] == [("no hooks", "0"), ("sh.fp8()", "0"), ("no hooks", "1"), ("sh.fp8()", "1")]
+    assert [(r["config"], r["seed"]) for r in rows] == [
+        ("no hooks", "0"),
+        ("sh.fp8()", "0"),
+        ("no hooks", "1"),
+        ("sh.fp8()", "1"),
+    ]
     # another seed: other weights and batches, so another first loss; each config starts from its seed's weights
     assert rows[0]["first_loss"] != rows[2]["first_loss"]
     assert rows[0]["first_loss"] == rows[1]["first_loss"] and rows[2]["first_loss"] == rows[3]["first_loss"]
@@ -314,7 +322,9 @@ def test_train_tasks_are_the_same_for_every_configuration_and_lm_text_follows_th
 
     workload = make_workload("gpt2", 0.5)
     (a, _), (b, _) = train._task(workload, 3), train._task(workload, 3)
-    assert torch.equal(a["input_ids"], b["input_ids"]) and not torch.equal(a["input_ids"], train._task(workload, 4)[0]["input_ids"])
+    assert torch.equal(a["input_ids"], b["input_ids"]) and not torch.equal(
+        a["input_ids"], train._task(workload, 4)[0]["input_ids"]
+    )
     ids = a["input_ids"]
     pairs = {(int(x), int(y)) for x, y in zip(ids[:, :-1].flatten(), ids[:, 1:].flatten())}
     assert ids.max() < 64 and len(pairs) <= 64 * 4  # each token has at most 4 successors
@@ -399,9 +409,15 @@ def test_pareto_plot_joins_the_plans_and_marks_the_others(tmp_path):
     pytest.importorskip("matplotlib")
     from benchmarks.report import plot_pareto
 
-    rows = [Row("m", c, "inductor", "cpu", activation_mib=mib, step_ms=ms)
-            for c, mib, ms in (("compiled", 10.0, 100.0), ("checkpoint", 6.0, 120.0), ("plan 0.8", 8.0, 101.0),
-                               ("plan floor", 4.0, 110.0))]
+    rows = [
+        Row("m", c, "inductor", "cpu", activation_mib=mib, step_ms=ms)
+        for c, mib, ms in (
+            ("compiled", 10.0, 100.0),
+            ("checkpoint", 6.0, 120.0),
+            ("plan 0.8", 8.0, 101.0),
+            ("plan floor", 4.0, 110.0),
+        )
+    ]
     png = plot_pareto(with_baselines(rows), tmp_path / "pareto.png", title="t")
     assert png.exists() and png.stat().st_size > 10_000
 
@@ -427,14 +443,22 @@ def test_a_planned_configuration_recomputes_the_plan_s_blocks_and_close_reverts_
 
     workload = make_workload("mlp", 0.25, "cpu")
     paths = sh.planner.find_blocks(workload.model)
-    plan = sh.Plan(tensors=(), budget_bytes=1, predicted_peak_bytes=1, baseline_peak_bytes=1, floor_bytes=1,
-                   backend="aot_eager", recompute=paths[:2])
+    plan = sh.Plan(
+        tensors=(),
+        budget_bytes=1,
+        predicted_peak_bytes=1,
+        baseline_peak_bytes=1,
+        floor_bytes=1,
+        backend="aot_eager",
+        recompute=paths[:2],
+    )
     config = planned("t", plan)
     assert config.name == "plan t" and "recompute 2 blocks" in config.description
     step = config.build(workload, "aot_eager")
     try:
         assert ["forward" in vars(workload.model.get_submodule(p)) for p in paths] == [True, True] + [False] * (
-            len(paths) - 2)
+            len(paths) - 2
+        )
         step.forward().backward()
     finally:
         step.close()
@@ -498,7 +522,7 @@ def test_pareto_passes_its_fidelity_limit_to_the_planner(monkeypatch, tmp_path):
     assert planner_for(make_workload("mlp", 0.25), "aot_eager", 25.0).min_sqnr_db == 25.0
 
 
-_WRAPPER = '''
+_WRAPPER = """
 def call(self, args):
     arg0_1, tangents_1 = args
     args.clear()
@@ -518,7 +542,7 @@ def get_args():
     arg0_1 = rand_strided((4, 4), (4, 1), device='cpu', dtype=torch.float32)
     tangents_1 = rand_strided((2, ), (1, ), device='cpu', dtype=torch.int64)
     return [arg0_1, tangents_1]
-'''
+"""
 
 
 def test_inductor_order_replays_a_wrappers_allocations_and_frees():
@@ -585,7 +609,12 @@ def test_the_cuda_trace_finds_the_peak_and_the_blocks_alive_there(capsys):
     from benchmarks import cuda_trace
 
     def event(action, addr, size, line=1):
-        return {"action": action, "addr": addr, "size": size, "frames": [{"name": "call", "filename": "/x/k.py", "line": line}]}
+        return {
+            "action": action,
+            "addr": addr,
+            "size": size,
+            "frames": [{"name": "call", "filename": "/x/k.py", "line": line}],
+        }
 
     events = [
         event("free_completed", 99, 1 << 20),  # a block from before the trace: ignored
@@ -718,3 +747,29 @@ def test_step_time_command_line_refuses_what_cannot_run(capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(["--configs", "sh offload"])
         assert exit_info.value.code == 2 and "CUDA only" in capsys.readouterr().err
+
+
+def test_long_run_compares_the_smoothed_loss_with_no_hooks_after_warm_up(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from benchmarks import long_run
+
+    tokens = long_run.corpus()
+    assert len(tokens) > 500_000 and int(tokens.max()) < 256 and torch.equal(tokens, long_run.corpus())
+    assert long_run.smoothed([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    out = tmp_path / "long.md"
+    rows = long_run.main(["--steps", "6", "--warmup", "2", "--window", "2", "--configs", "no hooks", "sh.policy()",
+                          "--out", str(out), "--csv", str(tmp_path / "long.csv")])  # fmt: skip
+    assert [r.config for r in rows] == ["no hooks", "sh.policy()"]
+    plain, policy = rows
+    assert plain.first_loss == pytest.approx(policy.first_loss, rel=1e-3)  # same weights, same first batch
+    assert policy.losses[-1] < policy.first_loss  # it learns
+    expected = [
+        (100 * (m - b) / b, i)
+        for i, (m, b) in enumerate(zip(long_run.smoothed(policy.losses, 2), long_run.smoothed(plain.losses, 2)))
+        if i >= 2
+    ]
+    assert (policy.max_rel_diff_pct, policy.at_step) == max(expected, key=lambda d: abs(d[0]))
+    assert "python -m benchmarks.long_run --steps 6" in out.read_text() and out.with_suffix(".png").exists()
+    assert len((tmp_path / "long.csv").read_text().splitlines()) == 1 + 2 * 6
+    with pytest.raises(SystemExit):
+        long_run.main(["--configs", "sh.policy()"])
