@@ -225,13 +225,18 @@ def _plot(rows: list[LongRunRow], window: int, path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, rel) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
+    base = smoothed(rows[0].losses, window)  # no hooks comes first
     for row in rows:
-        ax.plot(smoothed(row.losses, window), label=row.config, linewidth=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"training loss (trailing mean of {window} steps)")
+        mine = smoothed(row.losses, window)
+        ax.plot(mine, label=row.config, linewidth=1.2)
+        rel.plot([100 * (m - b) / b for m, b in zip(mine, base)], label=row.config, linewidth=1.0)
+    ax.set_ylabel(f"training loss\n(trailing mean of {window} steps)")
     ax.set_title(f"{rows[0].model}: byte-level LM on Python's standard-library source")
     ax.legend()
+    rel.set_xlabel("step")
+    rel.set_ylabel("vs no hooks (%)")
+    rel.axhline(0, color="grey", linewidth=0.5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -28,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SEED = 0  # weights, inputs, and torch.manual_seed before every step
 
+
 @dataclasses.dataclass(frozen=True)
 class Dims:
     """The sizes an entry shrinks its default config to.
@@ -160,6 +161,7 @@ class ZooModel:
         dropout: the comparisons keep the shipped dropout (same masks in a
             step and its reference under the same seed); False: they zero it.
         note: what the entry keeps from its default config that matters here.
+        wrap: turns the built model into the one trained (PEFT's LoRA), or None.
     """
 
     name: str
@@ -169,6 +171,7 @@ class ZooModel:
     loss_of: Callable[[Any], torch.Tensor] = _model_loss
     dropout: bool = True
     note: str = ""
+    wrap: Callable[[nn.Module], nn.Module] | None = None
 
     def build(self, size: str = "tiny", dropout: bool = True) -> tuple[nn.Module, dict[str, torch.Tensor]]:
         """The model in train mode (random init, seed :data:`SEED`) and one step's inputs.
@@ -190,6 +193,8 @@ class ZooModel:
             without_dropout(config)
         torch.manual_seed(SEED)
         model = getattr(transformers, cls)(config)
+        if self.wrap is not None:
+            model = self.wrap(model)
         model.train()
         generator = torch.Generator().manual_seed(SEED)
         return model, self.inputs(dims, generator, config)
@@ -290,8 +295,14 @@ def _swin(d: Dims) -> tuple[Any, str]:
 
 
 def _convnext(d: Dims) -> tuple[Any, str]:
-    return _cfg("ConvNextConfig", "ConvNextForImageClassification", image_size=d.image, num_stages=d.stages,
-                hidden_sizes=[d.hidden // 2 * 2**i for i in range(d.stages)], depths=[d.layers] * d.stages)
+    return _cfg(
+        "ConvNextConfig",
+        "ConvNextForImageClassification",
+        image_size=d.image,
+        num_stages=d.stages,
+        hidden_sizes=[d.hidden // 2 * 2**i for i in range(d.stages)],
+        depths=[d.layers] * d.stages,
+    )
 
 
 def _lm(dims: Dims, generator: torch.Generator, config: Any) -> dict[str, torch.Tensor]:
@@ -310,9 +321,21 @@ def _img(dims: Dims, generator: torch.Generator, config: Any) -> dict[str, torch
     return _images(dims, generator, config.num_labels)
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _lora(model: nn.Module) -> nn.Module:
+    """PEFT's LoRA (rank 8, its default config otherwise) on every projection; the base model frozen."""
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=list(LORA_TARGETS)))
+
+
 _ENTRIES = (
     ZooModel("gpt2", "decoder", _gpt2, _lm),
     ZooModel("llama", "decoder", _llama_like("LlamaConfig", "LlamaForCausalLM"), _lm),
+    ZooModel("llama-lora", "decoder", _llama_like("LlamaConfig", "LlamaForCausalLM"), _lm, wrap=_lora,
+             note="PEFT LoRA r=8 on every projection, base frozen"),
     ZooModel("qwen2", "decoder", _llama_like("Qwen2Config", "Qwen2ForCausalLM"), _lm),
     ZooModel("qwen3", "decoder", _llama_like("Qwen3Config", "Qwen3ForCausalLM"), _lm, note="q/k RMS norms"),
     ZooModel("mistral", "decoder", _llama_like("MistralConfig", "MistralForCausalLM"), _lm,

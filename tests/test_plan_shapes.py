@@ -16,9 +16,9 @@ def planned():
     return model, x, planner.plan((planner.floor_bytes + planner.baseline_bytes) // 2)
 
 
-def _step(model, x, hooks):
+def _step(model, x, hooks, dynamic=None):
     torch._dynamo.reset()
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, dynamic=dynamic)
     with sh.saved_tensors_hooks(hooks):
         square_mean_loss(compiled(x)).backward()
     grads = [p.grad.clone() for p in model.parameters()]
@@ -41,9 +41,12 @@ def test_a_plan_at_other_shapes_runs_with_the_policy_and_warns_once(planned, row
     assert db >= 25
 
 
-def test_a_plan_at_its_own_shapes_does_not_warn(planned):
+@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
+def test_a_plan_at_its_own_shapes_does_not_warn(planned, dynamic):
+    """At the planned shapes every saved tensor is named, compiled with static or dynamic shapes (the keys
+    carry the sizes' hints)."""
     model, x, plan = planned
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _step(model, x, plan.hooks)
+        _step(model, x, plan.hooks, dynamic)
     assert not [w for w in caught if "made for other input shapes" in str(w.message)]

@@ -12,7 +12,7 @@ pytest.importorskip("accelerate")
 
 import savedhooks as sh
 from benchmarks.zoo import step_fn as step
-from benchmarks.zoo_entries import ZOO
+from benchmarks.zoo_entries import LORA_TARGETS, ZOO
 from savedhooks.codecs.base import Codec
 from savedhooks.integrations.transformers import PlanOnFirstBatch, SavedHooksTrainer
 
@@ -224,16 +224,14 @@ def test_lora_packs_activations_never_the_frozen_base_weights():
     """A zoo decoder with PEFT LoRA on every projection (base frozen): the policy packs the saved
     activations and none of the frozen weights the base layers save for their input gradients; the step
     peaks below the same LoRA model without hooks, eager and compiled."""
-    peft = pytest.importorskip("peft")
-    model, inputs = ZOO[MODEL].build("tiny")
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets, lora_dropout=0.0))
+    pytest.importorskip("peft")
+    lora, inputs = ZOO["llama-lora"].build("tiny")
     frozen = {p.untyped_storage().data_ptr() for p in lora.parameters() if not p.requires_grad}
-    assert len(frozen) > 2 * len(targets)
+    assert len(frozen) > 2 * len(LORA_TARGETS)
     loss_of = ZOO[MODEL].loss_of
     _PACKED.clear()
     step(lora, lora, inputs, loss_of, lambda: sh.saved_tensors_hooks(_Watching().hooks()))()
-    assert len(_PACKED) > len(targets)
+    assert len(_PACKED) > len(LORA_TARGETS)
     assert not [t.shape for t in _PACKED if t.untyped_storage().data_ptr() in frozen]
     _PACKED.clear()
     lora.zero_grad(set_to_none=True)
