@@ -4,7 +4,7 @@ The model is a zoo entry (:mod:`benchmarks.zoo_entries`: a transformers
 decoder from its default config, sizes shrunk, dropout as shipped) compiled
 with inductor. It learns byte-level language modelling (tokens 0..255, the
 zoo's tiny vocabulary) on a corpus that Python ships: the source files of a
-fixed list of standard-library modules (:func:`corpus`), about 0.9 MB. Nothing
+fixed list of standard-library modules (:func:`corpus`), about 1.4 MB. Nothing
 is downloaded. Every configuration sees the same initial weights and the same
 batches (windows at offsets drawn from one seeded generator).
 
