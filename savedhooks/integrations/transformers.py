@@ -116,7 +116,8 @@ class PlanOnFirstBatch:
         """
         kwargs = dict(self.plan_kwargs)
         planner_kwargs = {k: kwargs.pop(k) for k in ("backend", "seed", "blocks", "min_sqnr_db") if k in kwargs}
-        devices = [d.index for d in {t.device for t in inputs.values() if torch.is_tensor(t)} if d.type == "cuda"]
+        cuda = {t.device for t in inputs.values() if torch.is_tensor(t) and t.device.type == "cuda"}
+        devices = sorted({torch.cuda.current_device() if d.index is None else d.index for d in cuda})
         with torch.random.fork_rng(devices=devices):
             planner = Planner(model, inputs, loss_fn=self.loss_fn or _model_loss, **planner_kwargs)
             budget = self.budget_bytes or max(1, int(self.fraction * planner.baseline_bytes))
