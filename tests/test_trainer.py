@@ -32,12 +32,12 @@ def _trainer(savedhooks, tmp_path, compiled=True, steps=3, accumulation=2):
     model, inputs = ZOO[MODEL].build("tiny")
     batch = len(inputs["input_ids"])
     rows = _rows(inputs) * (steps * accumulation)
-    args = sh_training_args(tmp_path, batch, steps, accumulation, compiled)
+    args = _training_args(tmp_path, batch, steps, accumulation, compiled)
     torch._dynamo.reset()
     return SavedHooksTrainer(model=model, args=args, train_dataset=rows, savedhooks=savedhooks), inputs
 
 
-def sh_training_args(tmp_path, batch, steps, accumulation, compiled):
+def _training_args(tmp_path, batch, steps, accumulation, compiled):
     from transformers import TrainingArguments
 
     return TrainingArguments(
@@ -174,7 +174,7 @@ def test_plan_on_first_batch_rejects_bad_arguments(kwargs, message):
 
 def test_the_trainer_rejects_what_is_not_hooks(tmp_path):
     model, inputs = ZOO[MODEL].build("tiny")
-    args = sh_training_args(tmp_path, 2, 1, 1, False)
+    args = _training_args(tmp_path, 2, 1, 1, False)
     with pytest.raises(TypeError, match="savedhooks="):
         SavedHooksTrainer(model=model, args=args, train_dataset=_rows(inputs), savedhooks="policy")
 
