@@ -88,6 +88,12 @@ class InfeasibleFidelityError(ValueError):
         )
 
 
+def _role(key: str) -> tuple[str, str, str] | None:
+    """A compiled plan key's node, op and dtype (its shape left out); None for an eager key (it names no node)."""
+    parts = key.split("|")
+    return (parts[0], parts[1], parts[3]) if len(parts) == 4 and parts[0] != "eager" else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Planned(Codec):
     """The codec a plan runs: its choice per plan key; the policy for saved tensors it does not name.
@@ -105,11 +111,7 @@ class Planned(Codec):
         if unknown:
             raise ValueError(f"Planned: unknown codec names {sorted(unknown)}; known: keep, {', '.join(CODECS)}")
         object.__setattr__(self, "_lookup", dict(self.choices))
-        roles: dict[tuple[str, ...], str] = {}
-        for key, _ in self.choices:
-            parts = key.split("|")
-            if len(parts) == 4 and parts[0] != "eager":  # eager keys name no node
-                roles[(parts[0], parts[1], parts[3])] = parts[2]
+        roles = {_role(key): key.split("|")[2] for key, _ in self.choices if _role(key) is not None}
         object.__setattr__(self, "_shape_of_role", roles)
         object.__setattr__(self, "_warned", set())
 
@@ -129,13 +131,14 @@ class Planned(Codec):
 
     def _warn_if_reshaped(self, key: str) -> None:
         """Warn (once per compiled graph) where ``key``'s node, op and dtype are planned at another shape."""
-        parts = key.split("|")
-        planned = self._shape_of_role.get((parts[0], parts[1], parts[3])) if len(parts) == 4 else None
+        role = _role(key)
+        planned = self._shape_of_role.get(role) if role is not None else None
         context = hook_context()
         graph = id(context.fw_graph) if context is not None else None
         if planned is None or graph in self._warned:
             return
         self._warned.add(graph)
+        parts = key.split("|")
         warnings.warn(
             f"sh.plan: the plan was made for other input shapes (saved tensor {parts[0]} ({parts[1]}) is "
             f"{parts[2]} here, {planned} in the plan): the saved tensors it does not name are packed as "
