@@ -28,8 +28,10 @@ trainers, a user's own): ``class MyTrainer(SavedHooksMixin, SFTTrainer)``.
   as without a plan), leaves the parameters and gradients as they were, and
   applies the plan (:meth:`savedhooks.Plan.apply`: the blocks it recomputes,
   ``use_cache=False``); :meth:`~SavedHooksMixin.train` reverts it when
-  training ends. The plan is for that batch's shapes: see
-  :attr:`savedhooks.Plan.budget_bytes` and the docs on shapes that change.
+  training ends. The plan is made for that batch's shapes; at others (a
+  smaller last batch, longer sequences) it applies its choices per saved-tensor
+  role and keeps its share of the peak without hooks
+  (:class:`savedhooks.planner.Planned`, ``docs/integrations.md``).
   The plan is kept as ``trainer.savedhooks_plan``.
 
 This module imports ``transformers``; ``import savedhooks`` does not import it.

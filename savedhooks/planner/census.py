@@ -56,6 +56,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
+import weakref
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -84,6 +86,7 @@ __all__ = [
     "StepTimeline",
     "key_of_saved",
     "plan_key",
+    "ranked_name",
     "step_timeline",
     "timeline_of",
 ]
@@ -115,6 +118,42 @@ def plan_key(x: torch.Tensor) -> str:
         op = type(x.grad_fn).__name__.removesuffix("Backward0") if x.grad_fn is not None else None
         return f"eager|{op}|{shape}|{_dtype(x.dtype)}"
     return f"{ctx.node.name}|{producing_op(ctx.node)}|{shape}|{_dtype(x.dtype)}"
+
+
+_NUMBER = re.compile(r"_\d+$")
+# graph -> {node name: ranked name}; names, not nodes, so that the entry does not keep its graph alive
+_RANKED: weakref.WeakKeyDictionary[torch.fx.Graph, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
+def ranked_name(node: torch.fx.Node) -> str:
+    """``node``'s name counted among the tensor-valued nodes of its graph alone.
+
+    FX numbers the nodes of one base name in the order it makes them
+    (``add``, ``add_1``, ...). Compiled with dynamic shapes, a graph also holds
+    size arithmetic (``add_7 = sym_size + 1``), which shifts the numbers of the
+    tensor ops after it. This name numbers only the nodes whose value is a
+    tensor: in a graph without size arithmetic it is the node's own name, and
+    the graph compiled again at dynamic shapes gives a tensor op the same one
+    where it holds the same tensor ops before it (an op that decomposes
+    otherwise at symbolic sizes still shifts those after it).
+
+    Args:
+        node: a node of a traced graph (``meta["val"]`` set by tracing).
+
+    Returns:
+        The base name with the node's rank among the tensor-valued nodes of
+        that base name; the node's own name where its value is no tensor.
+    """
+    names = _RANKED.get(node.graph)
+    if names is None or node.name not in names:
+        names, counts = {}, collections.Counter()
+        for other in node.graph.nodes:
+            if isinstance(other.meta.get("val"), torch.Tensor):
+                base = _NUMBER.sub("", other.name)
+                names[other.name] = base if counts[base] == 0 else f"{base}_{counts[base]}"
+                counts[base] += 1
+        _RANKED[node.graph] = names
+    return names.get(node.name, node.name)
 
 
 def key_of_saved(saved: SavedTensor) -> str:

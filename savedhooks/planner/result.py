@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from typing import Any
 
@@ -13,7 +14,7 @@ from savedhooks.codecs import Bitmask, Downcast, Float8, Offload, Policy
 from savedhooks.codecs.base import Codec
 from savedhooks.hooks import HookPair, hook_context
 from savedhooks.planner.caches import restore_caches, turn_caches_off
-from savedhooks.planner.census import plan_key
+from savedhooks.planner.census import plan_key, ranked_name
 from savedhooks.planner.recompute import (
     FULL,
     SELECTIVE,
@@ -89,18 +90,54 @@ class InfeasibleFidelityError(ValueError):
 
 
 def _role(key: str) -> tuple[str, str, str] | None:
-    """A compiled plan key's node, op and dtype (its shape left out); None for an eager key (it names no node)."""
+    """A plan key's node (``"eager"`` for an eager key), op and dtype: its shape left out; None for another string."""
     parts = key.split("|")
-    return (parts[0], parts[1], parts[3]) if len(parts) == 4 and parts[0] != "eager" else None
+    return (parts[0], parts[1], parts[3]) if len(parts) == 4 else None
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+    """A plan key's shape (``"8x64x64"``, ``"scalar"``) as sizes."""
+    return () if shape == "scalar" else tuple(int(size) for size in shape.split("x"))
+
+
+def _resized(planned: str, shape: str) -> bool:
+    """Whether ``shape`` can be ``planned`` at other input sizes: as many dims, one of them the same at least."""
+    a, b = _dims(planned), _dims(shape)
+    return len(a) == len(b) and (not a or any(x == y for x, y in zip(a, b, strict=True)))
+
+
+def _one_choice(choices: dict[str, str]) -> str | None:
+    """The choice all of ``choices`` (shape -> choice) make, None where they differ."""
+    names = set(choices.values())
+    return names.pop() if len(names) == 1 else None
 
 
 @dataclasses.dataclass(frozen=True)
 class Planned(Codec):
     """The codec a plan runs: its choice per plan key; the policy for saved tensors it does not name.
 
-    A saved tensor whose node, op and dtype the plan names at another shape
-    (the plan used at other input shapes) is one it does not name: the policy
-    packs it, and a warning says so once per compiled graph.
+    A plan key names a saved tensor's graph node, op, shape and dtype; it
+    matches only at the input shapes the plan was made for. At other input
+    shapes (a smaller last batch, a longer sequence; compiled again, with static
+    or dynamic shapes) a saved tensor gets, in this order:
+
+    1. the choice of the plan key of its node, op and dtype (its *role*) at
+       another shape, where the plan has one and the two shapes have as many
+       dims, one of them equal at least. The node is named by its rank among
+       the graph's tensor nodes (:func:`~savedhooks.planner.census.ranked_name`),
+       so that size arithmetic in a graph compiled with dynamic shapes does
+       not shift it;
+    2. else, where the plan made one choice for every tensor of its op and
+       dtype (among the compiled ones, or among the eager ones for an eager
+       tensor: its key names no node), that choice;
+    3. else what the fallback (the policy) chooses, as for tensors the plan
+       does not name.
+
+    So the plan's choices, and its fidelity, hold at other shapes, and its peak
+    scales with the saved tensors. Where a tensor of step 1 is larger than in
+    the plan, a warning says so once per compiled graph: the peak is then up to
+    the largest factor by which a saved tensor grows times the budget (see
+    ``docs/integrations.md``).
     """
 
     choices: tuple[tuple[str, str], ...]
@@ -111,8 +148,15 @@ class Planned(Codec):
         if unknown:
             raise ValueError(f"Planned: unknown codec names {sorted(unknown)}; known: keep, {', '.join(CODECS)}")
         object.__setattr__(self, "_lookup", dict(self.choices))
-        roles = {_role(key): key.split("|")[2] for key, _ in self.choices if _role(key) is not None}
-        object.__setattr__(self, "_shape_of_role", roles)
+        roles: dict[tuple[str, str, str], dict[str, str]] = {}
+        ops: dict[tuple[str, str], dict[str, str]] = {}
+        for key, name in self.choices:
+            role = _role(key)
+            if role is not None:
+                roles.setdefault(role, {})[key] = name
+                ops.setdefault((role[0] == "eager", role[1], role[2]), {})[key] = name
+        object.__setattr__(self, "_roles", roles)
+        object.__setattr__(self, "_ops", {op: _one_choice(named) for op, named in ops.items()})
         object.__setattr__(self, "_warned", set())
 
     def codecs(self) -> tuple[Codec, ...]:
@@ -122,30 +166,41 @@ class Planned(Codec):
         key = plan_key(x)
         name = self._lookup.get(key)
         if name is None:
-            self._warn_if_reshaped(key)
+            name = self._choice_elsewhere(key)
+        if name is None:
             index = self.fallback.choose(x) if self.fallback is not None else -1
             return -1 if index < 0 else len(CODECS) + index
         if name == "keep" or not CODECS[name].accepts(x):
             return -1
         return list(CODECS).index(name)
 
-    def _warn_if_reshaped(self, key: str) -> None:
-        """Warn (once per compiled graph) where ``key``'s node, op and dtype are planned at another shape."""
-        role = _role(key)
-        planned = self._shape_of_role.get(role) if role is not None else None
+    def _choice_elsewhere(self, key: str) -> str | None:
+        """The plan's choice for a key it does not name (steps 1 and 2 of the class notes); None: none."""
         context = hook_context()
-        graph = id(context.fw_graph) if context is not None else None
-        if planned is None or graph in self._warned:
-            return
-        self._warned.add(graph)
-        parts = key.split("|")
-        warnings.warn(
-            f"sh.plan: the plan was made for other input shapes (saved tensor {parts[0]} ({parts[1]}) is "
-            f"{parts[2]} here, {planned} in the plan): the saved tensors it does not name are packed as "
-            "sh.policy() packs them and its budget does not hold; plan again with inputs of these shapes to meet one",
-            UserWarning,
-            stacklevel=2,
-        )
+        role = _role(key)
+        if role is None:
+            return None
+        node, op, dtype = role
+        shape = key.split("|")[2]
+        ranked = (ranked_name(context.node), op, dtype) if context is not None else None
+        resized = {k: name for k, name in self._roles.get(ranked, {}).items() if _resized(k.split("|")[2], shape)}
+        name = _one_choice(resized)
+        if name is None:
+            return self._ops.get((context is None, op, dtype))
+        largest = max((k.split("|")[2] for k in resized), key=lambda s: math.prod(_dims(s)))
+        growth = math.prod(_dims(shape)) / max(math.prod(_dims(largest)), 1)
+        graph = id(context.fw_graph)
+        if growth > 1 and graph not in self._warned:
+            self._warned.add(graph)
+            warnings.warn(
+                f"sh.plan: the plan was made for smaller input shapes (saved tensor {node} ({op}) is {shape} here, "
+                f"{largest} in the plan: {growth:.2f}x its elements). The plan's choices hold; the step's peak "
+                "grows with its saved tensors, up to the largest factor one of them grows by times the budget. "
+                "Plan again with inputs of these shapes to meet the budget at them",
+                UserWarning,
+                stacklevel=3,
+            )
+        return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +347,11 @@ class Plan:
 
     @property
     def hooks(self) -> HookPair:
-        """The hook pair that runs the plan: use it in ``sh.saved_tensors_hooks(plan.hooks)``."""
+        """The hook pair that runs the plan: use it in ``sh.saved_tensors_hooks(plan.hooks)``.
+
+        At input shapes other than the planned ones it applies the plan's
+        choices per saved-tensor role (:class:`Planned`).
+        """
         return Planned(tuple(sorted((key, t.choice) for t in self.tensors for key in t.keys))).hooks()
 
     @property
