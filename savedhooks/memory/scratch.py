@@ -27,8 +27,12 @@ scratch the model put that step at 0.65x of the measured peak
 (``python -m benchmarks.inductor_prediction``). These are measured the same
 way, once per op, shapes, strides, dtypes and arguments: the op runs on zeros
 under the CPU memory profiler, and its peak above its outputs is the scratch.
-Measured in the graph's layout: where inductor runs convolutions
-channels_last (its layout optimization), that can be more than they hold.
+Measured in the layout of the arguments: under inductor (``fused``) the
+strides it passed the op where the compile was recorded (:data:`EXTERN_STRIDES`),
+else the graph's. The two can differ, and the scratch with them: a depthwise
+convolution's CPU backward on a channels_last input (the graph's layout where
+the input is a permuted NHWC tensor) allocates 20 times what it does on the
+layout inductor gives the input it computes.
 
 On CUDA the same holds for other ops (:data:`MEASURED_CUDA_ATEN`): a reduction
 that aten splits across thread blocks (``sum(x, [0])`` of a tall tensor, a
@@ -73,7 +77,11 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from savedhooks.kernels.fp8_inductor import inductor_scratch_bytes, inductor_serves
 from savedhooks.memory.sizes import allocated_bytes, float_hint, size_hint
 
-__all__ = ["MEASURED_ATEN", "MEASURED_CUDA_ATEN", "op_scratch_bytes"]
+__all__ = ["EXTERN_STRIDES", "MEASURED_ATEN", "MEASURED_CUDA_ATEN", "op_scratch_bytes"]
+
+# node meta: the strides of the tensor arguments inductor passed the op (as an extern kernel), in argument
+# order; set by the recorder of the compiled graphs (savedhooks.planner.recording)
+EXTERN_STRIDES = "savedhooks_extern_strides"
 
 log = logging.getLogger(__name__)
 
@@ -267,11 +275,16 @@ def _aten_scratch(node: torch.fx.Node, fused: bool) -> int:
     if device is None or (device.type == "cpu" and _profiling(node.target.name())):
         return 0
 
+    tensors = [a for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
+    recorded = node.meta.get(EXTERN_STRIDES) if fused else None
+    strides = dict(zip(tensors, recorded, strict=True)) if recorded and len(recorded) == len(tensors) else {}
+
     def spec(arg):
         if isinstance(arg, torch.fx.Node):
             val = arg.meta["val"]
-            shape, stride = tuple(map(size_hint, val.shape)), tuple(map(size_hint, val.stride()))
-            return _Zeros(shape, stride, val.dtype, str(device))
+            shape = tuple(map(size_hint, val.shape))
+            stride = strides.get(arg) or tuple(map(size_hint, val.stride()))
+            return _Zeros(shape, tuple(stride), val.dtype, str(device))
         if isinstance(arg, torch.SymFloat):
             return float_hint(arg)
         return size_hint(arg) if isinstance(arg, torch.SymInt) else arg

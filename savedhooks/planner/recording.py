@@ -31,6 +31,7 @@ from torch._inductor.virtualized import V
 
 from savedhooks.compilers import placed_aot_eager, reorder_pass
 from savedhooks.memory.fusion import is_alias
+from savedhooks.memory.scratch import EXTERN_STRIDES
 from savedhooks.passes import is_backward_graph, reorder_for_memory, unhook_names
 
 __all__ = [
@@ -89,7 +90,9 @@ class GraphRecorder(CustomGraphPass):
         graph's ``meta["savedhooks_kernel_order"]``, the FX nodes whose values
         inductor stored (its buffers' origin nodes) in ``meta["savedhooks_realized"]``,
         the kernels its generated code runs as one call in
-        ``meta["savedhooks_kernel_calls"]`` (:func:`kernel_calls`), the FX
+        ``meta["savedhooks_kernel_calls"]`` (:func:`kernel_calls`), the strides
+        of the tensors it passes each aten fallback kernel in that FX node's
+        ``meta`` (:data:`~savedhooks.memory.scratch.EXTERN_STRIDES`), the FX
         nodes lowered into each of its (fused) kernels in :data:`FUSED_KERNELS`, the
         inputs whose buffers it may write in place in ``meta["savedhooks_donated"]``
         (:data:`DONATED`); a compile nested in the graph's run (a codec's eager path) is not recorded.
@@ -133,6 +136,7 @@ class GraphRecorder(CustomGraphPass):
                     for buffer in _stored(snode)
                     if (origin := getattr(buffer.node, "origin_node", None)) is not None
                 )
+                _record_extern_strides(ordered, self._last.graph)
                 self._last.meta[COPIED_INPUTS] = _copied_inputs(self._last.graph)
                 self._last.meta[DONATED] = _donated_inputs()
             return ordered
@@ -190,6 +194,25 @@ def _calls(ordered: list[Any]) -> list[KernelCall]:
     if run:
         calls.append(KernelCall(tuple(run), extern=False))
     return calls
+
+
+def _record_extern_strides(ordered: list[Any], graph: torch.fx.Graph) -> None:
+    """Set :data:`~savedhooks.memory.scratch.EXTERN_STRIDES` on the FX nodes of ``graph`` that inductor runs as
+    aten fallback kernels: the strides of the tensors it passes them, in argument order (none where one is
+    symbolic: the graph's strides stand)."""
+    nodes = {n.name: n for n in graph.nodes}
+    for snode in ordered:
+        kernel = getattr(snode, "node", None)
+        op = getattr(kernel, "op_overload", None)
+        if not snode.is_extern() or op is None:
+            continue
+        try:
+            strides = [tuple(int(s) for s in x.get_stride()) for x in kernel.inputs]
+        except (AttributeError, NotImplementedError, TypeError):  # an input without a layout; a symbolic stride
+            continue
+        for origin in kernel.get_origins():
+            if origin.target is op and origin.name in nodes:
+                nodes[origin.name].meta[EXTERN_STRIDES] = strides
 
 
 def _runs_an_op(node: torch.fx.Node) -> bool:
