@@ -93,15 +93,10 @@ class _Patches(torch.nn.Module):
         return self.head(torch.relu(self.conv(x)).flatten(1)).square().mean()
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="inductor copies to channels_last with mkldnn")
-def test_inputs_that_inductor_copies_for_a_convolution_are_held_to_the_backward():
-    """Inductor runs the convolution channels_last on the CPU: it copies the image (1.5 MiB) and the weight,
-    and saves the copies for the backward, where the FX graph saves the inputs themselves (held anyway).
-    Modelled: 2,982,440 bytes for 2,966,832 measured; without the copies 1,360,424 (the vit's ``compiled``
-    step at size 1 was 9 % under for this)."""
+def _recorded_training_step(model, loss_of):
+    """Compile ``model`` with inductor and run ``loss_of(compiled).backward()`` recording its graphs (the
+    compile caches off), then measure the same step: the recorder and the measured CPU peak."""
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model, x = _Patches(), torch.randn(32, 3, 64, 64)
     compiled = torch.compile(model, backend="inductor")
     recorder = GraphRecorder()
     with (
@@ -109,10 +104,22 @@ def test_inputs_that_inductor_copies_for_a_convolution_are_held_to_the_backward(
         torch._functorch.config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False),
         recorder.kernel_order(),
     ):
-        compiled(x).backward()
+        loss_of(compiled).backward()
     model.zero_grad(set_to_none=True)
-    measured = sh.memory.measure_peak(lambda: compiled(x).backward(), device="cpu")
+    measured = sh.memory.measure_peak(lambda: loss_of(compiled).backward(), device="cpu")
     torch._dynamo.reset()
+    return recorder, measured
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="inductor copies to channels_last with mkldnn")
+def test_inputs_that_inductor_copies_for_a_convolution_are_held_to_the_backward():
+    """Inductor runs the convolution channels_last on the CPU: it copies the image (1.5 MiB) and the weight,
+    and saves the copies for the backward, where the FX graph saves the inputs themselves (held anyway).
+    Modelled: 2,982,440 bytes for 2,966,832 measured; without the copies 1,360,424 (the vit's ``compiled``
+    step at size 1 was 9 % under for this)."""
+    torch.manual_seed(0)
+    model, x = _Patches(), torch.randn(32, 3, 64, 64)
+    recorder, measured = _recorded_training_step(model, lambda compiled: compiled(x))
     (forward,) = recorder.forwards
     placeholders = {n.name: n.meta["val"].shape for n in forward.graph.find_nodes(op="placeholder")}
     assert sorted(placeholders[n] for n in forward.meta[COPIED_INPUTS]) == sorted([x.shape, model.conv.weight.shape])
@@ -146,21 +153,10 @@ def test_a_convolution_s_scratch_is_measured_with_the_strides_inductor_passes_it
     the permuted MLP output; inductor computes that gradient itself and passes it contiguous. On the CPU the
     op allocates about 20 times as much on the graph's strides: modelled with them, the step was 1.5 times
     its measured peak (the zoo's ConvNeXt)."""
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(_DepthwiseBlock(), _DepthwiseBlock())
     x = torch.randn(8, 64, 8, 8)
-    compiled = torch.compile(model, backend="inductor")
-    recorder = GraphRecorder()
-    with (
-        inductor_config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False),
-        torch._functorch.config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False),
-        recorder.kernel_order(),
-    ):
-        compiled(x).square().mean().backward()
-    model.zero_grad(set_to_none=True)
-    measured = sh.memory.measure_peak(lambda: compiled(x).square().mean().backward(), device="cpu")
-    torch._dynamo.reset()
+    recorder, measured = _recorded_training_step(model, lambda compiled: compiled(x).square().mean())
     (backward,) = recorder.backwards
     convs = [n for n in backward.graph.nodes if n.target is torch.ops.aten.convolution_backward.default]
     assert convs and all(EXTERN_STRIDES in n.meta for n in convs)
