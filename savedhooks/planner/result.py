@@ -107,7 +107,7 @@ def _resized(planned: str, shape: str) -> bool:
 
 
 def _one_choice(choices: dict[str, str]) -> str | None:
-    """The choice all of ``choices`` (shape -> choice) make, None where they differ."""
+    """The choice all of ``choices`` (plan key -> choice) make, None where they differ."""
     names = set(choices.values())
     return names.pop() if len(names) == 1 else None
 
@@ -133,11 +133,11 @@ class Planned(Codec):
     3. else what the fallback (the policy) chooses, as for tensors the plan
        does not name.
 
-    So the plan's choices, and its fidelity, hold at other shapes, and its peak
-    scales with the saved tensors. Where a tensor of step 1 is larger than in
-    the plan, a warning says so once per compiled graph: the peak is then up to
-    the largest factor by which a saved tensor grows times the budget (see
-    ``docs/integrations.md``).
+    So the plan's choices, and its fidelity, hold at other shapes, and the step
+    keeps about its share of the peak without hooks (the bound and its caveat:
+    ``docs/integrations.md``, "Shapes that change"): within the budget at a
+    smaller batch, above it where the saved tensors grow. Where a tensor of
+    step 1 is larger than in the plan, a warning says so once per compiled graph.
     """
 
     choices: tuple[tuple[str, str], ...]
@@ -194,9 +194,9 @@ class Planned(Codec):
             self._warned.add(graph)
             warnings.warn(
                 f"sh.plan: the plan was made for smaller input shapes (saved tensor {node} ({op}) is {shape} here, "
-                f"{largest} in the plan: {growth:.2f}x its elements). The plan's choices hold; the step's peak "
-                "grows with its saved tensors, up to the largest factor one of them grows by times the budget. "
-                "Plan again with inputs of these shapes to meet the budget at them",
+                f"{largest} in the plan: {growth:.2f}x its elements). The plan's choices hold and the step keeps about "
+                "its share of the peak without hooks, which grows with the saved tensors: the budget does not hold "
+                "at these shapes. Plan again with inputs of these shapes to meet it",
                 UserWarning,
                 stacklevel=3,
             )
