@@ -125,7 +125,8 @@ def test_ranked_names_skip_size_arithmetic():
 @pytest.fixture(scope="module")
 def decoder():
     """The zoo's llama (default config, tiny sizes, dropout off) at batch 8 x 64 tokens, planned at 0.7x of its
-    measured compiled peak."""
+    measured compiled peak with codecs alone (``blocks=()``: one survey; the blocks a plan recomputes are
+    recomputed at any shape, its codec choices are what this tests)."""
     pytest.importorskip("transformers")
     from benchmarks import zoo, zoo_entries
 
@@ -144,7 +145,7 @@ def decoder():
     peak, _ = zoo._measure(zoo.step_fn(zoo._compiled(model), model, at_plan, entry.loss_of), model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = sh.plan(model, at_plan, budget_bytes=int(0.7 * peak), loss_fn=entry.loss_of)
+        plan = sh.plan(model, at_plan, budget_bytes=int(0.7 * peak), loss_fn=entry.loss_of, blocks=())
     return model, inputs, entry.loss_of, plan, peak
 
 
