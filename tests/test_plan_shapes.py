@@ -1,5 +1,6 @@
 """A plan used at input shapes it was not made for: its choices hold per saved-tensor role, and its peak scales."""
 
+import contextlib
 import dataclasses
 import operator
 import warnings
@@ -29,6 +30,17 @@ def _step(model, x, hooks, dynamic=None):
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return grads
+
+
+@contextlib.contextmanager
+def _uncached():
+    """Inductor's and AOTAutograd's compile caches off: hooks run (and warn) only while a graph compiles, and a
+    graph compiled with the same hooks at the same shapes before (an earlier run) would be read back instead."""
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        yield
 
 
 _CHOSEN: dict[tuple[str, str, str], str] = {}  # (ranked node name or "eager", op, dtype) -> codec name
@@ -69,14 +81,10 @@ def test_a_plan_at_other_shapes_applies_its_choice_per_role(planned, rows):
 
 @pytest.mark.parametrize("rows", [320, 768], ids=["smaller batch", "larger batch"])
 def test_a_plan_warns_once_where_its_saved_tensors_grow(planned, rows):
-    """The hooks run (and warn) as the graph compiles: the compile caches are off so that it compiles here."""
+    """The hooks run (and warn) as the graph compiles (:func:`_uncached`)."""
     model, x, plan = planned
     other = torch.randn(rows, x.shape[1], generator=torch.Generator().manual_seed(1))
-    uncached = (
-        torch._inductor.config.patch(fx_graph_cache=False),
-        torch._functorch.config.patch(enable_autograd_cache=False),
-    )
-    with uncached[0], uncached[1], warnings.catch_warnings(record=True) as caught:
+    with _uncached(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _step(model, other, plan.hooks)
     grew = [str(w.message) for w in caught if GREW in str(w.message)]
@@ -164,7 +172,7 @@ def test_a_decoder_s_plan_keeps_its_share_of_the_peak_at_a_smaller_batch_and_a_l
     plan.apply(model)
     try:
         compiled = zoo._compiled(model)
-        with warnings.catch_warnings(record=True) as caught:
+        with _uncached(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             measured = {}
             for name, x in shapes.items():
