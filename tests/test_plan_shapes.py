@@ -61,7 +61,7 @@ class _Recording(sh.planner.Planned):
 def _chosen(plan, model, x, dynamic=None):
     """The codec name each saved tensor got, by role, as the plan's hooks chose them."""
     _CHOSEN.clear()
-    _step(model, x, _Recording(tuple(sorted((k, t.choice) for t in plan.tensors for k in t.keys))).hooks(), dynamic)
+    _step(model, x, _Recording(plan.hooks.codec.choices).hooks(), dynamic)
     return dict(_CHOSEN)
 
 
