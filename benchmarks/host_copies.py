@@ -87,8 +87,7 @@ def pinned_alloc_ms(nbytes: int = 64 << 20, repeats: int = 20) -> tuple[float, f
 
 @contextlib.contextmanager
 def _variant(name: str):
-    from savedhooks import compilers
-    from savedhooks.hostmem import overlap
+    from savedhooks import compilers, overlap
 
     if name == "async, not placed":
         with mock.patch.object(overlap, "_place", lambda *args, **kwargs: None):

@@ -1,5 +1,6 @@
 """savedhooks: cheaper activation memory through saved-tensor hooks, eager and compiled."""
 
+from savedhooks import fidelity, memory, schedule
 from savedhooks.codecs import (
     Bitmask,
     Centered,
@@ -14,12 +15,8 @@ from savedhooks.codecs import (
     offload,
     policy,
 )
-from savedhooks import fidelity, memory, schedule
+from savedhooks.compilers import backend, reorder_pass, saved_tensors_hooks
 from savedhooks.fidelity import sensitivity
-from savedhooks.metrics import sqnr
-from savedhooks.compilers import backend, reorder_pass
-from savedhooks.planner import InfeasibleBudgetError, InfeasibleFidelityError, Plan, plan
-from savedhooks.identity import UnfingerprintableError, fingerprint
 from savedhooks.hooks import (
     HookContext,
     HookError,
@@ -31,12 +28,10 @@ from savedhooks.hooks import (
     hook,
     hook_context,
     make_hook_pair,
-    saved_tensors_hooks,
 )
-
-from savedhooks.torchfixes import set_up_dtype_propagation_once
-
-set_up_dtype_propagation_once()  # torch 2.13's inductor re-ran it per op generated (savedhooks.torchfixes)
+from savedhooks.identity import UnfingerprintableError, fingerprint
+from savedhooks.metrics import sqnr
+from savedhooks.planner import InfeasibleBudgetError, InfeasibleFidelityError, Plan, plan
 
 __version__ = "0.1.0"
 

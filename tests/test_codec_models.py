@@ -16,8 +16,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
-from savedhooks.codecs.base import narrow_broadcast, pack_saved, unpack_saved
+from savedhooks.codecs.base import pack_saved, unpack_saved
 from savedhooks.codecs.fp8 import Float8
+from savedhooks.codecs.layout import narrow_broadcast
 from savedhooks.compilers import placed_compile
 
 

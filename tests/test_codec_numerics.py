@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
 from savedhooks.codecs.base import pack_saved, unpack_saved
-from savedhooks.codecs.bitmask import SignBits
+from savedhooks.codecs.bits import SignBits
 from savedhooks.kernels import fp8_inductor
 from savedhooks.kernels.bitmask import torch_bitfield_pack, torch_bitfield_unpack
 from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize

@@ -22,7 +22,8 @@ import torch
 from models import GraphCapture, train_step, train_step_grads, transformer
 
 import savedhooks as sh
-from savedhooks.codecs.base import pack_saved, unpack_saved, uses_fused
+from savedhooks.codecs.backends import uses_fused
+from savedhooks.codecs.base import pack_saved, unpack_saved
 from savedhooks.kernels.fp8 import _code_value, torch_fp8_dequantize, torch_fp8_quantize
 from savedhooks.kernels.fp8_fused import fp8_code, fp8_value, fused_fp8_dequantize, fused_fp8_quantize
 

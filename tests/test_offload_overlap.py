@@ -22,15 +22,9 @@ import savedhooks as sh
 import savedhooks.kernels.offload  # the savedhooks::offload and savedhooks::reload ops
 from savedhooks.codecs.base import pack_saved, unpack_saved
 from savedhooks.hostmem import default_pool
-from savedhooks.hostmem.overlap import (
-    Transfer,
-    TransferModel,
-    hoist_starts,
-    nominal_seconds,
-    overlap_transfers,
-    sink_waits,
-)
 from savedhooks.memory import estimate_peak
+from savedhooks.memory.timing import TransferModel, nominal_seconds
+from savedhooks.overlap import Transfer, hoist_starts, overlap_transfers, sink_waits
 from tests.models import train_step_grads
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -403,7 +397,7 @@ def test_async_offload_is_bit_exact_over_many_steps_of_changing_sizes(backend, c
     compiled = torch.compile(model, backend=sh.backend(backend), dynamic=True)
     rng = random.Random(0)
     hits = default_pool().stats.hits
-    with caplog.at_level(logging.INFO, logger="savedhooks.hostmem.overlap"):
+    with caplog.at_level(logging.INFO, logger="savedhooks.overlap"):
         for _ in range(30):
             x = torch.randn(rng.choice([8, 64, 200, 512]), 256, device="cuda")
             want = train_step_grads(model, compiled, x)
@@ -455,7 +449,7 @@ def test_copies_longer_than_the_graph_s_compute_are_reported(copy_units, warns, 
     """No placement hides copies that take longer than all the compute around them (gpt2-medium on an H200:
     4.2 GB each way at 55 GB/s against a 34 ms step); the pass says so, with both modelled times."""
     gm = _trace(_forward, "cuda", "cuda", "cuda", "cuda")  # 5 matmuls of compute, one copy
-    with caplog.at_level(logging.WARNING, logger="savedhooks.hostmem.overlap"):
+    with caplog.at_level(logging.WARNING, logger="savedhooks.overlap"):
         overlap_transfers(gm, is_backward=False, model=_model(copy_units=copy_units))
     messages = [r.getMessage() for r in caplog.records if "longer than the graph's modelled compute" in r.getMessage()]
     assert bool(messages) == warns, messages
