@@ -138,7 +138,7 @@ def offload_stress(backend: str, variant: str = "async, placed", steps: int = 30
             x = torch.randn(rng.choice([8, 64, 200, 512]), 256, device="cuda")
             want, got = grads(x, None), grads(x, sh.offload(keep_needed_soon=False))
             unequal += not all(torch.equal(w, g) for w, g in zip(want, got))
-            worst = min(worst, *(sh.sqnr(w, g) for w, g in zip(want, got)))
+            worst = min(worst, *(sh.fidelity.sqnr(w, g) for w, g in zip(want, got)))
             diff = max(diff, *(float((w - g).abs().max()) for w, g in zip(want, got)))
     return {"unequal_steps": unequal, "worst_sqnr_db": worst, "max_abs_diff": diff}
 

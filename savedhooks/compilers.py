@@ -145,7 +145,7 @@ class ReorderPass(CustomGraphPass):
 
 
 def reorder_pass(forward: bool = False) -> ReorderPass:
-    """The pass to give inductor: ``torch.compile(model, options={"post_grad_custom_post_pass": sh.reorder_pass()})``.
+    """The pass to give inductor: ``torch.compile(model, options={"post_grad_custom_post_pass": sh.compilers.reorder_pass()})``.
 
     Args:
         forward: reorder forward graphs too (default: backward graphs only, where
@@ -179,7 +179,7 @@ def post_grad_passes(slot) -> tuple:
 def _with_pass(slot, ours: ReorderPass):
     """``slot`` (inductor's post-grad pass setting: None, a pass, or a list/tuple) with ``ours`` run last."""
     passes = post_grad_passes(slot)
-    if any(isinstance(p, ReorderPass) for p in passes):  # already placed (sh.reorder_pass(), a nested block)
+    if any(isinstance(p, ReorderPass) for p in passes):  # already placed (sh.compilers.reorder_pass(), a nested block)
         return slot
     return ours if not passes else (*passes, ours)
 
@@ -300,7 +300,7 @@ class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors 
     graph together with the forward (torch would otherwise compile it lazily at
     the first ``backward()``, outside the block). A pass given to
     ``torch.compile(options=...)`` replaces the slot for that compile, as torch's
-    config patches do: list ``savedhooks.reorder_pass()`` there too. Graphs
+    config patches do: list ``savedhooks.compilers.reorder_pass()`` there too. Graphs
     compiled before entering (no hooks) are not recompiled for it; the hook
     guard recompiles them when the hooks change.
 

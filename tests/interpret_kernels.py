@@ -191,8 +191,8 @@ def codec_case(codec_name: str, x: torch.Tensor) -> str | None:
     import savedhooks as sh
     from savedhooks.codecs.bits import SignBits
 
-    make = {"fp8 block": lambda b: sh.Float8(backend=b), "fp8 e5m2 row pow2": lambda b: sh.Float8(E5M2, "row", 128, True, b),
-            "fp8 tensor": lambda b: sh.Float8(granularity="tensor", backend=b), "bitmask": lambda b: sh.Bitmask(b),
+    make = {"fp8 block": lambda b: sh.codecs.Float8(backend=b), "fp8 e5m2 row pow2": lambda b: sh.codecs.Float8(E5M2, "row", 128, True, b),
+            "fp8 tensor": lambda b: sh.codecs.Float8(granularity="tensor", backend=b), "bitmask": lambda b: sh.codecs.Bitmask(b),
             "sign bits": lambda b: SignBits(b)}[codec_name]  # fmt: skip
     packed = {b: make(b).encode(x) for b in ("aten", "triton")}
     leaves = {b: pytree.tree_leaves(p) for b, p in packed.items()}

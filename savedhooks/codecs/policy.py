@@ -279,7 +279,7 @@ def is_periodic_argument(name: str, bw_graph: torch.fx.Graph) -> bool:
     Llama's rotary angles (positions times frequencies, up to the sequence length),
     saved by the partitioner, which recomputes cos and sin in the backward: the
     benchmark's llama under aot_eager and bf16 autocast reached 9.3 dB with them
-    packed, 22.3 dB with them kept (``sh.sensitivity``).
+    packed, 22.3 dB with them kept (``sh.fidelity.sensitivity``).
 
     Args:
         name: the saved value's name (a placeholder of ``bw_graph``).
@@ -300,7 +300,7 @@ def is_narrow_softmax(x: torch.Tensor, node: torch.fx.Node | None, classes: int)
 
     A classifier's loss head saves its log-softmax (``(batch, 10)`` after 10
     classes); the values of a row sit in a few binades, so fp8's rounding errors
-    share a sign and add up over the batch in every gradient (sh.sensitivity on a
+    share a sign and add up over the batch in every gradient (sh.fidelity.sensitivity on a
     10-class MLP: 3.5 dB with it packed, 30 dB with it kept).
 
     Args:
@@ -400,7 +400,7 @@ class Policy(Codec):
         for name in ("floating", "boolean", "integer", "centered", "attention"):
             object.__setattr__(self, name, as_codec(getattr(self, name), f"policy({name}=...)"))
         if self.centered is not None and not isinstance(self.centered, Centered):
-            raise TypeError(f"policy: centered must be a savedhooks.Centered codec or None, got {self.centered!r}")
+            raise TypeError(f"policy: centered must be a savedhooks.codecs.Centered codec or None, got {self.centered!r}")
         if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
             raise ValueError(f"policy: min_bytes must be a non-negative int, got {self.min_bytes!r}")
         if isinstance(self.keep_ops, str) or not all(isinstance(op, str) for op in self.keep_ops):
@@ -507,7 +507,7 @@ def policy(
 ):
     """Hooks that pick a codec for each saved tensor, and keep the ones that lossy packing hurts.
 
-    Kept as they are (the rules, from ``sh.sensitivity`` on the benchmark models;
+    Kept as they are (the rules, from ``sh.fidelity.sensitivity`` on the benchmark models;
     see the README's "Fidelity"): tensors under ``min_bytes``; normalization and
     attention statistics (``keep_ops``); a (log-)softmax over at most
     ``narrow_softmax`` classes (a classifier's loss head); under compile, tensors
@@ -550,7 +550,7 @@ def policy(
         centered: the codec for a batch norm's input instead of ``floating``
             while the codec's decomposed form is traced (under inductor, which
             fuses the subtraction into the quantize kernel and recomputes batch
-            norm from the saved input): a :class:`~savedhooks.Centered`, by
+            norm from the saved input): a :class:`~savedhooks.codecs.Centered`, by
             default fp8 of ``x`` minus each channel's mean, the means kept in
             float32 (the benchmark's cnn under inductor: 27.9 dB against 18.0
             uncentered, README "Under inductor"). None: ``floating``. Unused when
@@ -565,7 +565,7 @@ def policy(
 
     Raises:
         TypeError: a codec argument is not a savedhooks codec, or ``centered``
-            is not a :class:`~savedhooks.Centered`.
+            is not a :class:`~savedhooks.codecs.Centered`.
         ValueError: ``min_bytes``, ``keep_ops``, ``narrow_softmax`` or
             ``relative_bytes`` is malformed.
     """
