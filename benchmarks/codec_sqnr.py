@@ -21,15 +21,15 @@ ROWS, COLS = 4096, 1024
 BIAS_SHAPE, DRAWS = (64, 256), 1000
 
 CODECS = [
-    ("fp8(e4m3, block 128)", sh.Float8(torch.float8_e4m3fn, "block", 128)),
-    ("fp8(e4m3, row)", sh.Float8(torch.float8_e4m3fn, "row")),
-    ("fp8(e4m3, tensor)", sh.Float8(torch.float8_e4m3fn, "tensor")),
-    ("fp8(e4m3, block 128, pow2)", sh.Float8(torch.float8_e4m3fn, "block", 128, True)),
-    ("fp8(e5m2, block 128)", sh.Float8(torch.float8_e5m2, "block", 128)),
-    ("fp8(e4m3, block 128, stochastic)", sh.Float8(torch.float8_e4m3fn, "block", 128, rounding="stochastic")),
-    ("fp8(e5m2, block 128, stochastic)", sh.Float8(torch.float8_e5m2, "block", 128, rounding="stochastic")),
-    ("downcast(bf16)", sh.Downcast(torch.bfloat16)),
-    ("downcast(fp16)", sh.Downcast(torch.float16)),
+    ("fp8(e4m3, block 128)", sh.codecs.Float8(torch.float8_e4m3fn, "block", 128)),
+    ("fp8(e4m3, row)", sh.codecs.Float8(torch.float8_e4m3fn, "row")),
+    ("fp8(e4m3, tensor)", sh.codecs.Float8(torch.float8_e4m3fn, "tensor")),
+    ("fp8(e4m3, block 128, pow2)", sh.codecs.Float8(torch.float8_e4m3fn, "block", 128, True)),
+    ("fp8(e5m2, block 128)", sh.codecs.Float8(torch.float8_e5m2, "block", 128)),
+    ("fp8(e4m3, block 128, stochastic)", sh.codecs.Float8(torch.float8_e4m3fn, "block", 128, rounding="stochastic")),
+    ("fp8(e5m2, block 128, stochastic)", sh.codecs.Float8(torch.float8_e5m2, "block", 128, rounding="stochastic")),
+    ("downcast(bf16)", sh.codecs.Downcast(torch.bfloat16)),
+    ("downcast(fp16)", sh.codecs.Downcast(torch.float16)),
 ]
 
 
@@ -49,15 +49,15 @@ def rows() -> list[tuple[str, str, str, str]]:
         packed = pack_saved(codec, normal)
         y = unpack_saved(codec, packed)
         y_heavy = unpack_saved(codec, pack_saved(codec, heavy))
-        per_row = sh.sqnr(heavy, y_heavy, dim=1)
+        per_row = sh.fidelity.sqnr(heavy, y_heavy, dim=1)
         overflowed = int((~torch.isfinite(y_heavy)).any(dim=1).sum())
         heavy_cell = f"{per_row.mean().item():.1f}"
         if overflowed:  # values beyond the format's range became inf: say so, do not average it away
             heavy_cell = f"{per_row[torch.isfinite(per_row)].mean().item():.1f} ({overflowed} rows overflow to inf)"
-        out.append((name, f"{payload_bytes(packed) / normal.numel():.3f}", f"{sh.sqnr(normal, y):.1f}", heavy_cell))
+        out.append((name, f"{payload_bytes(packed) / normal.numel():.3f}", f"{sh.fidelity.sqnr(normal, y):.1f}", heavy_cell))
     mask = torch.rand(ROWS, COLS, generator=gen) > 0.5
-    bits = pack_saved(sh.Bitmask(), mask)
-    exact = torch.equal(unpack_saved(sh.Bitmask(), bits), mask)
+    bits = pack_saved(sh.codecs.Bitmask(), mask)
+    exact = torch.equal(unpack_saved(sh.codecs.Bitmask(), bits), mask)
     out.append(("bitmask (bool input)", f"{payload_bytes(bits) / mask.numel():.3f}", "exact" if exact else "WRONG", "-"))
     return out
 
@@ -68,9 +68,9 @@ def bias_rows() -> list[tuple[str, str, str, str]]:
     (0.27% for a normal z) and the largest |E[x'] - x| in standard errors."""
     torch.manual_seed(0)
     x = torch.randn(*BIAS_SHAPE, generator=torch.Generator().manual_seed(1))
-    nearest = sh.Float8(torch.float8_e4m3fn, "block", 128)
+    nearest = sh.codecs.Float8(torch.float8_e4m3fn, "block", 128)
     nearest_error = (unpack_saved(nearest, pack_saved(nearest, x)) - x).abs().double()
-    codec = sh.Float8(torch.float8_e4m3fn, "block", 128, rounding="stochastic")
+    codec = sh.codecs.Float8(torch.float8_e4m3fn, "block", 128, rounding="stochastic")
     first = unpack_saved(codec, pack_saved(codec, x)).double()
     total, squares = torch.zeros_like(first), torch.zeros_like(first)
     for _ in range(DRAWS):  # sums of y - first: exact zeros where an element never changes

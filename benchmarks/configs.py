@@ -45,11 +45,11 @@ from savedhooks.compilers import placed_aot_eager
 
 __all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FIDELITY_STEP", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "lowest_budget", "plan_at", "plan_or_lowest", "planner_for", "torch_fp8_hooks"]
 
-FLOAT8 = sh.Float8()  # the codec's configuration: the library default, e4m3 with block scales (128)
+FLOAT8 = sh.codecs.Float8()  # the codec's configuration: the library default, e4m3 with block scales (128)
 CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8() returns it
 POLICY = sh.policy()  # the library's default policy (fp8 as above, bitmasks, statistics kept)
 POLICY_UNCENTERED = sh.policy(centered=None)  # the same, batch norm inputs not centered under inductor
-TORCH_PATH_FLOAT8 = sh.Float8(granularity="row")  # what torch's own path (make_fx'd hooks) computes
+TORCH_PATH_FLOAT8 = sh.codecs.Float8(granularity="row")  # what torch's own path (make_fx'd hooks) computes
 FIDELITY_STEP = 0.02  # plan_or_lowest raises a budget no plan meets min_sqnr_db within by this share per try
 MEMORY_BUDGET = 0.5  # torch._functorch.config.activation_memory_budget for the "memory budget" configuration
 

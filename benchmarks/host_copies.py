@@ -87,8 +87,7 @@ def pinned_alloc_ms(nbytes: int = 64 << 20, repeats: int = 20) -> tuple[float, f
 
 @contextlib.contextmanager
 def _variant(name: str):
-    from savedhooks import compilers
-    from savedhooks.hostmem import overlap
+    from savedhooks import compilers, overlap
 
     if name == "async, not placed":
         with mock.patch.object(overlap, "_place", lambda *args, **kwargs: None):
@@ -139,7 +138,7 @@ def offload_stress(backend: str, variant: str = "async, placed", steps: int = 30
             x = torch.randn(rng.choice([8, 64, 200, 512]), 256, device="cuda")
             want, got = grads(x, None), grads(x, sh.offload(keep_needed_soon=False))
             unequal += not all(torch.equal(w, g) for w, g in zip(want, got))
-            worst = min(worst, *(sh.sqnr(w, g) for w, g in zip(want, got)))
+            worst = min(worst, *(sh.fidelity.sqnr(w, g) for w, g in zip(want, got)))
             diff = max(diff, *(float((w - g).abs().max()) for w, g in zip(want, got)))
     return {"unequal_steps": unequal, "worst_sqnr_db": worst, "max_abs_diff": diff}
 

@@ -1,6 +1,6 @@
 """Which saved tensors fp8 hurts: ``python -m benchmarks.sensitivity --models llama --codec fp8``.
 
-Runs :func:`savedhooks.sensitivity` on benchmark models (their own inputs and
+Runs :func:`savedhooks.fidelity.sensitivity` on benchmark models (their own inputs and
 loss, run eagerly after the compiled model, as in the main job) and prints one
 table per model: each saved tensor (the largest ``--individually`` alone, the
 rest grouped by producing op) with the worst parameter-gradient SQNR when only
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         workload = make_workload(name, args.size, args.device)
         print(f"\n### {name} ({workload.description}), backend {args.backend}\n", flush=True)
         backend = None if args.backend == "eager" else args.backend
-        sh.sensitivity(workload.model, workload.inputs, CODECS[args.codec](), workload.loss_of, backend, args.individually)
+        sh.fidelity.sensitivity(workload.model, workload.inputs, CODECS[args.codec](), workload.loss_of, backend, args.individually)
     return 0
 
 

@@ -4,8 +4,10 @@ The folder sits at the repository's top level but is never importable as a bare
 ``kernels``: PyPI has an unrelated distribution of that name. pyproject maps this
 folder to ``savedhooks.kernels`` (setuptools ``package-dir``).
 
-Modules: ``fp8`` and ``bitmask`` hold the aten references (the spec) and their
-opaque ops ``savedhooks::fp8_quantize`` etc.; ``fp8_triton`` and
+Modules: ``fp8`` and ``bitmask`` hold the aten references (the spec);
+``fp8_inductor`` and ``bitmask`` register the opaque ops ``savedhooks::fp8_quantize``
+etc. (``fp8_inductor`` runs large CPU tensors through the reference's compiled
+form); ``fp8_triton`` and
 ``bitmask_triton`` the Triton kernels and their ``triton_op``s
 ``savedhooks::triton_fp8_quantize`` etc. (imported on demand: Triton is optional);
 ``fp8_fused`` the decomposed fp8 form (plain aten ops, no custom op) that inductor
@@ -20,12 +22,13 @@ import torch
 
 __all__ = ["OPS", "kernel_op", "triton_available"]
 
-# Op family -> the module registering its Triton op (``savedhooks::triton_<name>``).
+# Op family -> the modules registering its aten op (``savedhooks::<name>``) and its
+# Triton op (``savedhooks::triton_<name>``).
 OPS = {
-    "fp8_quantize": "savedhooks.kernels.fp8_triton",
-    "fp8_dequantize": "savedhooks.kernels.fp8_triton",
-    "bitmask_pack": "savedhooks.kernels.bitmask_triton",
-    "bitmask_unpack": "savedhooks.kernels.bitmask_triton",
+    "fp8_quantize": ("savedhooks.kernels.fp8_inductor", "savedhooks.kernels.fp8_triton"),
+    "fp8_dequantize": ("savedhooks.kernels.fp8_inductor", "savedhooks.kernels.fp8_triton"),
+    "bitmask_pack": ("savedhooks.kernels.bitmask", "savedhooks.kernels.bitmask_triton"),
+    "bitmask_unpack": ("savedhooks.kernels.bitmask", "savedhooks.kernels.bitmask_triton"),
 }
 
 
@@ -74,9 +77,9 @@ def kernel_op(name: str, use_triton: bool):
         KeyError: ``name`` is not a known op family.
         ImportError: ``use_triton`` without the triton package.
     """
-    module = OPS[name]
+    aten_module, triton_module = OPS[name]
     if not use_triton:
-        importlib.import_module(module.removesuffix("_triton"))
+        importlib.import_module(aten_module)
         return getattr(torch.ops.savedhooks, name)
-    importlib.import_module(module)
+    importlib.import_module(triton_module)
     return getattr(torch.ops.savedhooks, "triton_" + name)

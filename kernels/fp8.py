@@ -1,4 +1,4 @@
-"""Scaled float8 quantize / dequantize of a 2-D tensor: the aten reference and its ops.
+"""Scaled float8 quantize / dequantize of a 2-D tensor: the aten reference (the spec of the fp8 ops).
 
 Layout: the codec hands over a contiguous 2-D view ``(rows, cols)`` whose last
 dim is the tensor's innermost dim in memory. Scales are float32:
@@ -244,44 +244,3 @@ def _scale_shape(rows: int, cols: int, granularity: str, block_size: int) -> tup
     if granularity == "row":
         return (rows, 1)
     return (rows, -(-cols // block_size))
-
-
-# --- ops: one graph node per codec call, traceable inside hook graphs -------------------
-
-
-@torch.library.custom_op("savedhooks::fp8_quantize", mutates_args=())
-def fp8_quantize(
-    x: torch.Tensor,
-    dtype: torch.dtype,
-    granularity: str,
-    block_size: int,
-    pow2_scale: bool,
-    seed: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.savedhooks.fp8_quantize``: see :func:`torch_fp8_quantize` (large CPU tensors: compiled, same bytes)."""
-    from savedhooks.kernels.fp8_inductor import inductor_fp8_quantize, uses_inductor
-
-    quantize = inductor_fp8_quantize if uses_inductor(x) else torch_fp8_quantize
-    return quantize(x, dtype, granularity, block_size, pow2_scale, seed)
-
-
-@fp8_quantize.register_fake
-def _(x, dtype, granularity, block_size, pow2_scale, seed=None):
-    _check_quantize_args(x, dtype, granularity, block_size, seed)
-    rows, cols = x.shape
-    scale = x.new_empty(_scale_shape(rows, cols, granularity, block_size), dtype=torch.float32)
-    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format), scale  # as the real op: contiguous
-
-
-@torch.library.custom_op("savedhooks::fp8_dequantize", mutates_args=())
-def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, block_size: int) -> torch.Tensor:
-    """``torch.ops.savedhooks.fp8_dequantize``: see :func:`torch_fp8_dequantize` (large CPU tensors: compiled)."""
-    from savedhooks.kernels.fp8_inductor import inductor_fp8_dequantize, uses_inductor
-
-    dequantize = inductor_fp8_dequantize if uses_inductor(q) else torch_fp8_dequantize
-    return dequantize(q, scale, out_dtype, block_size)
-
-
-@fp8_dequantize.register_fake
-def _(q, scale, out_dtype, block_size):
-    return torch.empty_like(q, dtype=out_dtype, memory_format=torch.contiguous_format)

@@ -1,4 +1,7 @@
-"""The decomposed fp8 form compiled by inductor: the CPU path of the fp8 ops for large tensors.
+"""The fp8 ops ``savedhooks::fp8_quantize`` / ``fp8_dequantize``, and their CPU path for large tensors.
+
+The ops run the aten reference (``savedhooks.kernels.fp8``), or for large CPU
+tensors the decomposed form compiled by inductor (below).
 
 Design notes
 ------------
@@ -63,6 +66,7 @@ import torch
 from savedhooks.kernels.fp8 import (
     _check_dequantize_args,
     _check_quantize_args,
+    _scale_shape,
     torch_fp8_dequantize,
     torch_fp8_quantize,
 )
@@ -72,6 +76,8 @@ __all__ = [
     "CHUNK_ELEMS",
     "INDUCTOR_MIN_ELEMS",
     "RECOMPILE_LIMIT",
+    "fp8_dequantize",
+    "fp8_quantize",
     "inductor_fp8_dequantize",
     "inductor_fp8_quantize",
     "inductor_scratch_bytes",
@@ -316,3 +322,40 @@ def inductor_fp8_dequantize(
         return torch_fp8_dequantize(codes.view(dtype), scale, out_dtype, block_size)
 
     return _call(fused_fp8_dequantize, reference, codes, scale, q.dtype, out_dtype, block_size)
+
+
+# --- ops: one graph node per codec call, traceable inside hook graphs -------------------
+
+
+@torch.library.custom_op("savedhooks::fp8_quantize", mutates_args=())
+def fp8_quantize(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    granularity: str,
+    block_size: int,
+    pow2_scale: bool,
+    seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.savedhooks.fp8_quantize``: see :func:`torch_fp8_quantize` (large CPU tensors: compiled, same bytes)."""
+    quantize = inductor_fp8_quantize if uses_inductor(x) else torch_fp8_quantize
+    return quantize(x, dtype, granularity, block_size, pow2_scale, seed)
+
+
+@fp8_quantize.register_fake
+def _(x, dtype, granularity, block_size, pow2_scale, seed=None):
+    _check_quantize_args(x, dtype, granularity, block_size, seed)
+    rows, cols = x.shape
+    scale = x.new_empty(_scale_shape(rows, cols, granularity, block_size), dtype=torch.float32)
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format), scale  # as the real op: contiguous
+
+
+@torch.library.custom_op("savedhooks::fp8_dequantize", mutates_args=())
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, block_size: int) -> torch.Tensor:
+    """``torch.ops.savedhooks.fp8_dequantize``: see :func:`torch_fp8_dequantize` (large CPU tensors: compiled)."""
+    dequantize = inductor_fp8_dequantize if uses_inductor(q) else torch_fp8_dequantize
+    return dequantize(q, scale, out_dtype, block_size)
+
+
+@fp8_dequantize.register_fake
+def _(q, scale, out_dtype, block_size):
+    return torch.empty_like(q, dtype=out_dtype, memory_format=torch.contiguous_format)

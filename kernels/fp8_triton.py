@@ -36,13 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from savedhooks.kernels.fp8 import (
-    _check_dequantize_args,
-    _check_quantize_args,
-    _scale_shape,
-    fp8_dequantize,
-    fp8_quantize,
-)
+from savedhooks.kernels.fp8 import _check_dequantize_args, _check_quantize_args, _scale_shape
+from savedhooks.kernels.fp8_inductor import fp8_dequantize, fp8_quantize
 from savedhooks.kernels.triton_support import as_triton_op, launch, runs_triton
 
 __all__ = ["triton_fp8_dequantize", "triton_fp8_quantize"]

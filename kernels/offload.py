@@ -11,7 +11,7 @@ Design notes
   memory is freed after the copy on that same stream, so the caching allocator
   orders its reuse after the copy. A D2H copy into pinned memory does not block
   the host.
-* Overlap is added after tracing, by :mod:`savedhooks.hostmem.overlap`. Each op is
+* Overlap is added after tracing, by :mod:`savedhooks.overlap`. Each op is
   rewritten there into an asynchronous start and torch's ``ao::wait_tensor``
   (torch's transfer stream, and an event per copy): ``ao::reload`` for the
   copy back, and for the copy out ``savedhooks::offload_async``, which is
@@ -41,6 +41,8 @@ from __future__ import annotations
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false, make_contiguous_strides_for
 
+from savedhooks.hostmem.pool import default_pool
+
 __all__ = ["torch_offload", "torch_offload_async", "torch_reload"]
 
 
@@ -51,8 +53,6 @@ def _empty_like_layout(x: torch.Tensor, device: torch.device, pin_memory: bool) 
     """
     stride = x.stride() if is_non_overlapping_and_dense_or_false(x) else make_contiguous_strides_for(x.shape)
     if pin_memory:
-        from savedhooks.hostmem.pool import default_pool
-
         return default_pool().empty_strided(x.size(), stride, x.dtype)
     return torch.empty_strided(x.size(), stride, dtype=x.dtype, device=device)
 
@@ -132,8 +132,6 @@ def torch_offload_async(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("savedhooks.offload_async: needs a tensor on an accelerator, got one on the cpu")
     from torch._functorch._activation_offloading import offload_ops as ao
 
-    from savedhooks.hostmem.pool import default_pool
-
     transfer = ao._get_or_create_transfer_stream(x.device)
     current = torch.accelerator.current_stream(x.device)
     transfer.wait_stream(current)
@@ -151,8 +149,6 @@ def torch_offload_async(x: torch.Tensor) -> torch.Tensor:
 
 def _note_copy(host: torch.Tensor) -> None:
     """Tell the host pool that a copy on the current CUDA stream reads or writes ``host``'s slab."""
-    from savedhooks.hostmem.pool import default_pool
-
     event = torch.cuda.Event()
     event.record()
     default_pool().note_copy(host, event)
@@ -190,7 +186,7 @@ def _(x, device, pin_memory):
 def offload_async(x: torch.Tensor) -> torch.Tensor:
     """``torch.ops.savedhooks.offload_async``: :func:`torch_offload_async` as one graph node.
 
-    Only :mod:`savedhooks.hostmem.overlap` puts it in graphs, followed by
+    Only :mod:`savedhooks.overlap` puts it in graphs, followed by
     ``ao::wait_tensor(result, None, x)``.
 
     Args:

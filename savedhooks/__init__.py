@@ -1,25 +1,18 @@
-"""savedhooks: cheaper activation memory through saved-tensor hooks, eager and compiled."""
+"""savedhooks: cheaper activation memory through saved-tensor hooks, eager and compiled.
 
-from savedhooks.codecs import (
-    Bitmask,
-    Centered,
-    Codec,
-    Downcast,
-    Float8,
-    Offload,
-    Policy,
-    bitmask,
-    downcast,
-    fp8,
-    offload,
-    policy,
-)
-from savedhooks import fidelity, memory, schedule
-from savedhooks.fidelity import sensitivity
-from savedhooks.metrics import sqnr
-from savedhooks.compilers import backend, reorder_pass
-from savedhooks.planner import InfeasibleBudgetError, InfeasibleFidelityError, Plan, plan
-from savedhooks.identity import UnfingerprintableError, fingerprint
+The top level holds what a training script calls: the hooks block, the codecs
+(as factories returning a :class:`HookPair`), ``@hook`` for hooks of one's own,
+the planner, the ``torch.compile`` backend and the errors. Their configuration
+classes and the tools live in submodules: :mod:`savedhooks.codecs` (``Float8``,
+``Policy``, ...), :mod:`savedhooks.memory` (predicting and measuring peaks),
+:mod:`savedhooks.fidelity` (SQNR, sensitivity), :mod:`savedhooks.schedule`,
+:mod:`savedhooks.compilers` (``reorder_pass``), :mod:`savedhooks.hooks`,
+:mod:`savedhooks.identity`.
+"""
+
+from savedhooks import codecs, compilers, fidelity, hooks, identity, memory, schedule  # noqa: F401  (submodules: sh.memory, ...)
+from savedhooks.codecs import bitmask, downcast, fp8, offload, policy
+from savedhooks.compilers import backend, saved_tensors_hooks
 from savedhooks.hooks import (
     HookContext,
     HookError,
@@ -27,61 +20,38 @@ from savedhooks.hooks import (
     HookMutationError,
     HookPair,
     HookTypeError,
-    PackHook,
     hook,
     hook_context,
-    make_hook_pair,
-    saved_tensors_hooks,
 )
-
-from savedhooks.torchfixes import set_up_dtype_propagation_once
-
-set_up_dtype_propagation_once()  # torch 2.13's inductor re-ran it per op generated (savedhooks.torchfixes)
+from savedhooks.identity import UnfingerprintableError
+from savedhooks.planner import InfeasibleBudgetError, InfeasibleFidelityError, Plan, plan
 
 __version__ = "0.1.0"
 
 __all__ = [
-    # hooks: build a pair, apply it
-    "HookPair",
-    "PackHook",
-    "hook",
-    "make_hook_pair",
+    # apply hooks to the tensors saved for backward
     "saved_tensors_hooks",
-    "HookContext",
+    "HookPair",
+    "hook",
     "hook_context",
-    # codecs: ready-made hook pairs, and their configurations
+    "HookContext",
+    # codecs: ready-made hook pairs
     "fp8",
     "downcast",
     "bitmask",
     "offload",
     "policy",
-    "Codec",
-    "Float8",
-    "Downcast",
-    "Bitmask",
-    "Centered",
-    "Offload",
-    "Policy",
-    # placing hooks under torch.compile
-    "backend",
-    "reorder_pass",
     # fitting a budget
     "plan",
     "Plan",
-    "InfeasibleBudgetError",
-    "InfeasibleFidelityError",
-    # measuring
-    "memory",
-    "schedule",
-    "sqnr",
-    "fidelity",
-    "sensitivity",
+    # placement without inductor
+    "backend",
     # errors
     "HookError",
     "HookMismatchError",
     "HookMutationError",
     "HookTypeError",
     "UnfingerprintableError",
-    # identity of hook code across processes
-    "fingerprint",
+    "InfeasibleBudgetError",
+    "InfeasibleFidelityError",
 ]

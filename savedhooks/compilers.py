@@ -17,10 +17,8 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import hashlib
-import pathlib
 from collections.abc import Iterator
 
 import torch
@@ -28,13 +26,28 @@ import torch.fx
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-import savedhooks.kernels.offload as offload_ops
-from savedhooks.hostmem.overlap import makes_cuda_tensor, overlap_transfers
+import savedhooks.kernels.offload  # noqa: F401  (registers savedhooks::offload, which the pass looks for)
+from savedhooks import torchfixes
+from savedhooks.contract import placed_compile, placing_requested
+from savedhooks.hooks import HookPair, applied, check_hook_pair
+from savedhooks.identity import source_digest
 from savedhooks.input_layout import keep_input_layout, recorded_weights, restore_input_layout
+from savedhooks.memory.timing import makes_cuda_tensor
+from savedhooks.overlap import overlap_transfers
 from savedhooks.passes import has_hook_chains, is_backward_graph, place_hooks, reorder_for_memory
 from savedhooks.unfuse import join_adjacent, split_late_addmm
 
-__all__ = ["ReorderPass", "backend", "inductor_placement", "placed_aot_eager", "placed_compile", "placing_requested", "post_grad_passes", "reorder_pass"]
+__all__ = [
+    "ReorderPass",
+    "backend",
+    "inductor_placement",
+    "placed_aot_eager",
+    "placed_compile",
+    "placing_requested",
+    "post_grad_passes",
+    "reorder_pass",
+    "saved_tensors_hooks",
+]
 
 
 class ReorderPass(CustomGraphPass):
@@ -76,11 +89,10 @@ class ReorderPass(CustomGraphPass):
 
     In every graph it runs, copies between an accelerator and the host made by
     ``sh.offload`` become torch's asynchronous copy ops, placed to overlap
-    compute (:func:`savedhooks.hostmem.overlap_transfers`).
+    compute (:func:`savedhooks.overlap.overlap_transfers`).
 
-    ``uuid()`` digests the pass's sources (this file, :mod:`savedhooks.passes`,
-    :mod:`savedhooks.input_layout`, the scheduler, the memory model, the offload
-    overlap), its options, and in a backward the weights its forward kept
+    ``uuid()`` digests savedhooks' sources (every file of the package and its
+    kernels: :func:`savedhooks.identity.source_digest`), the pass's options, and in a backward the weights its forward kept
     (:func:`savedhooks.input_layout.recorded_weights`), so inductor's FX graph
     cache misses when the pass would change a graph differently and hits when
     it would not.
@@ -126,14 +138,14 @@ class ReorderPass(CustomGraphPass):
         # a backward's copies of the weights its forward kept (input_layout) depend on that forward's compile
         weights = ",".join(sorted(recorded_weights()))
         options = f"forward={self.forward}:hooked_only={self.hooked_only}:copy_gbps={bandwidth}:weights={weights}"
-        return hashlib.sha256(f"{_SOURCE_DIGEST}:{options}".encode()).hexdigest()
+        return hashlib.sha256(f"{source_digest()}:{options}".encode()).hexdigest()
 
     def __repr__(self) -> str:
         return f"ReorderPass(forward={self.forward}, hooked_only={self.hooked_only})"
 
 
 def reorder_pass(forward: bool = False) -> ReorderPass:
-    """The pass to give inductor: ``torch.compile(model, options={"post_grad_custom_post_pass": sh.reorder_pass()})``.
+    """The pass to give inductor: ``torch.compile(model, options={"post_grad_custom_post_pass": sh.compilers.reorder_pass()})``.
 
     Args:
         forward: reorder forward graphs too (default: backward graphs only, where
@@ -145,6 +157,7 @@ def reorder_pass(forward: bool = False) -> ReorderPass:
     Raises:
         Nothing.
     """
+    torchfixes.install()
     return _REORDER_PASSES[bool(forward), False]
 
 
@@ -166,7 +179,7 @@ def post_grad_passes(slot) -> tuple:
 def _with_pass(slot, ours: ReorderPass):
     """``slot`` (inductor's post-grad pass setting: None, a pass, or a list/tuple) with ``ours`` run last."""
     passes = post_grad_passes(slot)
-    if any(isinstance(p, ReorderPass) for p in passes):  # already placed (sh.reorder_pass(), a nested block)
+    if any(isinstance(p, ReorderPass) for p in passes):  # already placed (sh.compilers.reorder_pass(), a nested block)
         return slot
     return ours if not passes else (*passes, ours)
 
@@ -223,54 +236,12 @@ def backend(base: str = "aot_eager"):
     Raises:
         ValueError: ``base`` is neither.
     """
+    torchfixes.install()
     if base == "aot_eager":
         return _AOT_EAGER_BACKEND
     if base == "inductor":
         return _inductor_backend
     raise ValueError(f"savedhooks.backend: base must be 'aot_eager' or 'inductor', got {base!r}")
-
-
-_PLACED: contextvars.ContextVar[bool] = contextvars.ContextVar("savedhooks_placed_compile", default=False)
-
-
-@contextlib.contextmanager
-def placed_compile() -> Iterator[None]:
-    """Mark the compiles run inside as ones whose graph compilers place each unpack right before its first use.
-
-    AOTAutograd traces the hooks into the graphs (and torch puts every unpack
-    at the start of the backward) before any graph compiler runs, so a codec
-    cannot tell from the graphs whether the unpacks will move. A backend whose
-    compilers move them (``sh.backend("aot_eager")``) compiles inside this.
-
-    Args:
-        None.
-
-    Returns:
-        A context manager.
-
-    Raises:
-        Nothing.
-    """
-    token = _PLACED.set(True)
-    try:
-        yield
-    finally:
-        _PLACED.reset(token)
-
-
-def placing_requested() -> bool:
-    """Whether the running compile is inside :func:`placed_compile`.
-
-    Args:
-        None.
-
-    Returns:
-        True inside :func:`placed_compile`.
-
-    Raises:
-        Nothing.
-    """
-    return _PLACED.get()
 
 
 def placed_aot_eager(gm: torch.fx.GraphModule, example_inputs, **keywords):
@@ -307,17 +278,58 @@ def _inductor_backend(gm: torch.fx.GraphModule, example_inputs):
     return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": _REORDER_PASSES[False, False]})
 
 
-# The pass's behaviour lives in this file, passes.py, input_layout.py, unfuse.py, the scheduler, the memory
-# model and the offload overlap: all in the digest.
-_HERE = pathlib.Path(__file__).parent
-_SOURCE_DIGEST = hashlib.sha256(
-    b"".join(p.read_bytes() for p in [_HERE / "compilers.py", _HERE / "passes.py", _HERE / "input_layout.py",
-                                      _HERE / "unfuse.py", *sorted((_HERE / "schedule").glob("*.py")),
-                                      *sorted((_HERE / "memory").glob("*.py")), _HERE / "hostmem" / "overlap.py",
-                                      pathlib.Path(offload_ops.__file__)])
-).hexdigest()
 # One shared instance per option: equal passes, equal cache keys.
 _REORDER_PASSES = {(f, h): ReorderPass(forward=f, hooked_only=h) for f in (False, True) for h in (False, True)}
 # torch's own aot_eager (its min-cut partitioner, its input-mutation handling) with
 # placement added: the same graphs as "aot_eager", only reordered.
 _AOT_EAGER_BACKEND = functools.partial(placed_aot_eager, fw_compiler=_placing(False), bw_compiler=_placing(True))
+
+
+class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch's name
+    """Apply a :class:`HookPair` to tensors saved for backward inside the block.
+
+    Works around eager code and around ``torch.compile``d models (the hooks are
+    then inlined into the compiled graphs). Nested blocks behave like torch's:
+    the innermost pair wins. Usable as a decorator; re-entrant.
+
+    Placement: inside the block, a model compiled with plain ``torch.compile``
+    (inductor) gets savedhooks' reorder pass, so each unpack runs right before
+    its first use in the backward graph (:func:`savedhooks.compilers.inductor_placement`).
+    It is added after any ``post_grad_custom_post_pass`` already set in inductor's
+    config, touches only graphs with inlined hooks, and compiles the backward
+    graph together with the forward (torch would otherwise compile it lazily at
+    the first ``backward()``, outside the block). A pass given to
+    ``torch.compile(options=...)`` replaces the slot for that compile, as torch's
+    config patches do: list ``savedhooks.compilers.reorder_pass()`` there too. Graphs
+    compiled before entering (no hooks) are not recompiled for it; the hook
+    guard recompiles them when the hooks change.
+
+    Args:
+        hooks: a HookPair, e.g. from :func:`hook` or a codec such as ``savedhooks.fp8()``.
+        reorder: False leaves inductor's configuration alone (no placement, lazy
+            backward compile as torch does it, saved inputs returned in the
+            layout inductor chooses: :mod:`savedhooks.input_layout`).
+
+    Raises:
+        HookTypeError: ``hooks`` is a :class:`PackHook` without an unpack function.
+        TypeError: ``hooks`` is anything else that is not a HookPair, or
+            ``reorder`` is not a bool.
+    """
+
+    def __init__(self, hooks: HookPair, reorder: bool = True) -> None:
+        self.hooks = check_hook_pair(hooks)
+        if not isinstance(reorder, bool):
+            raise TypeError(f"savedhooks.saved_tensors_hooks: reorder must be a bool, got {reorder!r}")
+        self.reorder = reorder
+        self._entered: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> HookPair:
+        torchfixes.install()
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(inductor_placement(self.reorder))
+            stack.enter_context(applied(self.hooks))
+            self._entered.append(stack.pop_all())
+        return self.hooks
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._entered.pop().__exit__(*exc_info)

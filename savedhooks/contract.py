@@ -4,18 +4,34 @@ Pack takes the saved tensor and returns a pytree of tensors and constants; unpac
 takes exactly that and returns one tensor of the saved tensor's dtype, device and
 shape; neither modifies its input. torch's own errors do not say which hook broke
 the contract, so every check here raises a :class:`HookError` naming it.
+
+What a hook may know while AOTAutograd traces it into compiled graphs: the
+graphs (:func:`hook_context`) and whether the compile's graph compilers will
+move each unpack to its first use (:func:`placing_requested`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-__all__ = ["HookContext", "HookError", "HookMismatchError", "HookMutationError", "HookTypeError", "hook_context"]
+__all__ = [
+    "HookContext",
+    "HookError",
+    "HookMismatchError",
+    "HookMutationError",
+    "HookTypeError",
+    "hook_context",
+    "placed_compile",
+    "placing_requested",
+]
 
 # Values a pack function may return besides tensors: torch bakes them into the
 # unpack graph as constants, so they must be plain, printable values.
@@ -117,6 +133,49 @@ def hook_context() -> HookContext | None:
     if not state:
         return None
     return HookContext(node=state["_node"], fw_graph=state["_fw_graph"], bw_graph=state["_bw_graph"])
+
+
+_PLACED: contextvars.ContextVar[bool] = contextvars.ContextVar("savedhooks_placed_compile", default=False)
+
+
+@contextlib.contextmanager
+def placed_compile() -> Iterator[None]:
+    """Mark the compiles run inside as ones whose graph compilers place each unpack right before its first use.
+
+    AOTAutograd traces the hooks into the graphs (and torch puts every unpack
+    at the start of the backward) before any graph compiler runs, so a codec
+    cannot tell from the graphs whether the unpacks will move. A backend whose
+    compilers move them (``sh.backend("aot_eager")``) compiles inside this.
+
+    Args:
+        None.
+
+    Returns:
+        A context manager.
+
+    Raises:
+        Nothing.
+    """
+    token = _PLACED.set(True)
+    try:
+        yield
+    finally:
+        _PLACED.reset(token)
+
+
+def placing_requested() -> bool:
+    """Whether the running compile is inside :func:`placed_compile`.
+
+    Args:
+        None.
+
+    Returns:
+        True inside :func:`placed_compile`.
+
+    Raises:
+        Nothing.
+    """
+    return _PLACED.get()
 
 
 def _pack_checked(fns: _HookFunctions, x: torch.Tensor) -> tuple[Any, _SavedMeta]:

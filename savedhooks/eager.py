@@ -167,7 +167,7 @@ def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
     if not _is_eager(x):
         ctx = hook_context()
         if ctx is not None:
-            align_rng_state_names(ctx)  # torch 2.13: checkpointed random ops (savedhooks.torchfixes)
+            align_rng_state_names(ctx.fw_graph, ctx.bw_graph)  # torch 2.13: checkpointed random ops (savedhooks.torchfixes)
         return _pack_checked(fns, x)
     if _frees_nothing(x):
         return _Passthrough(x)

@@ -24,8 +24,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import pathlib
 import warnings
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -51,8 +51,7 @@ from savedhooks.eager import (
     eager_readers,
     settle_held,
 )
-from savedhooks.identity import UnfingerprintableError, fingerprint_details
-from savedhooks.compilers import inductor_placement
+from savedhooks.identity import UnfingerprintableError, fingerprint_details, source_digest
 
 __all__ = [
     "HookContext",
@@ -62,21 +61,14 @@ __all__ = [
     "HookPair",
     "HookTypeError",
     "PackHook",
+    "applied",
+    "check_hook_pair",
     "eager_readers",
     "hook",
     "hook_context",
     "make_hook_pair",
-    "saved_tensors_hooks",
 ]
 
-# Any change to savedhooks' own code (codecs, kernels, this file) can change what a
-# hook traces to, and fingerprints name savedhooks functions without walking them:
-# key caches on all of its source.
-_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent
-_MODULE_HASH = hashlib.sha256(
-    b"".join(p.read_bytes() for p in sorted(_PACKAGE_ROOT.rglob("*.py")))
-    + b"".join(p.read_bytes() for p in sorted((_PACKAGE_ROOT.parent / "kernels").glob("*.py")))
-).hexdigest()
 
 _PAIRS: dict[str, HookPair] = {}
 
@@ -138,7 +130,7 @@ def _hook_graph_module(
 
 
 def _cache_hash(digest: str) -> str:
-    return hashlib.sha256(f"{digest}:{_MODULE_HASH}".encode()).hexdigest()
+    return hashlib.sha256(f"{digest}:{source_digest()}".encode()).hexdigest()
 
 
 def make_hook_pair(
@@ -323,66 +315,52 @@ def hook(
     return pending if unpack is None else pending.unpack(unpack)
 
 
-class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch's name
-    """Apply a :class:`HookPair` to tensors saved for backward inside the block.
-
-    Works around eager code and around ``torch.compile``d models (the hooks are
-    then inlined into the compiled graphs). Nested blocks behave like torch's:
-    the innermost pair wins. Usable as a decorator; re-entrant.
-
-    Placement: inside the block, a model compiled with plain ``torch.compile``
-    (inductor) gets savedhooks' reorder pass, so each unpack runs right before
-    its first use in the backward graph (:func:`savedhooks.compilers.inductor_placement`).
-    It is added after any ``post_grad_custom_post_pass`` already set in inductor's
-    config, touches only graphs with inlined hooks, and compiles the backward
-    graph together with the forward (torch would otherwise compile it lazily at
-    the first ``backward()``, outside the block). A pass given to
-    ``torch.compile(options=...)`` replaces the slot for that compile, as torch's
-    config patches do: list ``savedhooks.reorder_pass()`` there too. Graphs
-    compiled before entering (no hooks) are not recompiled for it; the hook
-    guard recompiles them when the hooks change.
+def check_hook_pair(hooks: Any, what: str = "savedhooks.saved_tensors_hooks") -> HookPair:
+    """Accept a :class:`HookPair`; anything else raises an error that says what to pass.
 
     Args:
-        hooks: a HookPair, e.g. from :func:`hook` or a codec such as ``savedhooks.fp8()``.
-        reorder: False leaves inductor's configuration alone (no placement, lazy
-            backward compile as torch does it, saved inputs returned in the
-            layout inductor chooses: :mod:`savedhooks.input_layout`).
+        hooks: what the user passed.
+        what: the function that takes it, for the message.
+
+    Returns:
+        ``hooks``.
 
     Raises:
         HookTypeError: ``hooks`` is a :class:`PackHook` without an unpack function.
-        TypeError: ``hooks`` is anything else that is not a HookPair, or
-            ``reorder`` is not a bool.
+        TypeError: ``hooks`` is anything else that is not a HookPair.
     """
+    if isinstance(hooks, PackHook):
+        raise HookTypeError(f"savedhooks hook {hooks.name!r} has no unpack function: add one with @{hooks.name}.unpack")
+    if not isinstance(hooks, HookPair):
+        raise TypeError(
+            f"{what} expects a savedhooks.HookPair (from @savedhooks.hook or a "
+            f"codec such as savedhooks.fp8()), got {type(hooks).__name__}: {hooks!r}"
+        )
+    return hooks
 
-    def __init__(self, hooks: HookPair, reorder: bool = True) -> None:
-        if isinstance(hooks, PackHook):
-            raise HookTypeError(
-                f"savedhooks hook {hooks.name!r} has no unpack function: add one with @{hooks.name}.unpack"
-            )
-        if not isinstance(hooks, HookPair):
-            raise TypeError(
-                "savedhooks.saved_tensors_hooks expects a savedhooks.HookPair (from @savedhooks.hook or a "
-                f"codec such as savedhooks.fp8()), got {type(hooks).__name__}: {hooks!r}"
-            )
-        if not isinstance(reorder, bool):
-            raise TypeError(f"savedhooks.saved_tensors_hooks: reorder must be a bool, got {reorder!r}")
-        self.hooks = hooks
-        self.reorder = reorder
-        self._functions = _functions_of(hooks)  # None for pairs built elsewhere: no eager cache
-        self._entered: list[contextlib.ExitStack] = []
 
-    def __enter__(self) -> HookPair:
-        if self._functions is not None and self._functions.late_globals:
-            _refresh_cache_hash(self._functions, self.hooks)
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(inductor_placement(self.reorder))
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack))
-            self._entered.append(stack.pop_all())
+@contextlib.contextmanager
+def applied(hooks: HookPair) -> Iterator[HookPair]:
+    """torch's ``saved_tensors_hooks`` with ``hooks``, plus what savedhooks' eager path keeps per block.
+
+    The pair's eager trampolines see the block (held payloads are settled on
+    exit), and a hook that read undefined globals has its cache digest taken
+    again. No placement: :class:`savedhooks.saved_tensors_hooks` adds that.
+
+    Args:
+        hooks: the pair to apply.
+
+    Returns:
+        A context manager yielding ``hooks``.
+    """
+    functions = _functions_of(hooks)  # None for pairs built elsewhere: no eager cache
+    if functions is not None and functions.late_globals:
+        _refresh_cache_hash(functions, hooks)
+    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
         if not hasattr(_active, "stack"):
             _active.stack = []
-        _active.stack.append(_Frame(self._functions, self.hooks.codec))
-        return self.hooks
-
-    def __exit__(self, *exc_info: object) -> None:
-        settle_held(_active.stack.pop())
-        self._entered.pop().__exit__(*exc_info)
+        _active.stack.append(_Frame(functions, hooks.codec))
+        try:
+            yield hooks
+        finally:
+            settle_held(_active.stack.pop())

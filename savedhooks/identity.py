@@ -39,12 +39,15 @@ import dis
 import enum
 import functools
 import hashlib
+import pathlib
 import types
 from typing import Any
 
 import torch
 
-__all__ = ["Fingerprint", "UnfingerprintableError", "fingerprint", "fingerprint_details"]
+import savedhooks.kernels
+
+__all__ = ["Fingerprint", "UnfingerprintableError", "fingerprint", "fingerprint_details", "source_digest"]
 
 # Scalars whose repr is their value, identical across processes.
 _SCALARS = (type(None), type(...), bool, int, float, complex, str, bytes)
@@ -310,3 +313,28 @@ def _qualname(obj: Any) -> str:
     module = getattr(obj, "__module__", None) or ""
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or str(obj)
     return f"{module}.{name}"
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of every Python file of the installed savedhooks, its kernels included.
+
+    What a hook traces to and what the reorder pass does can change with any of
+    savedhooks' own files; fingerprints name savedhooks' functions without
+    walking them, so caches key on this. The files are found from the packages'
+    own ``__path__`` (``savedhooks.kernels`` lives wherever the install put it),
+    read once per process.
+
+    Returns:
+        A hex SHA-256 over the files' paths relative to their package and their bytes.
+    """
+    roots = [pathlib.Path(p).resolve() for p in (*savedhooks.__path__, *savedhooks.kernels.__path__)]
+    digest = hashlib.sha256()
+    seen = set()
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            if path in seen:
+                continue
+            seen.add(path)
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()

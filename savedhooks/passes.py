@@ -37,6 +37,8 @@ import re
 import torch
 import torch.fx
 
+from savedhooks.memory import build_graph_memory, freed_inputs, lower_bound
+from savedhooks.memory.estimate import _report_device
 from savedhooks.schedule import STRATEGIES, Problem, Schedule, build_problem, hoist_frees, peak_of, schedule, sink_free
 
 __all__ = [
@@ -133,9 +135,6 @@ def graph_problem(gm: torch.fx.GraphModule, donated: tuple[str, ...] = (), fused
     Raises:
         ValueError: nodes lack ``meta["val"]``.
     """
-    from savedhooks.memory import build_graph_memory, lower_bound
-    from savedhooks.memory.estimate import _report_device
-
     memory = build_graph_memory(gm, donated, fused)
     device = _report_device(memory)
     nodes = [n for n in gm.graph.nodes if n.op != _OUTPUT]
@@ -242,8 +241,6 @@ def reorder_for_memory(gm: torch.fx.GraphModule, is_backward: bool, fused: bool 
 
 
 def _reorder(gm: torch.fx.GraphModule, is_backward: bool, **options) -> Schedule | None:
-    from savedhooks.memory import freed_inputs
-
     donated = freed_inputs(gm) if is_backward else ()
     try:
         result = reorder_graph(gm, donated, **options)

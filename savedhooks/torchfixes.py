@@ -26,8 +26,9 @@ Design notes
   upstream (pytorch/pytorch#192820); for torch 2.13 :func:`set_up_dtype_propagation_once`
   runs the set-up again only when torch's table of op rules differs from the one
   it last ran with (a rule registered later, such as a new pointwise lowering).
-  Same attributes, same code generated; installed when savedhooks is imported,
-  so every compile in the process, with hooks or without, gets it.
+  Same attributes, same code generated. Installed by :func:`install` when
+  savedhooks' hooks or compilers are first used (``import savedhooks`` alone
+  leaves torch as it is); from then on every compile in the process gets it.
 """
 
 from __future__ import annotations
@@ -38,9 +39,7 @@ import operator
 import torch
 import torch.fx
 
-from savedhooks.contract import HookContext
-
-__all__ = ["align_rng_state_names", "rng_state_outputs", "set_up_dtype_propagation_once"]
+__all__ = ["align_rng_state_names", "install", "rng_state_outputs", "set_up_dtype_propagation_once"]
 
 _BACKWARD_STATE_PREFIX = "rng_state_output_"  # torch/_functorch/partitioners.py: functionalize_rng_ops
 
@@ -70,14 +69,15 @@ def rng_state_outputs(fw_graph: torch.fx.Graph) -> list[torch.fx.Node]:
     ]
 
 
-def align_rng_state_names(ctx: HookContext) -> None:
+def align_rng_state_names(fw_graph: torch.fx.Graph, bw_graph: torch.fx.Graph) -> None:
     """Give each saved generator state its backward placeholder's name (see the module notes).
 
     Idempotent; does nothing when the graphs hold no such states or when their
     counts disagree (an unknown layout: torch's own assertion then speaks).
 
     Args:
-        ctx: the graphs AOTAutograd is inlining hooks into.
+        fw_graph: the forward graph AOTAutograd is inlining hooks into.
+        bw_graph: its backward graph.
 
     Returns:
         None.
@@ -85,10 +85,10 @@ def align_rng_state_names(ctx: HookContext) -> None:
     Raises:
         Nothing.
     """
-    forward = rng_state_outputs(ctx.fw_graph)
+    forward = rng_state_outputs(fw_graph)
     if not forward:
         return
-    backward = [n for n in ctx.bw_graph.find_nodes(op="placeholder") if n.name.startswith(_BACKWARD_STATE_PREFIX)]
+    backward = [n for n in bw_graph.find_nodes(op="placeholder") if n.name.startswith(_BACKWARD_STATE_PREFIX)]
     if len(forward) != len(backward):
         return
     for state, placeholder in zip(forward, backward):
@@ -128,3 +128,16 @@ def set_up_dtype_propagation_once() -> bool:
     __init__._savedhooks_once = True
     handler.__init__ = __init__
     return True
+
+
+def install() -> None:
+    """Install the work-arounds that patch torch (idempotent; each checks the release it is for).
+
+    Called when savedhooks' hooks are entered (:class:`savedhooks.saved_tensors_hooks`)
+    and when its compiler pieces are built (``sh.backend``, ``sh.compilers.reorder_pass``).
+    The checkpointed-random-ops fix patches nothing: it runs inside the hooks.
+
+    Returns:
+        None.
+    """
+    set_up_dtype_propagation_once()

@@ -189,13 +189,12 @@ def codec_case(codec_name: str, x: torch.Tensor) -> str | None:
     import torch.utils._pytree as pytree
 
     import savedhooks as sh
-    from savedhooks.codecs.base import pack_saved, unpack_saved
-    from savedhooks.codecs.bitmask import SignBits
+    from savedhooks.codecs.bits import SignBits
 
-    make = {"fp8 block": lambda b: sh.Float8(backend=b), "fp8 e5m2 row pow2": lambda b: sh.Float8(E5M2, "row", 128, True, b),
-            "fp8 tensor": lambda b: sh.Float8(granularity="tensor", backend=b), "bitmask": lambda b: sh.Bitmask(b),
+    make = {"fp8 block": lambda b: sh.codecs.Float8(backend=b), "fp8 e5m2 row pow2": lambda b: sh.codecs.Float8(E5M2, "row", 128, True, b),
+            "fp8 tensor": lambda b: sh.codecs.Float8(granularity="tensor", backend=b), "bitmask": lambda b: sh.codecs.Bitmask(b),
             "sign bits": lambda b: SignBits(b)}[codec_name]  # fmt: skip
-    packed = {b: pack_saved(make(b), x) for b in ("aten", "triton")}
+    packed = {b: make(b).encode(x) for b in ("aten", "triton")}
     leaves = {b: pytree.tree_leaves(p) for b, p in packed.items()}
     for i, (w, g) in enumerate(zip(leaves["aten"], leaves["triton"])):
         if isinstance(w, torch.Tensor):
@@ -204,7 +203,7 @@ def codec_case(codec_name: str, x: torch.Tensor) -> str | None:
             problem = None if w == g else f"payload leaf {i}: {w!r} vs {g!r}"
         if problem:
             return problem
-    want, got = (unpack_saved(make(b), packed[b]) for b in ("aten", "triton"))
+    want, got = (make(b).decode(packed[b]) for b in ("aten", "triton"))
     if want.stride() != got.stride():
         return f"strides {want.stride()} vs {got.stride()}"
     return _same_bits("unpacked", want, got, False)

@@ -18,12 +18,12 @@ def _offset_channels(*shape: int) -> torch.Tensor:
 
 def _deviation_db(x: torch.Tensor, y: torch.Tensor) -> float:
     mean = x.mean([d for d in range(x.dim()) if d != 1], keepdim=True)
-    return sh.sqnr(x - mean, y - mean)
+    return sh.fidelity.sqnr(x - mean, y - mean)
 
 
 def test_centered_keeps_the_deviation_from_the_channel_mean_that_plain_fp8_loses():
     x = _offset_channels(8, 16, 12, 12)
-    plain, centered = sh.Float8(), Centered()
+    plain, centered = sh.codecs.Float8(), Centered()
     # measured: plain 10.8 dB, centered 33.0 dB on the deviation that batch norm computes
     assert _deviation_db(x, plain.decode(plain.encode(x))) < 15
     assert _deviation_db(x, centered.decode(centered.encode(x))) > 30
@@ -51,7 +51,7 @@ def test_a_channel_with_an_infinity_or_nan_is_not_centered_and_the_others_are():
     clean = [0, 3]
     assert _deviation_db(x[:, clean], y[:, clean]) > 30  # the clean channels keep the centered accuracy
     finite = torch.isfinite(x[:, 1])
-    assert sh.sqnr(x[:, 1][finite], y[:, 1][finite]) > 25  # plain fp8 of the values there
+    assert sh.fidelity.sqnr(x[:, 1][finite], y[:, 1][finite]) > 25  # plain fp8 of the values there
 
 
 def test_a_channel_whose_deviation_could_overflow_is_not_centered():
@@ -62,7 +62,7 @@ def test_a_channel_whose_deviation_could_overflow_is_not_centered():
     y = codec.decode(codec.encode(x))
     _, mean = codec.encode(x)
     assert mean[0, 0, 0] == 0 and mean[0, 1, 0] != 0
-    assert torch.isfinite(y).all() and sh.sqnr(x.float(), y.float()) > 25
+    assert torch.isfinite(y).all() and sh.fidelity.sqnr(x.float(), y.float()) > 25
 
 
 def test_centered_accepts_floating_tensors_that_have_the_channel_dim():
@@ -86,16 +86,16 @@ def test_centered_rejects_bad_configuration(kwargs, error):
         Centered(**kwargs)
 
 
-@pytest.mark.parametrize("centered", [sh.Float8(), sh.policy(), sh.fp8()])
+@pytest.mark.parametrize("centered", [sh.codecs.Float8(), sh.policy(), sh.fp8()])
 def test_policy_takes_only_a_centered_codec_as_centered(centered):
     with pytest.raises(TypeError, match="Centered"):
         sh.policy(centered=centered)
 
 
 def test_centered_takes_an_inner_codec_as_hooks_or_codec():
-    assert Centered(sh.downcast()).inner == sh.Downcast() and Centered(sh.Downcast()).inner == sh.Downcast()
+    assert Centered(sh.downcast()).inner == sh.codecs.Downcast() and Centered(sh.codecs.Downcast()).inner == sh.codecs.Downcast()
     x = _offset_channels(2, 4, 8, 8)
-    y = Centered(sh.Downcast()).decode(Centered(sh.Downcast()).encode(x))
+    y = Centered(sh.codecs.Downcast()).decode(Centered(sh.codecs.Downcast()).encode(x))
     assert _deviation_db(x, y) > 45  # bf16 of the deviation
 
 
@@ -148,7 +148,7 @@ def test_policy_centers_what_a_single_batch_norm_op_reads_with_the_decomposed_co
     centered = []
     encode = Centered.encode
     monkeypatch.setattr(Centered, "encode", lambda self, t: centered.append(tuple(t.shape)) or encode(self, t))
-    hooks = sh.policy(centered=Centered(sh.Float8(backend="fused")))  # "fused": decomposed even under aot_eager
+    hooks = sh.policy(centered=Centered(sh.codecs.Float8(backend="fused")))  # "fused": decomposed even under aot_eager
     got = _grads(model, torch.compile(model, backend="aot_eager"), x, hooks)
     assert set(centered) == {(4, 16, 32, 32), (4, 32, 16, 16), (4, 32, 8, 8)}  # the convolutions' outputs only
     assert worst_sqnr(got, _grads(model, model, x, None)) >= POLICY_DB

@@ -16,8 +16,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
-from savedhooks.codecs.base import narrow_broadcast, pack_saved, unpack_saved
+from savedhooks.codecs.base import pack_saved, unpack_saved
 from savedhooks.codecs.fp8 import Float8
+from savedhooks.codecs.layout import narrow_broadcast
 from savedhooks.compilers import placed_compile
 
 
@@ -60,10 +61,10 @@ def test_fp8_gradients_sqnr_and_eager_agreement(name, backend):
     hooked = train_step_grads(model, fn, x, sh.fp8())
     eager = train_step_grads(model, model, x, sh.fp8())
     for (pname, _), p, h, e in zip(model.named_parameters(), plain, hooked, eager):
-        assert sh.sqnr(p, h) >= 25.0, pname
-        assert sh.sqnr(e, h) >= 25.0, pname  # eager and compiled agree within fp8 rounding
+        assert sh.fidelity.sqnr(p, h) >= 25.0, pname
+        assert sh.fidelity.sqnr(e, h) >= 25.0, pname  # eager and compiled agree within fp8 rounding
     # the hooks did something: not every gradient is exact
-    assert min(sh.sqnr(p, h) for p, h in zip(plain, hooked)) < 60.0
+    assert min(sh.fidelity.sqnr(p, h) for p, h in zip(plain, hooked)) < 60.0
 
 
 class TestFp8Graph(expecttest.TestCase):
@@ -138,8 +139,8 @@ def test_sign_bits_for_the_relu_alias_with_the_default_partitioner():
     with placed_compile():  # as if the backend placed the unpacks: without, both views would be stored as is
         packed = grads(sh.fp8())
     assert "fp8_quantize.default(view" in fw_code[-1] and "bitmask_pack.default(view_2)" in fw_code[-1]
-    assert sh.sqnr(plain[0], packed[0]) > 100  # W1's gradient: the relu mask is exact
-    assert 25 < sh.sqnr(plain[2], packed[2]) < 60  # W2's gradient: reads the fp8 relu output
+    assert sh.fidelity.sqnr(plain[0], packed[0]) > 100  # W1's gradient: the relu mask is exact
+    assert 25 < sh.fidelity.sqnr(plain[2], packed[2]) < 60  # W2's gradient: reads the fp8 relu output
 
 
 def test_bitmask_is_exact_end_to_end():
@@ -244,7 +245,7 @@ def test_eager_pack_cache_does_not_keep_tensors_alive(codec):
 
 class TestOffloadGraph(expecttest.TestCase):
     def test_fp8_then_offload_traced_on_fake_cuda(self):
-        codec = sh.Offload(sh.Float8())
+        codec = sh.codecs.Offload(sh.codecs.Float8())
         with FakeTensorMode():
             x = torch.empty(4, 256, device="cuda")
             pack = make_fx(functools.partial(pack_saved, codec))(x)
@@ -290,12 +291,12 @@ def test_torch_async_offload_ops_cannot_run_inside_traced_hooks():
 
 def test_offload_leaves_tensors_already_on_the_target_device():
     x = torch.randn(4, 4)
-    packed = pack_saved(sh.Offload(), x)
+    packed = pack_saved(sh.codecs.Offload(), x)
     assert packed[0] == -1 and packed[1] is x
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("inner", [None, sh.Float8()], ids=["plain", "fp8"])
+@pytest.mark.parametrize("inner", [None, sh.codecs.Float8()], ids=["plain", "fp8"])
 def test_offload_on_cuda_gradients(inner):
     model, x = _mlp4().cuda(), torch.randn(32, 64, device="cuda")
     for backend in ("eager", "aot_eager", "inductor"):
@@ -304,9 +305,9 @@ def test_offload_on_cuda_gradients(inner):
         off = train_step_grads(model, fn, x, sh.offload(inner, keep_needed_soon=False))
         for p, q in zip(plain, off):
             if inner is not None:
-                assert sh.sqnr(p, q) >= 25.0
+                assert sh.fidelity.sqnr(p, q) >= 25.0
             elif backend == "inductor":  # the copies split inductor's fusions: float32 sums in another order
-                assert sh.sqnr(p, q) >= 100.0  # an H100 (torch 2.11) showed 6e-8 on one bias gradient
+                assert sh.fidelity.sqnr(p, q) >= 100.0  # an H100 (torch 2.11) showed 6e-8 on one bias gradient
             else:
                 assert torch.equal(p, q)
 
@@ -354,7 +355,7 @@ def test_pow2_scales_never_overflow_the_input_dtype(in_dtype):
     top = torch.finfo(in_dtype).max
     x = torch.tensor([[top, -top * 0.98, 1.0]], dtype=in_dtype)
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        y = unpack_saved(sh.Float8(dtype, "row", pow2_scale=True), pack_saved(sh.Float8(dtype, "row", pow2_scale=True), x))
+        y = unpack_saved(sh.codecs.Float8(dtype, "row", pow2_scale=True), pack_saved(sh.codecs.Float8(dtype, "row", pow2_scale=True), x))
         assert torch.isfinite(y).all(), (dtype, y)
 
 
@@ -366,7 +367,7 @@ def test_downcast_to_float8_is_refused():
 def test_policy_keeps_the_attention_logsumexp():
     stats_kept = []
 
-    def spy_choose(self, x, _orig=sh.Policy.choose):
+    def spy_choose(self, x, _orig=sh.codecs.Policy.choose):
         from savedhooks.codecs.policy import producing_op
 
         ctx = sh.hook_context()
@@ -377,7 +378,7 @@ def test_policy_keeps_the_attention_logsumexp():
 
     model = transformer(layers=1)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sh.Policy, "choose", spy_choose)
+        mp.setattr(sh.codecs.Policy, "choose", spy_choose)
         train_step_grads(model, torch.compile(model, backend="aot_eager"), torch.randn(2, 32, 64), sh.policy(min_bytes=0))
     logsumexp = [index for shape, index in stats_kept if shape == (2, 4, 32)]
     assert logsumexp and set(logsumexp) == {-1}  # (batch, heads, seq) float32: stored as is (pack runs twice)
@@ -420,11 +421,11 @@ def test_eager_view_of_a_packed_tensor_shares_its_payload():
     assert encoded.count((4, 5, 32)) == 1 and (20, 32) not in encoded
     want = train_step_grads(model, torch.compile(model, backend="aot_eager"), x, sh.fp8())
     for g, w in zip(got, want):
-        assert sh.sqnr(w, g) >= 25.0
+        assert sh.fidelity.sqnr(w, g) >= 25.0
 
 
 def test_plain_offload_keeps_strides_and_moves_broadcast_data_once():
-    codec = sh.Offload()
+    codec = sh.codecs.Offload()
     with FakeTensorMode():
         for x in (
             torch.empty(64, 32, device="cuda").t(),

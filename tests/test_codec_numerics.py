@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
 from savedhooks.codecs.base import pack_saved, unpack_saved
-from savedhooks.codecs.bitmask import SignBits
+from savedhooks.codecs.bits import SignBits
 from savedhooks.kernels import fp8_inductor
 from savedhooks.kernels.bitmask import torch_bitfield_pack, torch_bitfield_unpack
 from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
@@ -33,7 +33,7 @@ def _aten_reference(monkeypatch):
     monkeypatch.setitem(fp8_inductor._state, "enabled", False)
 
 
-def roundtrip(codec: sh.Codec, x: torch.Tensor) -> torch.Tensor:
+def roundtrip(codec: sh.codecs.Codec, x: torch.Tensor) -> torch.Tensor:
     return unpack_saved(codec, pack_saved(codec, x))
 
 
@@ -46,32 +46,32 @@ def roundtrip(codec: sh.Codec, x: torch.Tensor) -> torch.Tensor:
 )
 def test_fp8_sqnr_on_normal_data(dtype, granularity, in_dtype):
     x = torch.randn(256, 384).to(in_dtype)
-    y = roundtrip(sh.Float8(dtype, granularity), x)
+    y = roundtrip(sh.codecs.Float8(dtype, granularity), x)
     assert y.dtype == in_dtype and y.shape == x.shape
-    assert sh.sqnr(x, y) >= (28.0 if dtype == E4M3 else 23.0)
+    assert sh.fidelity.sqnr(x, y) >= (28.0 if dtype == E4M3 else 23.0)
 
 
 @pytest.mark.parametrize("dtype, threshold", [(torch.bfloat16, 48.0), (torch.float16, 66.0)])
 def test_downcast_sqnr(dtype, threshold):
     x = torch.randn(256, 384)
-    y = roundtrip(sh.Downcast(dtype), x)
-    assert y.dtype == torch.float32 and sh.sqnr(x, y) >= threshold
+    y = roundtrip(sh.codecs.Downcast(dtype), x)
+    assert y.dtype == torch.float32 and sh.fidelity.sqnr(x, y) >= threshold
 
 
 def test_heavy_tailed_rows_block_and_row_keep_every_row():
     # Row magnitudes log-normal over ~10 decades: one scale per tensor flushes the small rows.
     x = torch.randn(512, 256) * torch.exp(3 * torch.randn(512, 1))
-    per_row = {g: sh.sqnr(x, roundtrip(sh.Float8(E4M3, g), x), dim=1) for g in GRANULARITIES}
+    per_row = {g: sh.fidelity.sqnr(x, roundtrip(sh.codecs.Float8(E4M3, g), x), dim=1) for g in GRANULARITIES}
     for g in ("row", "block"):
         assert per_row[g].mean() >= 28.0 and per_row[g].min() >= 25.0
-    flushed = (roundtrip(sh.Float8(E4M3, "tensor"), x) == 0) & (x != 0)
+    flushed = (roundtrip(sh.codecs.Float8(E4M3, "tensor"), x) == 0) & (x != 0)
     assert flushed.float().mean() > 0.1  # the contrast: per-tensor loses many rows entirely
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_pow2_scales_make_requantization_idempotent(dtype, granularity):
-    codec = sh.Float8(dtype, granularity, pow2_scale=True)
+    codec = sh.codecs.Float8(dtype, granularity, pow2_scale=True)
     once = roundtrip(codec, torch.randn(64, 200) * 7)
     twice = roundtrip(codec, once)
     assert torch.equal(once, twice)
@@ -92,16 +92,16 @@ def test_block_scales_shape_with_a_short_last_block():
 def test_rows_wider_than_a_block_run_on_across_row_ends():
     # Llama's MLP rows are 688 wide (5 blocks and 48): with 16 rows, the tensor holds 86 whole blocks
     x = (torch.randn(16, 688) * torch.exp(torch.randn(16, 1))).requires_grad_().sin()  # made by an op
-    payload = pack_saved(sh.Float8(), x)
+    payload = pack_saved(sh.codecs.Float8(), x)
     q, scale = payload[1][0], payload[1][1]
     assert q.shape == (86, 128) and scale.shape == (86, 1)  # no short block, one scale per 128 values
-    assert sh.sqnr(x.detach(), unpack_saved(sh.Float8(), payload)) >= 28.0
+    assert sh.fidelity.sqnr(x.detach(), unpack_saved(sh.codecs.Float8(), payload)) >= 28.0
     # the compiled form decodes it with no join (a cat made inductor store the whole dequantized tensor)
     decode = make_fx(lambda q, s: fused_fp8_dequantize(q, s, E4M3, torch.float32, 128))(q.view(torch.uint8), scale)
     assert not [n for n in decode.graph.nodes if n.target is torch.ops.aten.cat.default]
     # a size that no block count divides keeps its short last block per row
     odd = torch.randn(15, 688).requires_grad_().sin()
-    assert pack_saved(sh.Float8(), odd)[1][1].shape == (15, 6)
+    assert pack_saved(sh.codecs.Float8(), odd)[1][1].shape == (15, 6)
 
 
 def test_chunked_reference_gives_identical_bits(monkeypatch):
@@ -126,7 +126,7 @@ def test_non_finite_values_stay_non_finite_and_neighbours_stay_accurate(granular
     x = torch.randn(8, 256)
     x[0, 3], x[1, 5], x[2, 7] = float("nan"), float("inf"), float("-inf")
     for dtype in (E4M3, E5M2):
-        y = roundtrip(sh.Float8(dtype, granularity), x)
+        y = roundtrip(sh.codecs.Float8(dtype, granularity), x)
         # infinities come back exact (e4m3fn has none: its NaN codes carry them, never a silent +-448)
         assert y[1, 5] == math.inf and y[2, 7] == -math.inf
         if dtype == E5M2:
@@ -135,7 +135,7 @@ def test_non_finite_values_stay_non_finite_and_neighbours_stay_accurate(granular
             assert y[0, 3] == math.inf
         finite = torch.isfinite(x)
         assert torch.isfinite(y[finite]).all()
-        assert sh.sqnr(x[finite], y[finite]) >= (28.0 if dtype == E4M3 else 23.0)
+        assert sh.fidelity.sqnr(x[finite], y[finite]) >= (28.0 if dtype == E4M3 else 23.0)
 
 
 def _edge_inputs():
@@ -157,7 +157,7 @@ def _edge_inputs():
 
 
 @pytest.mark.parametrize("case, x", list(_edge_inputs()), ids=[c for c, _ in _edge_inputs()])
-@pytest.mark.parametrize("codec", [sh.Float8(E4M3, "block"), sh.Float8(E5M2, "row"), sh.Float8(E4M3, "tensor"), sh.Downcast(torch.bfloat16)], ids=repr)
+@pytest.mark.parametrize("codec", [sh.codecs.Float8(E4M3, "block"), sh.codecs.Float8(E5M2, "row"), sh.codecs.Float8(E4M3, "tensor"), sh.codecs.Downcast(torch.bfloat16)], ids=repr)
 def test_edge_inputs_round_trip(case, x, codec):
     y = roundtrip(codec, x)
     assert y.shape == x.shape and y.dtype == x.dtype
@@ -166,7 +166,7 @@ def test_edge_inputs_round_trip(case, x, codec):
     if x.numel() == 0:
         return
     if case == "max finite":
-        if isinstance(codec, sh.Downcast):  # beyond bf16's range: torch's cast overflows (documented)
+        if isinstance(codec, sh.codecs.Downcast):  # beyond bf16's range: torch's cast overflows (documented)
             assert torch.equal(y[0, :2], torch.tensor([math.inf, -math.inf]))
         else:  # the extremes survive finite and exact to fp8 precision; 1.0 is below the group's range
             torch.testing.assert_close(y[0, :2], x[0, :2], rtol=2**-4, atol=0)
@@ -176,8 +176,8 @@ def test_edge_inputs_round_trip(case, x, codec):
         assert torch.all((y == 0) == (x == 0)) or case == "subnormals"
         assert (y - x).abs().max() <= 1e-38  # nothing but tiny absolute error
         return
-    worst = 0.0625 if isinstance(codec, sh.Float8) and codec.dtype == E4M3 else 0.125
-    if isinstance(codec, sh.Downcast):
+    worst = 0.0625 if isinstance(codec, sh.codecs.Float8) and codec.dtype == E4M3 else 0.125
+    if isinstance(codec, sh.codecs.Downcast):
         worst = 2**-8
     # per element: relative error of the format, measured against the group's amax for tiny values
     scale = x.abs().amax().clamp_min(1e-30)
@@ -186,15 +186,15 @@ def test_edge_inputs_round_trip(case, x, codec):
 
 def test_downcast_to_the_same_dtype_is_bit_exact_and_copies_nothing():
     x = torch.randn(8, 8, dtype=torch.bfloat16)
-    packed = pack_saved(sh.Downcast(torch.bfloat16), x)
-    assert packed[1][0] is x and torch.equal(unpack_saved(sh.Downcast(torch.bfloat16), packed), x)
+    packed = pack_saved(sh.codecs.Downcast(torch.bfloat16), x)
+    assert packed[1][0] is x and torch.equal(unpack_saved(sh.codecs.Downcast(torch.bfloat16), packed), x)
 
 
 @pytest.mark.parametrize("shape", [(0,), (), (1,), (7,), (8,), (9,), (3, 5, 17), (64, 130)])
 def test_bitmask_is_bit_exact(shape):
     x = torch.rand(shape) > 0.5
-    bits, *_ = pack_saved(sh.Bitmask(), x)[1] if x.numel() else (None,)
-    y = roundtrip(sh.Bitmask(), x)
+    bits, *_ = pack_saved(sh.codecs.Bitmask(), x)[1] if x.numel() else (None,)
+    y = roundtrip(sh.codecs.Bitmask(), x)
     assert y.dtype == torch.bool and torch.equal(y, x)
     if x.numel():
         assert bits.dtype == torch.uint8 and bits.numel() == (x.numel() + 7) // 8
@@ -202,7 +202,7 @@ def test_bitmask_is_bit_exact(shape):
 
 def test_bitmask_keeps_layout_of_transposed_masks():
     x = (torch.randn(40, 24) > 0).t()
-    y = roundtrip(sh.Bitmask(), x)
+    y = roundtrip(sh.codecs.Bitmask(), x)
     assert torch.equal(y, x) and y.stride() == x.stride()
 
 
@@ -233,7 +233,7 @@ def test_sign_bits_decode_to_the_sign():
 
 @pytest.mark.parametrize("x", [torch.arange(10), torch.rand(4) > 0.5, torch.randn(3, dtype=torch.float64)], ids=["int64", "bool", "float64"])
 def test_fp8_stores_other_dtypes_as_they_are(x):
-    packed = pack_saved(sh.Float8(), x)
+    packed = pack_saved(sh.codecs.Float8(), x)
     assert packed[0] == -1 and packed[1] is x
 
 
@@ -272,7 +272,7 @@ def test_codec_arguments_must_be_codecs():
 def test_equal_configurations_give_the_same_pair():
     assert sh.fp8() is sh.fp8(torch.float8_e4m3fn, "block", 128, False)
     assert sh.fp8() is not sh.fp8(block_size=64)
-    assert sh.offload(sh.fp8()) is sh.offload(sh.Float8())
+    assert sh.offload(sh.fp8()) is sh.offload(sh.codecs.Float8())
     assert sh.policy() is sh.policy()
 
 
@@ -289,19 +289,19 @@ def test_broadcast_tensors_are_packed_once():
     """Expanded K/V (grouped-query attention) hold 1/8 of their elements: so does the payload."""
     base = torch.randn(2, 1, 64, 128)
     x = base.expand(2, 8, 64, 128)
-    packed = pack_saved(sh.Float8(), x)
+    packed = pack_saved(sh.codecs.Float8(), x)
     assert _payload_bytes(packed) == base.numel() * (1 + 4 / 128)
-    y = unpack_saved(sh.Float8(), packed)
+    y = unpack_saved(sh.codecs.Float8(), packed)
     assert y.shape == x.shape and y.stride() == x.stride()
-    torch.testing.assert_close(y, roundtrip(sh.Float8(), base.clone()).expand_as(x), rtol=0, atol=0)
+    torch.testing.assert_close(y, roundtrip(sh.codecs.Float8(), base.clone()).expand_as(x), rtol=0, atol=0)
 
 
 def test_narrow_inner_dims_cost_about_one_byte_per_element():
     x = torch.randn(8, 3, 32, 32).to(memory_format=torch.channels_last)  # innermost dim in memory: C = 3
-    packed = pack_saved(sh.Float8(), x)
+    packed = pack_saved(sh.codecs.Float8(), x)
     assert _payload_bytes(packed) / x.numel() < 1.05
-    y = unpack_saved(sh.Float8(), packed)
-    assert y.stride() == x.stride() and sh.sqnr(x, y) >= 28.0
+    y = unpack_saved(sh.codecs.Float8(), packed)
+    assert y.stride() == x.stride() and sh.fidelity.sqnr(x, y) >= 28.0
 
 
 @pytest.mark.parametrize(
@@ -315,20 +315,20 @@ def test_rows_of_fewer_bytes_than_half_a_block_are_blocked_across_rows(dtype, wi
     (The benchmark's cnn under bf16 autocast: its 16-wide rows took fp8 from 0.55x to 0.52x of bf16's saved bytes.)
     """
     x = (torch.randn(64, width) * torch.logspace(-2, 2, 64).unsqueeze(1)).to(dtype)  # rows of different scales
-    packed = pack_saved(sh.Float8(), x)
+    packed = pack_saved(sh.codecs.Float8(), x)
     rows = x.numel() // width
     scales = scales_per_row * rows if scales_per_row else x.numel() // 128
     assert _payload_bytes(packed) == x.numel() + 4 * scales
-    y = unpack_saved(sh.Float8(), packed)
+    y = unpack_saved(sh.codecs.Float8(), packed)
     assert y.dtype == dtype and y.shape == x.shape
     # shared scales lose nothing above e4m3's subnormals here (a 10^4 range of rows fits its normal range)
-    assert sh.sqnr(x.float(), y.float()) >= 28.0
+    assert sh.fidelity.sqnr(x.float(), y.float()) >= 28.0
 
 
 def test_columns_of_scalars_are_stored_as_they_are():
     """(B, T, 1) statistics: a scale per value would cost 5 bytes for 4."""
     for x in (torch.randn(64, 1), torch.randn(2, 16, 1), torch.tensor(1.5)):
-        packed = pack_saved(sh.Float8(), x)
+        packed = pack_saved(sh.codecs.Float8(), x)
         assert packed[0] == -1 and packed[1] is x
 
 
@@ -337,7 +337,7 @@ def test_wide_rows_keep_the_reference_temporaries_small():
 
     x = torch.randn(1 << 21)  # 8 MiB in one row
     outputs: list = []
-    trace = cpu_memory_trace(lambda: outputs.append(pack_saved(sh.Float8(), x)))
+    trace = cpu_memory_trace(lambda: outputs.append(pack_saved(sh.codecs.Float8(), x)))
     payload = _payload_bytes(outputs[0])
     # q + scales, plus float32 temporaries of a few chunks of 2**18 elements (1 MiB each)
     assert max(trace) <= payload + 4 * (1 << 20)

@@ -1,4 +1,4 @@
-"""sh.sensitivity: which saved tensors hurt the gradients when packed, and the worst-gradient metric."""
+"""sh.fidelity.sensitivity: which saved tensors hurt the gradients when packed, and the worst-gradient metric."""
 
 import contextlib
 import dataclasses
@@ -43,7 +43,7 @@ def _classifier(batch: int = 1024) -> tuple[nn.Module, torch.Tensor, callable]:
 def test_sensitivity_finds_the_loss_heads_log_softmax():
     model, x, loss_fn = _classifier()
     before = [p.detach().clone() for p in model.parameters()]
-    report = sh.sensitivity(model, (x,), loss_fn=loss_fn, backend="aot_eager", individually=2, verbose=False)
+    report = sh.fidelity.sensitivity(model, (x,), loss_fn=loss_fn, backend="aot_eager", individually=2, verbose=False)
 
     worst = report.groups[0]
     assert [(t.op, t.shape) for t in worst.tensors] == [("_log_softmax", (1024, 10))]
@@ -64,9 +64,9 @@ def test_sensitivity_finds_the_loss_heads_log_softmax():
 
 def test_an_eager_log_softmax_is_stored_as_it_is_by_fp8():
     # in eager mode the same model's log-softmax is the loss's tail: fp8 stores it as it is, and the rest costs
-    # little (what sh.sensitivity lists is what the codec packs)
+    # little (what sh.fidelity.sensitivity lists is what the codec packs)
     model, x, loss_fn = _classifier()
-    report = sh.sensitivity(model, (x,), loss_fn=loss_fn, backend=None, individually=2, verbose=False)
+    report = sh.fidelity.sensitivity(model, (x,), loss_fn=loss_fn, backend=None, individually=2, verbose=False)
     listed = [t for g in report.groups for t in g.tensors]
     assert listed and "LogSoftmax" not in {t.op for t in listed}
     assert report.all_db > 25
@@ -74,7 +74,7 @@ def test_an_eager_log_softmax_is_stored_as_it_is_by_fp8():
 
 def test_sensitivity_keys_name_compiled_nodes_and_groups_stay_within_individually():
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
-    report = sh.sensitivity(model, torch.randn(256, 32), backend="aot_eager", individually=8, verbose=False)
+    report = sh.fidelity.sensitivity(model, torch.randn(256, 32), backend="aot_eager", individually=8, verbose=False)
     keys = [t.key for g in report.groups for t in g.tensors]
     assert keys and all(k.startswith("g0:") for k in keys) and len(set(keys)) == len(keys)
     assert all(len(g.tensors) == 1 for g in report.groups)  # fewer than 8 saved: each alone
@@ -86,7 +86,7 @@ def test_a_model_compiles_again_after_sensitivity():
     """Its compiles would leave the model's code past dynamo's recompile limit: the next compile would run eagerly."""
     blocks = [nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)) for _ in range(3)]
     model, x = nn.Sequential(*blocks), torch.randn(256, 64)
-    report = sh.sensitivity(model, x, backend="aot_eager", individually=8, verbose=False)
+    report = sh.fidelity.sensitivity(model, x, backend="aot_eager", individually=8, verbose=False)
     assert report.backward_passes > torch._dynamo.config.recompile_limit
     captured = torch._dynamo.utils.counters["stats"]["calls_captured"]
     with sh.saved_tensors_hooks(sh.fp8()):
@@ -97,13 +97,13 @@ def test_a_model_compiles_again_after_sensitivity():
 def test_sensitivity_rejects_bad_arguments():
     model, x, _ = _classifier(8)
     with pytest.raises(ValueError, match="individually"):
-        sh.sensitivity(model, (x,), individually=-1)
+        sh.fidelity.sensitivity(model, (x,), individually=-1)
     with pytest.raises(TypeError, match="codec"):
-        sh.sensitivity(model, (x,), codec="fp8")
+        sh.fidelity.sensitivity(model, (x,), codec="fp8")
     with pytest.raises(TypeError, match="Module"):
-        sh.sensitivity(lambda x: x, (x,))
+        sh.fidelity.sensitivity(lambda x: x, (x,))
     with pytest.raises(ValueError, match="no floating tensor"):
-        sh.sensitivity(_IntOutput(), (torch.randn(2, 4),), backend=None, verbose=False)
+        sh.fidelity.sensitivity(_IntOutput(), (torch.randn(2, 4),), backend=None, verbose=False)
 
 
 class _IntOutput(nn.Module):
@@ -116,7 +116,7 @@ class _IntOutput(nn.Module):
 
 
 def test_selected_codec_needs_a_keyed_run_and_runs_do_not_nest():
-    codec = Selected(sh.Float8(), frozenset())
+    codec = Selected(sh.codecs.Float8(), frozenset())
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(RuntimeError, match="keyed_run"), sh.saved_tensors_hooks(codec.hooks()):
         (x.exp() * 2).sum()
@@ -139,7 +139,7 @@ def test_worst_sqnr_skips_noise_and_ranks_nan_worst():
         sh.metrics.worst_sqnr(reference, {"noise": noise})
     inf = big.clone()
     inf[0] = float("inf")
-    assert sh.sqnr(big, inf) == -math.inf
+    assert sh.fidelity.sqnr(big, inf) == -math.inf
 
 
 # --- the policy's rules, from the sensitivity evidence ------------------------------------------
@@ -154,8 +154,8 @@ def _census(codec, fn, *inputs) -> list[tuple]:
 
 def test_policy_keeps_the_narrow_loss_head_and_beats_fp8():
     model, x, loss_fn = _classifier()
-    fp8 = sh.sensitivity(model, (x,), loss_fn=loss_fn, backend="aot_eager", individually=0, verbose=False)
-    policy = sh.sensitivity(
+    fp8 = sh.fidelity.sensitivity(model, (x,), loss_fn=loss_fn, backend="aot_eager", individually=0, verbose=False)
+    policy = sh.fidelity.sensitivity(
         model, (x,), codec=sh.policy(), loss_fn=loss_fn, backend="aot_eager", individually=0, verbose=False
     )
     assert fp8.all_db < 10 and policy.all_db > fp8.all_db + 15
@@ -166,7 +166,7 @@ def test_policy_keeps_the_narrow_loss_head_and_beats_fp8():
         for narrow_softmax, packed in ((256, False), (8, True)):
             torch._dynamo.reset()
             step = functools.partial(lambda fn: loss_fn(fn(x)).backward(), torch.compile(model, backend="aot_eager"))
-            census = _census(sh.Policy(narrow_softmax=narrow_softmax, relative_bytes=0.0), step)
+            census = _census(sh.codecs.Policy(narrow_softmax=narrow_softmax, relative_bytes=0.0), step)
             assert ((1024, 10) in census) == packed, narrow_softmax
     finally:
         torch._dynamo.reset()
@@ -190,9 +190,9 @@ class _Rotary(nn.Module):
 def test_policy_keeps_what_is_small_next_to_the_graphs_largest_saved_tensor():
     model, x = _Rotary(), torch.randn(32, 64, 128)  # table 32 KiB, activations 1 MiB
     fn = torch.compile(model, backend="aot_eager")
-    packed = _census(sh.Policy(), fn, x)
+    packed = _census(sh.codecs.Policy(), fn, x)
     assert packed == [(2048, 128)]
-    assert sorted(_census(sh.Policy(relative_bytes=0), fn, x)) == [(64, 128), (2048, 128)]
+    assert sorted(_census(sh.codecs.Policy(relative_bytes=0), fn, x)) == [(64, 128), (2048, 128)]
 
 
 class _RotaryAngles(nn.Module):
@@ -217,12 +217,12 @@ def test_policy_keeps_angles_whose_sine_and_cosine_the_backward_recomputes():
     torch.manual_seed(0)
     model, x = _RotaryAngles(), torch.randn(8, 256, 64)  # angles 64 KiB: above 1/16 of the 512 KiB output
     fn = torch.compile(model, backend="aot_eager")
-    assert _census(sh.Float8(), lambda: fn(x)) == [(256, 64)]  # the angles are what the graph saves
+    assert _census(sh.codecs.Float8(), lambda: fn(x)) == [(256, 64)]  # the angles are what the graph saves
     want = train_step_grads(model, fn, x)
     fp8 = worst_sqnr(train_step_grads(model, fn, x, sh.fp8()), want)
     policy = worst_sqnr(train_step_grads(model, fn, x, sh.policy()), want)
     assert fp8 < 15 and policy >= POLICY_DB  # measured 9.2 and 45.9 dB: a large angle loses its phase in fp8
-    assert _census(sh.Policy(), lambda: fn(x)) == []  # kept as they are
+    assert _census(sh.codecs.Policy(), lambda: fn(x)) == []  # kept as they are
 
 
 @pytest.mark.parametrize(
@@ -375,11 +375,11 @@ class _Attention(nn.Module):
         return x + self.o(out.transpose(1, 2).reshape(b, t, c))
 
 
-_CHOSEN: list[tuple[tuple[int, ...], sh.Codec | None]] = []
+_CHOSEN: list[tuple[tuple[int, ...], sh.codecs.Codec | None]] = []
 
 
 @dataclasses.dataclass(frozen=True)
-class _Chosen(sh.Policy):
+class _Chosen(sh.codecs.Policy):
     """The policy, its choice for every saved tensor recorded in ``_CHOSEN`` as it packs it."""
 
     def choose(self, x: torch.Tensor) -> int:
@@ -388,7 +388,7 @@ class _Chosen(sh.Policy):
         return index
 
     def eager_holds(self, x: torch.Tensor) -> bool:
-        return self.floating is not None and sh.Policy.choose(self, x) == 0
+        return self.floating is not None and sh.codecs.Policy.choose(self, x) == 0
 
 
 def _chosen(fn, x, **rules) -> dict[tuple[int, ...], set]:
@@ -450,7 +450,7 @@ def test_policy_keeps_autocast_s_weight_copies(compiled):
     copies = [codec for shape, codec in _CHOSEN if shape in weights]
     packed = [codec for shape, codec in _CHOSEN if shape not in weights and codec is not None]
     assert copies and all(codec is None for codec in copies)
-    assert packed and all(isinstance(codec, (sh.Float8, sh.Downcast)) for codec in packed)
+    assert packed and all(isinstance(codec, (sh.codecs.Float8, sh.codecs.Downcast)) for codec in packed)
     want = _autocast_grads(model, x, None, compiled)
     assert worst_sqnr(got, want) >= POLICY_DB
 
@@ -501,7 +501,7 @@ def test_policy_packs_activations_small_only_next_to_a_value_the_forward_returns
     try:
         torch._dynamo.reset()
         fn = torch.compile(model, backend="aot_eager")
-        packed = _census(sh.Policy(), lambda: fn(x)[0].sum().backward())
+        packed = _census(sh.codecs.Policy(), lambda: fn(x)[0].sum().backward())
         # the logits are stored as they are (returned); gelu's input and output are packed, not kept as
         # smaller than a sixteenth of the logits
         assert (8 * 64, 4096) not in packed and (8, 64, 4096) not in packed

@@ -9,7 +9,8 @@ import textwrap
 import pytest
 import torch
 
-from savedhooks import UnfingerprintableError, fingerprint
+from savedhooks import UnfingerprintableError
+from savedhooks.identity import fingerprint
 
 
 def _compile_fn(src: str, name: str = "f", leading_lines: int = 0, **globals_):
@@ -175,7 +176,7 @@ def test_set_constants_are_stable_across_hash_seeds(tmp_path):
 
     script = tmp_path / "digest.py"
     script.write_text(
-        "from savedhooks import fingerprint\n"
+        "from savedhooks.identity import fingerprint\n"
         "def f(x):\n    return x.device.type in {'cpu', 'cuda', 'xpu', 'mps'}\n"
         "print(fingerprint(f))\n"
     )

@@ -22,7 +22,8 @@ import torch
 from models import GraphCapture, train_step, train_step_grads, transformer
 
 import savedhooks as sh
-from savedhooks.codecs.base import pack_saved, unpack_saved, uses_fused
+from savedhooks.codecs.backends import uses_fused
+from savedhooks.codecs.base import pack_saved, unpack_saved
 from savedhooks.kernels.fp8 import _code_value, torch_fp8_dequantize, torch_fp8_quantize
 from savedhooks.kernels.fp8_fused import fp8_code, fp8_value, fused_fp8_dequantize, fused_fp8_quantize
 
@@ -186,7 +187,7 @@ def test_bad_arguments_raise_as_the_reference():
 def test_backend_fused_is_valid_for_fp8_only():
     assert sh.fp8(backend="fused") is not sh.fp8() and "backend='fused'" in sh.fp8(backend="fused").name
     with pytest.raises(ValueError, match="backend must be one of"):
-        sh.Bitmask("fused")
+        sh.codecs.Bitmask("fused")
     assert uses_fused("fused") and not uses_fused("auto") and not uses_fused("aten")  # eager: no hook context
 
 
@@ -195,7 +196,7 @@ def test_backend_fused_is_valid_for_fp8_only():
 )
 def test_codec_payloads_of_both_forms_are_the_same_bytes(make):
     x = make()
-    for codec in (sh.Float8(), sh.Float8(E5M2, "row", 128, True), sh.Float8(granularity="tensor")):
+    for codec in (sh.codecs.Float8(), sh.codecs.Float8(E5M2, "row", 128, True), sh.codecs.Float8(granularity="tensor")):
         fused_codec = dataclasses.replace(codec, backend="fused")
         q, scale, _, _, fused = pack_saved(fused_codec, x)[1]
         q_op, scale_op, _, _, fused_op = pack_saved(codec, x)[1]
@@ -230,7 +231,7 @@ def test_auto_is_fused_only_where_inductor_compiles():
     _, codes = run_and_get_code(lambda: train_step(model, fn, x, sh.fp8()))
     assert "fp8_quantize" not in codes[0] and "uint8_t" in codes[0] and "fp8_dequantize" not in codes[-1]
     # eager: no hook context, "auto" runs the op (the payload is float8)
-    assert pack_saved(sh.Float8(), torch.randn(4, 256))[1][0].dtype == E4M3
+    assert pack_saved(sh.codecs.Float8(), torch.randn(4, 256))[1][0].dtype == E4M3
 
 
 def test_auto_keeps_the_op_for_16_bit_tensors_on_the_cpu_under_inductor():

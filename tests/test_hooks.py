@@ -86,7 +86,7 @@ def test_eager_packs_intermediates_only():
 
 
 @dataclasses.dataclass(frozen=True)
-class _StoreAsIs(sh.Codec):
+class _StoreAsIs(sh.codecs.Codec):
     """Stores every saved tensor as it is (a policy's "keep" for everything)."""
 
     def choose(self, x: torch.Tensor) -> int:

@@ -180,7 +180,7 @@ def test_offload_copies_write_into_pinned_slabs_reused_from_the_second_step(back
         if backend == "eager":
             assert all(torch.equal(w, g) for w, g in zip(want, got))
         else:
-            assert min(sh.sqnr(w, g) for w, g in zip(want, got)) >= 100.0
+            assert min(sh.fidelity.sqnr(w, g) for w, g in zip(want, got)) >= 100.0
         if step == 0:
             allocations = pool.stats.allocations
     assert allocations > 0 and pool.stats.allocations == allocations and pool.stats.hits > 0

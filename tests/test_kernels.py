@@ -21,7 +21,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import savedhooks as sh
-from savedhooks.codecs.base import uses_triton
+from savedhooks.codecs.backends import uses_triton
 from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -182,7 +182,7 @@ def test_bad_arguments_raise_as_the_reference():
 
 
 def test_backend_is_validated_and_part_of_the_hook_identity():
-    for make in (lambda b: sh.Float8(backend=b), lambda b: sh.Bitmask(b)):
+    for make in (lambda b: sh.codecs.Float8(backend=b), lambda b: sh.codecs.Bitmask(b)):
         with pytest.raises(ValueError, match="backend must be one of"):
             make("cuda")
     assert sh.fp8() is sh.fp8(backend="auto") and sh.bitmask() is sh.bitmask("auto")
@@ -191,11 +191,11 @@ def test_backend_is_validated_and_part_of_the_hook_identity():
 
 
 def test_triton_backend_needs_triton(monkeypatch):
-    from savedhooks.codecs import base
+    from savedhooks.codecs import backends
 
-    monkeypatch.setattr(base, "triton_available", lambda: False)
+    monkeypatch.setattr(backends, "triton_available", lambda: False)
     with pytest.raises(ValueError, match="needs the triton package"):
-        sh.Float8(backend="triton")
+        sh.codecs.Float8(backend="triton")
     with FakeTensorMode():
         assert not uses_triton("auto", torch.empty(2, device="cuda"))
 

@@ -22,15 +22,9 @@ import savedhooks as sh
 import savedhooks.kernels.offload  # the savedhooks::offload and savedhooks::reload ops
 from savedhooks.codecs.base import pack_saved, unpack_saved
 from savedhooks.hostmem import default_pool
-from savedhooks.hostmem.overlap import (
-    Transfer,
-    TransferModel,
-    hoist_starts,
-    nominal_seconds,
-    overlap_transfers,
-    sink_waits,
-)
 from savedhooks.memory import estimate_peak
+from savedhooks.memory.timing import TransferModel, nominal_seconds
+from savedhooks.overlap import Transfer, hoist_starts, overlap_transfers, sink_waits
 from tests.models import train_step_grads
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -145,10 +139,10 @@ def test_sunk_waits_respect_an_explicit_limit():
 
 def test_the_reorder_pass_makes_offload_copies_asynchronous():
     gm = _trace(_forward, "cuda", "cuda", "cuda", "cuda")
-    sh.reorder_pass()(gm.graph)  # a forward graph: not reordered, but its copies overlap
+    sh.compilers.reorder_pass()(gm.graph)  # a forward graph: not reordered, but its copies overlap
     assert "savedhooks.offload_async.default" in _targets(gm) and "savedhooks.offload.default" not in _targets(gm)
     gm = _trace(_backward, "cpu", "cuda", "cuda", "cuda")
-    sh.reorder_pass()(gm.graph)
+    sh.compilers.reorder_pass()(gm.graph)
     assert "ao.reload.default" in _targets(gm) and "savedhooks.reload.default" not in _targets(gm)
 
 
@@ -217,7 +211,7 @@ def test_graphs_without_device_host_copies_are_left_alone():
 
 def test_the_offload_codec_traces_to_one_node_per_payload_under_functionalization():
     # torch's ao::wait_tensor cannot be traced here (test_codec_models pins it); our copies can
-    codec = sh.Offload(sh.Float8())
+    codec = sh.codecs.Offload(sh.codecs.Float8())
     with FakeTensorMode():
         x = torch.empty(4, 256, device="cuda")
         pack = make_fx(torch.func.functionalize(functools.partial(pack_saved, codec)))(x)
@@ -307,8 +301,8 @@ def test_what_the_backward_needs_before_a_copy_back_could_end_stays_on_the_devic
 
 def test_tensors_below_min_bytes_are_stored_as_they_are():
     x = torch.randn(16, 16) * 2  # 1 KiB
-    assert pack_saved(sh.Offload(device="meta"), x)[0] == 0  # moved
-    assert pack_saved(sh.Offload(device="meta", min_bytes=1025), x)[0] == -1  # as it is
+    assert pack_saved(sh.codecs.Offload(device="meta"), x)[0] == 0  # moved
+    assert pack_saved(sh.codecs.Offload(device="meta", min_bytes=1025), x)[0] == -1  # as it is
     with pytest.raises(ValueError, match="min_bytes"):
         sh.offload(min_bytes=-1)
     with pytest.raises(ValueError, match="keep_needed_soon"):
@@ -403,13 +397,13 @@ def test_async_offload_is_bit_exact_over_many_steps_of_changing_sizes(backend, c
     compiled = torch.compile(model, backend=sh.backend(backend), dynamic=True)
     rng = random.Random(0)
     hits = default_pool().stats.hits
-    with caplog.at_level(logging.INFO, logger="savedhooks.hostmem.overlap"):
+    with caplog.at_level(logging.INFO, logger="savedhooks.overlap"):
         for _ in range(30):
             x = torch.randn(rng.choice([8, 64, 200, 512]), 256, device="cuda")
             want = train_step_grads(model, compiled, x)
             got = train_step_grads(model, compiled, x, sh.offload(keep_needed_soon=False))
             if backend == "inductor":
-                assert min(sh.sqnr(w, g) for w, g in zip(want, got)) >= 100.0
+                assert min(sh.fidelity.sqnr(w, g) for w, g in zip(want, got)) >= 100.0
             else:
                 assert all(torch.equal(w, g) for w, g in zip(want, got))
     # the asynchronous copies out write into the host pool's slabs, reused across steps (savedhooks::offload_async)
@@ -434,7 +428,7 @@ def test_a_forward_that_offloads_gets_its_copies_placed_after_the_last_use():
 
     gm = _trace(forward, "cuda", "cuda")
     before = _device_peak(gm)
-    sh.reorder_pass()(gm.graph)
+    sh.compilers.reorder_pass()(gm.graph)
     order = [n for n in gm.graph.nodes if n.op == "call_function"]
     starts = [n for n in order if n.target is torch.ops.savedhooks.offload_async.default]
     assert len(starts) == 3
@@ -455,7 +449,7 @@ def test_copies_longer_than_the_graph_s_compute_are_reported(copy_units, warns, 
     """No placement hides copies that take longer than all the compute around them (gpt2-medium on an H200:
     4.2 GB each way at 55 GB/s against a 34 ms step); the pass says so, with both modelled times."""
     gm = _trace(_forward, "cuda", "cuda", "cuda", "cuda")  # 5 matmuls of compute, one copy
-    with caplog.at_level(logging.WARNING, logger="savedhooks.hostmem.overlap"):
+    with caplog.at_level(logging.WARNING, logger="savedhooks.overlap"):
         overlap_transfers(gm, is_backward=False, model=_model(copy_units=copy_units))
     messages = [r.getMessage() for r in caplog.records if "longer than the graph's modelled compute" in r.getMessage()]
     assert bool(messages) == warns, messages

@@ -67,3 +67,14 @@ def test_public_functions_document_args_returns_raises():
         elif not (inspect.getdoc(obj) or "").strip():
             missing.append(f"{name}: no docstring")
     assert not missing, missing
+
+
+def test_the_top_level_is_small_with_one_spelling_per_codec():
+    from savedhooks.codecs.base import Codec
+
+    assert len(savedhooks.__all__) <= 22, savedhooks.__all__
+    assert all(hasattr(savedhooks, name) for name in savedhooks.__all__)
+    classes = [name for name, obj in vars(savedhooks).items() if isinstance(obj, type) and issubclass(obj, Codec)]
+    assert not classes, f"codec classes at the top level beside their factories: {classes}"
+    for factory in ("fp8", "downcast", "bitmask", "offload", "policy"):
+        assert isinstance(getattr(savedhooks, factory)(), savedhooks.HookPair)

@@ -171,7 +171,7 @@ def test_planning_and_sensitivity_leave_the_model_s_buffers_as_they_were():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
     planner.plan((planner.baseline_bytes + planner.floor_bytes) // 2)  # surveys every setting, checks a plan
-    sh.sensitivity(model, (x,), loss_fn=_loss, verbose=False)
+    sh.fidelity.sensitivity(model, (x,), loss_fn=_loss, verbose=False)
     after = model.state_dict()
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k], after[k])]

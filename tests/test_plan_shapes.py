@@ -74,7 +74,7 @@ def test_a_plan_at_other_shapes_applies_its_choice_per_role(planned, rows):
     other = torch.randn(rows, x.shape[1], generator=torch.Generator().manual_seed(1))
     assert _chosen(plan, model, other) == at_plan
     assert set(at_plan.values()) - {"keep"}, "the plan packs nothing"
-    exact = _step(model, other, sh.make_hook_pair("identity", lambda t: t, lambda t: t))
+    exact = _step(model, other, sh.hooks.make_hook_pair("identity", lambda t: t, lambda t: t))
     db, _ = sh.metrics.worst_sqnr(dict(enumerate(exact)), dict(enumerate(_step(model, other, plan.hooks))))
     assert db >= 25
 

@@ -175,9 +175,9 @@ def test_offload_is_a_choice_for_accelerator_tensors_with_no_device_payload(monk
 def test_no_fp8_option_where_the_policy_holds_a_tensor_in_bf16(monkeypatch):
     survey_module = _survey_module()
     monkeypatch.setattr(survey_module, "seconds_per_byte", lambda codec, dtype, device, backend: 1e-9)
-    held = SavedTensor("g0:q", "mm", (64, 64), torch.float32, 64 * 64 * 4, sh.Downcast(torch.bfloat16))
+    held = SavedTensor("g0:q", "mm", (64, 64), torch.float32, 64 * 64 * 4, sh.codecs.Downcast(torch.bfloat16))
     assert [o.name for o in survey_module._options([held], torch.device("cpu"), "inductor")] == ["keep", "bf16"]
-    packed = SavedTensor("g0:mm", "mm", (64, 64), torch.float32, 64 * 64 * 4, sh.Float8())
+    packed = SavedTensor("g0:mm", "mm", (64, 64), torch.float32, 64 * 64 * 4, sh.codecs.Float8())
     assert [o.name for o in survey_module._options([packed], torch.device("cpu"), "inductor")] == [
         "keep",
         "bf16",
@@ -193,7 +193,7 @@ def test_a_plan_never_packs_fused_attentions_operands_in_fp8():
     survey = sh.planner.survey(model, (x,), loss_fn=_loss, backend="aot_eager")
     # per layer: the query, key and value (views of one projection's output: one unit), and the output
     # (with the view of it that the output projection saves: one storage, one choice)
-    attention = {key for key, ts in survey.saved.items() if any(isinstance(t.packed_as, sh.Downcast) for t in ts)}
+    attention = {key for key, ts in survey.saved.items() if any(isinstance(t.packed_as, sh.codecs.Downcast) for t in ts)}
     assert len(attention) == 2 * 2
     options = {u.key: [o.name for o in u.options] for u in survey.units}
     assert all(options[key] == ["keep", "bf16"] for key in attention)
@@ -463,7 +463,7 @@ def test_measure_limit_lists_the_saved_tensors_when_inductor_s_caches_are_warm()
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
     x = torch.randn(64, 16)
     torch._dynamo.reset()
-    cold = sh.sensitivity(model, (x,), sh.fp8(), _loss, "inductor", 0, 0, verbose=False)  # fills the caches
+    cold = sh.fidelity.sensitivity(model, (x,), sh.fp8(), _loss, "inductor", 0, 0, verbose=False)  # fills the caches
     torch._dynamo.reset()
     limit = measure_limit(model, (x,), _loss, "inductor", 0, 30.0, individually=0)
     # a compile served from a cache traces nothing, and the census is taken while tracing

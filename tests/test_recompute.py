@@ -175,7 +175,7 @@ def test_the_planner_recomputes_blocks_when_codecs_alone_cannot_meet_the_budget(
     grads = [p.grad for p in model.parameters()]
     assert measured <= budget
     assert abs(measured - planned.predicted_peak_bytes) <= 0.05 * planned.predicted_peak_bytes
-    assert min(sh.sqnr(r, g) for r, g in zip(reference, grads)) > 25
+    assert min(sh.fidelity.sqnr(r, g) for r, g in zip(reference, grads)) > 25
     planned.revert(trained)
     assert all("forward" not in vars(layer) for layer in model.layers)
     loaded = sh.Plan.from_json(planned.to_json())

@@ -151,15 +151,15 @@ def test_stochastic_rounding_is_unbiased(dtype, draws):
 def test_the_sqnr_it_costs_on_gaussian_data(dtype, floor):
     """Measured (256 x 384, seed 0): e4m3 block 31.8 -> 28.8 dB, e5m2 25.8 -> 22.8 dB, 3 dB as the variance doubles."""
     x = torch.randn(256, 384)
-    nearest, stochastic = (sh.Float8(dtype, rounding=r) for r in ("nearest", "stochastic"))
-    sqnr_nearest = sh.sqnr(x, unpack_saved(nearest, pack_saved(nearest, x)))
-    sqnr = sh.sqnr(x, unpack_saved(stochastic, pack_saved(stochastic, x)))
+    nearest, stochastic = (sh.codecs.Float8(dtype, rounding=r) for r in ("nearest", "stochastic"))
+    sqnr_nearest = sh.fidelity.sqnr(x, unpack_saved(nearest, pack_saved(nearest, x)))
+    sqnr = sh.fidelity.sqnr(x, unpack_saved(stochastic, pack_saved(stochastic, x)))
     assert sqnr_nearest - 3.5 <= sqnr <= sqnr_nearest - 2.5 and sqnr >= floor  # can fail: not stochastic, or worse
 
 
 def test_codec_is_reproducible_under_manual_seed_and_nearest_is_unchanged():
     x = torch.randn(64, 300)
-    codec = sh.Float8(rounding="stochastic")
+    codec = sh.codecs.Float8(rounding="stochastic")
     payloads = []
     for seed in (3, 3, 4):
         torch.manual_seed(seed)
@@ -169,7 +169,7 @@ def test_codec_is_reproducible_under_manual_seed_and_nearest_is_unchanged():
     assert not torch.equal(second, payloads[2])
     # round to nearest draws nothing and is torch's own cast of x / scale
     state = torch.random.get_rng_state()
-    q, scale, *_ = pack_saved(sh.Float8(granularity="row"), x)[1]
+    q, scale, *_ = pack_saved(sh.codecs.Float8(granularity="row"), x)[1]
     assert torch.equal(torch.random.get_rng_state(), state)
     assert torch.equal(q.view(torch.uint8), (x / scale).to(E4M3).view(torch.uint8))
     assert sh.fp8() is sh.fp8(rounding="nearest")
@@ -177,7 +177,7 @@ def test_codec_is_reproducible_under_manual_seed_and_nearest_is_unchanged():
 
 def test_rounding_and_seed_are_validated():
     with pytest.raises(ValueError, match="rounding must be one of"):
-        sh.Float8(rounding="floor")
+        sh.codecs.Float8(rounding="floor")
     stochastic = sh.fp8(rounding="stochastic")
     assert stochastic is not sh.fp8() and "rounding='stochastic'" in stochastic.name
     for seed in (torch.tensor([1]), torch.tensor(1.0), torch.tensor(1, dtype=torch.int32)):
@@ -210,7 +210,7 @@ def _gelu_mlp() -> torch.nn.Module:
 def _check_gradients(plain, grads, again, nearest) -> None:
     for i, (p, g) in enumerate(zip(plain, grads)):
         assert torch.isfinite(g).all(), i
-        assert sh.sqnr(p, g) >= 25.0, (i, sh.sqnr(p, g))  # measured 32-40 dB (nearest: 34-41 dB)
+        assert sh.fidelity.sqnr(p, g) >= 25.0, (i, sh.fidelity.sqnr(p, g))  # measured 32-40 dB (nearest: 34-41 dB)
     assert all(torch.equal(a, b) for a, b in zip(grads, again))  # same torch.manual_seed, same gradients
     assert any(not torch.equal(a, b) for a, b in zip(grads, nearest))  # stochastic rounding did round differently
 
@@ -265,7 +265,7 @@ def test_stochastic_codec_on_cuda_triton_and_aten_write_the_same_bytes():
     payloads = {}
     for backend in ("aten", "triton"):
         torch.manual_seed(5)
-        payloads[backend] = pack_saved(sh.Float8(backend=backend, rounding="stochastic"), x)[1][0].view(torch.uint8)
+        payloads[backend] = pack_saved(sh.codecs.Float8(backend=backend, rounding="stochastic"), x)[1][0].view(torch.uint8)
     assert torch.equal(payloads["aten"], payloads["triton"])
 
 

@@ -1,6 +1,9 @@
 """savedhooks.torchfixes: the dtype-propagation set-up that torch 2.13 re-ran on every construction."""
 
 import functools
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -8,11 +11,33 @@ import torch._inductor.lowering  # fills inductor's op rules, as any compile doe
 from torch._inductor import dtype_propagation
 from torch._inductor import utils as inductor_utils
 
-import savedhooks  # noqa: F401  (installs the fix)
-from savedhooks.torchfixes import set_up_dtype_propagation_once
+from savedhooks.torchfixes import install, set_up_dtype_propagation_once
 
 Handler = dtype_propagation.DtypePropagationOpsHandler
 pytestmark = pytest.mark.skipif(not torch.__version__.startswith("2.13."), reason="the fix is for torch 2.13 only")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _installed():
+    install()
+
+
+def test_import_leaves_torch_unpatched_and_entering_hooks_installs_the_fix():
+    script = textwrap.dedent(
+        """
+        import torch
+        from torch._inductor import dtype_propagation
+        handler = dtype_propagation.DtypePropagationOpsHandler
+        torchs_own = handler.__init__
+        import savedhooks as sh
+        print(handler.__init__ is torchs_own)
+        with sh.saved_tensors_hooks(sh.fp8()):
+            pass
+        print(handler.__init__ is torchs_own, getattr(handler.__init__, "_savedhooks_once", False))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == ["True", "False", "True"], out.stdout + out.stderr
 
 
 def _rules_of(handler: object) -> dict[str, tuple]:

@@ -101,7 +101,7 @@ def test_trainer_with_the_policy_packs_every_micro_batch_and_matches_the_updates
     peak = _step_peak(trainer, inputs)
     assert peak < 0.9 * plain_peak
     # every micro-batch runs inside the hooks: an eager pair sees each forward's saved tensors
-    trainer, _ = _trainer(sh.make_hook_pair("counting", counting, _same), tmp_path, compiled=False, steps=1)
+    trainer, _ = _trainer(sh.hooks.make_hook_pair("counting", counting, _same), tmp_path, compiled=False, steps=1)
     trainer.train()
     one_step = len(packs)  # 2 micro-batches
     assert one_step > 0
@@ -136,7 +136,7 @@ def test_evaluation_runs_without_the_hooks(tmp_path):
         calls.append(x.shape)
         return x
 
-    pair = sh.make_hook_pair("counting", pack, _same)
+    pair = sh.hooks.make_hook_pair("counting", pack, _same)
     trainer, inputs = _trainer(pair, tmp_path, compiled=False, steps=1)
     leaf = torch.ones(3, requires_grad=True)
 
@@ -208,7 +208,7 @@ _PACKED: list[torch.Tensor] = []
 class _Watching(Codec):
     """The policy, recording each saved tensor it packs."""
 
-    inner: Codec = dataclasses.field(default_factory=sh.Policy)
+    inner: Codec = dataclasses.field(default_factory=sh.codecs.Policy)
 
     def codecs(self):
         return self.inner.codecs()

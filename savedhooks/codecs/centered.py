@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from savedhooks.codecs.base import Codec, as_codec, is_broadcast
+from savedhooks.codecs.base import Codec, as_codec
 from savedhooks.codecs.fp8 import Float8
+from savedhooks.codecs.layout import is_broadcast
 
 __all__ = ["Centered"]
 

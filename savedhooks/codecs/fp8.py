@@ -23,17 +23,9 @@ from typing import Any
 
 import torch
 
-from savedhooks.codecs.base import (
-    Codec,
-    Layout,
-    check_backend,
-    from_rows,
-    inductor_traces,
-    innermost_size,
-    to_rows,
-    uses_fused,
-    uses_triton,
-)
+from savedhooks.codecs.backends import check_backend, inductor_traces, uses_fused, uses_triton
+from savedhooks.codecs.base import Codec
+from savedhooks.codecs.layout import Layout, from_rows, innermost_size, to_rows
 from savedhooks.kernels import kernel_op
 from savedhooks.kernels.fp8 import FP8_DTYPES, GRANULARITIES
 from savedhooks.kernels.fp8_fused import fused_fp8_dequantize, fused_fp8_quantize

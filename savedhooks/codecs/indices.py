@@ -26,9 +26,11 @@ from typing import Any
 
 import torch
 
-from savedhooks.codecs.base import Codec, Layout, from_rows, producing_op, to_rows
+from savedhooks.codecs.base import Codec
+from savedhooks.codecs.layout import Layout, from_rows, to_rows
 from savedhooks.hooks import hook_context
 from savedhooks.kernels.bitmask import FIELD_BITS, torch_bitfield_pack, torch_bitfield_unpack
+from savedhooks.memory.graph import producing_op
 
 __all__ = ["PoolIndices", "offset_bits", "pool_plane"]
 

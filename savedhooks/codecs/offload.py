@@ -4,7 +4,7 @@ With an inner codec the payload is packed first and then moved: fp8 then offload
 moves 4x fewer bytes than fp32 offload. Each move is one ``savedhooks::offload``
 or ``savedhooks::reload`` node (:mod:`savedhooks.kernels.offload`): a copy on the
 current stream, correct wherever it runs. In CUDA graphs that the reorder pass
-sees, :mod:`savedhooks.hostmem.overlap` turns them into asynchronous copies on a
+sees, :mod:`savedhooks.overlap` turns them into asynchronous copies on a
 transfer stream, the pack's wait sunk and the reload started early.
 """
 
@@ -17,7 +17,11 @@ import torch
 import torch.utils._pytree as pytree
 
 import savedhooks.kernels.offload  # noqa: F401  (registers savedhooks::offload and savedhooks::reload)
-from savedhooks.codecs.base import Codec, as_codec, is_broadcast, narrow_broadcast
+from savedhooks.codecs.base import Codec, as_codec
+from savedhooks.codecs.layout import is_broadcast, narrow_broadcast
+from savedhooks.contract import hook_context
+from savedhooks.memory.sizes import tensor_nbytes
+from savedhooks.memory.timing import TransferModel, backward_seconds_before_use
 
 __all__ = ["Offload", "offload"]
 
@@ -86,15 +90,11 @@ def _needed_soon(payload: Any) -> bool:
     """Under compile: whether the backward reads the saved value before its copy back could end.
 
     The copy back can overlap at most the backward compute that runs before the
-    value's first use (:func:`savedhooks.hostmem.overlap.backward_seconds_before_use`);
+    value's first use (:func:`savedhooks.memory.timing.backward_seconds_before_use`);
     a value needed sooner (the last layers' activations) would be reloaded at
     once and its copy stall the backward, for no memory saved at the step's peak.
     In eager mode there is no backward graph to look at: False.
     """
-    from savedhooks.contract import hook_context
-    from savedhooks.hostmem.overlap import TransferModel, backward_seconds_before_use
-    from savedhooks.memory.sizes import tensor_nbytes
-
     ctx = hook_context()
     if ctx is None:
         return False

@@ -14,16 +14,8 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from savedhooks.codecs.base import (
-    Codec,
-    _op_name,
-    _through_aliases,
-    as_codec,
-    backward_uses,
-    producing_op,
-    uses_fused,
-    uses_through_aliases,
-)
+from savedhooks.codecs.backends import uses_fused
+from savedhooks.codecs.base import Codec, as_codec
 from savedhooks.codecs.bitmask import Bitmask
 from savedhooks.codecs.centered import Centered
 from savedhooks.codecs.downcast import Downcast
@@ -33,6 +25,7 @@ from savedhooks.codecs.placement import decodes_twice, saved_for_an_eager_loss
 from savedhooks.contract import HookContext
 from savedhooks.eager import VIEW_NODES
 from savedhooks.hooks import eager_readers, hook_context
+from savedhooks.memory.graph import backward_uses, op_name, producing_op, through_aliases, uses_through_aliases
 
 __all__ = [
     "ATTENTION_NODES",
@@ -134,12 +127,12 @@ def is_statistic_of(node: torch.fx.Node, ops: tuple[str, ...]) -> bool:
     Raises:
         Nothing.
     """
-    node = _through_aliases(node)
+    node = through_aliases(node)
     if producing_op(node) in ops:
         index = node.args[1] if node.op == "call_function" and node.target is operator.getitem else None
         return index != 0
     original = node.meta.get("original_aten")
-    if _op_name(original) not in ops:
+    if op_name(original) not in ops:
         return False
     if len(original._schema.returns) == 1:
         return True
@@ -164,14 +157,14 @@ def is_batch_norm_input(node: torch.fx.Node) -> bool:
     Raises:
         Nothing.
     """
-    node = _through_aliases(node)
-    if _op_name(node.meta.get("original_aten")) in BATCH_NORM_OPS or producing_op(node) in BATCH_NORM_OPS:
+    node = through_aliases(node)
+    if op_name(node.meta.get("original_aten")) in BATCH_NORM_OPS or producing_op(node) in BATCH_NORM_OPS:
         return False
     for user in node.users:
-        if _op_name(user.target) in BATCH_NORM_OPS:
+        if op_name(user.target) in BATCH_NORM_OPS:
             if user.args and user.args[0] is node:
                 return True
-        elif _op_name(user.meta.get("original_aten")) in BATCH_NORM_OPS:
+        elif op_name(user.meta.get("original_aten")) in BATCH_NORM_OPS:
             return True
     return False
 
@@ -207,16 +200,16 @@ def is_attention_operand(x: torch.Tensor, node: torch.fx.Node | None) -> bool:
         if x.grad_fn is not None and x.output_nr == 0 and type(x.grad_fn).__name__ in ATTENTION_NODES:
             return True
         return not eager_readers().isdisjoint(ATTENTION_NODES)
-    node = _through_aliases(node)
+    node = through_aliases(node)
     if (
         node.op == "call_function"
         and node.target is operator.getitem
         and node.args[1] == 0
-        and _op_name(getattr(node.args[0], "target", None)) in ATTENTION_OPS
+        and op_name(getattr(node.args[0], "target", None)) in ATTENTION_OPS
     ):
         return True
     return any(
-        _op_name(user.target) in ATTENTION_OPS and any(a is value for a in user.args[:3])
+        op_name(user.target) in ATTENTION_OPS and any(a is value for a in user.args[:3])
         for user, value in uses_through_aliases([node])  # a saved ``detach`` of what the op read
     )
 
@@ -257,8 +250,8 @@ def is_cast_of_input(x: torch.Tensor, node: torch.fx.Node | None, bw_graph: torc
             fn, steps = (inputs[0] if len(inputs) == 1 else None), steps + 1
         return steps > 0 and type(fn).__name__ == "AccumulateGrad"
     cast = False
-    while node.op == "call_function" and _op_name(node.target) in _CAST_OR_VIEW_OPS and node.args:
-        cast = cast or _op_name(node.target) in _CAST_OPS
+    while node.op == "call_function" and op_name(node.target) in _CAST_OR_VIEW_OPS and node.args:
+        cast = cast or op_name(node.target) in _CAST_OPS
         node = node.args[0]
         if not isinstance(node, torch.fx.Node):
             return False
@@ -286,7 +279,7 @@ def is_periodic_argument(name: str, bw_graph: torch.fx.Graph) -> bool:
     Llama's rotary angles (positions times frequencies, up to the sequence length),
     saved by the partitioner, which recomputes cos and sin in the backward: the
     benchmark's llama under aot_eager and bf16 autocast reached 9.3 dB with them
-    packed, 22.3 dB with them kept (``sh.sensitivity``).
+    packed, 22.3 dB with them kept (``sh.fidelity.sensitivity``).
 
     Args:
         name: the saved value's name (a placeholder of ``bw_graph``).
@@ -299,7 +292,7 @@ def is_periodic_argument(name: str, bw_graph: torch.fx.Graph) -> bool:
     Raises:
         Nothing.
     """
-    return any(_op_name(user.target) in _PERIODIC_OPS for user, _ in backward_uses(name, bw_graph))
+    return any(op_name(user.target) in _PERIODIC_OPS for user, _ in backward_uses(name, bw_graph))
 
 
 def is_narrow_softmax(x: torch.Tensor, node: torch.fx.Node | None, classes: int) -> bool:
@@ -307,7 +300,7 @@ def is_narrow_softmax(x: torch.Tensor, node: torch.fx.Node | None, classes: int)
 
     A classifier's loss head saves its log-softmax (``(batch, 10)`` after 10
     classes); the values of a row sit in a few binades, so fp8's rounding errors
-    share a sign and add up over the batch in every gradient (sh.sensitivity on a
+    share a sign and add up over the batch in every gradient (sh.fidelity.sensitivity on a
     10-class MLP: 3.5 dB with it packed, 30 dB with it kept).
 
     Args:
@@ -326,7 +319,7 @@ def is_narrow_softmax(x: torch.Tensor, node: torch.fx.Node | None, classes: int)
         return False
     if node is None:
         return type(x.grad_fn).__name__ in _SOFTMAX_NODES
-    return producing_op(node) in _SOFTMAX_OPS or _op_name(node.meta.get("original_aten")) in _SOFTMAX_OPS
+    return producing_op(node) in _SOFTMAX_OPS or op_name(node.meta.get("original_aten")) in _SOFTMAX_OPS
 
 
 def largest_saved_bytes(bw_graph: torch.fx.Graph, fw_graph: torch.fx.Graph | None = None) -> int | None:
@@ -407,7 +400,7 @@ class Policy(Codec):
         for name in ("floating", "boolean", "integer", "centered", "attention"):
             object.__setattr__(self, name, as_codec(getattr(self, name), f"policy({name}=...)"))
         if self.centered is not None and not isinstance(self.centered, Centered):
-            raise TypeError(f"policy: centered must be a savedhooks.Centered codec or None, got {self.centered!r}")
+            raise TypeError(f"policy: centered must be a savedhooks.codecs.Centered codec or None, got {self.centered!r}")
         if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
             raise ValueError(f"policy: min_bytes must be a non-negative int, got {self.min_bytes!r}")
         if isinstance(self.keep_ops, str) or not all(isinstance(op, str) for op in self.keep_ops):
@@ -514,7 +507,7 @@ def policy(
 ):
     """Hooks that pick a codec for each saved tensor, and keep the ones that lossy packing hurts.
 
-    Kept as they are (the rules, from ``sh.sensitivity`` on the benchmark models;
+    Kept as they are (the rules, from ``sh.fidelity.sensitivity`` on the benchmark models;
     see the README's "Fidelity"): tensors under ``min_bytes``; normalization and
     attention statistics (``keep_ops``); a (log-)softmax over at most
     ``narrow_softmax`` classes (a classifier's loss head); under compile, tensors
@@ -557,7 +550,7 @@ def policy(
         centered: the codec for a batch norm's input instead of ``floating``
             while the codec's decomposed form is traced (under inductor, which
             fuses the subtraction into the quantize kernel and recomputes batch
-            norm from the saved input): a :class:`~savedhooks.Centered`, by
+            norm from the saved input): a :class:`~savedhooks.codecs.Centered`, by
             default fp8 of ``x`` minus each channel's mean, the means kept in
             float32 (the benchmark's cnn under inductor: 27.9 dB against 18.0
             uncentered, README "Under inductor"). None: ``floating``. Unused when
@@ -572,7 +565,7 @@ def policy(
 
     Raises:
         TypeError: a codec argument is not a savedhooks codec, or ``centered``
-            is not a :class:`~savedhooks.Centered`.
+            is not a :class:`~savedhooks.codecs.Centered`.
         ValueError: ``min_bytes``, ``keep_ops``, ``narrow_softmax`` or
             ``relative_bytes`` is malformed.
     """

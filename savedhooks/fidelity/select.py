@@ -24,8 +24,8 @@ from collections.abc import Iterator
 import torch
 
 from savedhooks.codecs.base import Codec
-from savedhooks.codecs.policy import producing_op
 from savedhooks.hooks import hook_context
+from savedhooks.memory.graph import producing_op
 
 __all__ = ["Census", "SavedTensor", "Selected", "keyed_run", "mark_loss"]
 

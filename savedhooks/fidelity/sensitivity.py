@@ -32,8 +32,8 @@ from torch.nn.parameter import UninitializedBuffer
 
 from savedhooks.codecs import fp8
 from savedhooks.codecs.base import Codec, as_codec
+from savedhooks.compilers import saved_tensors_hooks
 from savedhooks.fidelity.select import Census, SavedTensor, Selected, keyed_run
-from savedhooks.hooks import saved_tensors_hooks
 from savedhooks.metrics import worst_sqnr
 
 __all__ = ["SavedGroup", "Sensitivity", "kept_buffers", "sensitivity"]

@@ -46,7 +46,8 @@ from typing import Any
 import torch
 import transformers
 
-from savedhooks.hooks import HookPair, saved_tensors_hooks
+from savedhooks.compilers import saved_tensors_hooks
+from savedhooks.hooks import HookPair
 from savedhooks.planner import Plan
 from savedhooks.planner.plan import Planner
 

@@ -75,6 +75,7 @@ from savedhooks.memory.arena_strategies import (
     iterated_greedy,
     linear_scan,
 )
+from savedhooks.memory.estimate import _report_device
 from savedhooks.memory.graph import GraphMemory, build_graph_memory
 from savedhooks.memory.sizes import CUDA_BLOCK_BYTES
 
@@ -202,8 +203,6 @@ def buffer_lifetimes(
     Raises:
         ValueError: ``order`` is not a permutation of the nodes, or not topological.
     """
-    from savedhooks.memory.estimate import _report_device
-
     n = len(memory.node_names)
     position = _check_order(memory, range(n) if order is None else order)
     device = _report_device(memory) if device is None else torch.device(device)

@@ -15,6 +15,10 @@ Design notes
   Graph inputs are owned by the caller: freed only when donated.
 * Symbolic sizes use their hints. Devices are kept apart: host buffers of an
   offload do not count against the GPU.
+* Who reads a value, looking through ``detach`` / ``alias``
+  (:func:`uses_through_aliases`, :func:`backward_uses`), and which op made it
+  (:func:`producing_op`): what the codecs' rules, the overlap pass and the
+  planner's census ask of a saved value's node.
 """
 
 from __future__ import annotations
@@ -26,13 +30,22 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
 from savedhooks.memory.fusion import inlined_nodes
 from savedhooks.memory.scratch import op_scratch_bytes
-from savedhooks.memory.sizes import allocated_bytes, size_hint, storage_key
+from savedhooks.memory.sizes import allocated_bytes, size_hint, storage_key, tensor_storages
 
-__all__ = ["Buffer", "GraphMemory", "build_graph_memory", "tensor_storages"]
+__all__ = [
+    "ALIAS_OPS",
+    "Buffer",
+    "GraphMemory",
+    "op_name",
+    "backward_uses",
+    "build_graph_memory",
+    "producing_op",
+    "through_aliases",
+    "uses_through_aliases",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,21 +97,6 @@ class GraphMemory:
         """Scratch bytes of ``node`` on ``device`` (0 if none there)."""
         entry = self.scratch[node] if self.scratch else None
         return entry[1] if entry is not None and entry[0] == device else 0
-
-
-def tensor_storages(value: Any) -> list[torch.Tensor]:
-    """The tensors in a (nested) node value.
-
-    Args:
-        value: a tensor, a tuple/list/dict of them, or anything else.
-
-    Returns:
-        The tensor leaves, in pytree order.
-
-    Raises:
-        Nothing.
-    """
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _value_of_getitems(node: torch.fx.Node) -> tuple[Any, ...] | None:
@@ -216,3 +214,88 @@ def build_graph_memory(
         frees=tuple(tuple(f) for f in frees),
         scratch=tuple(scratch),
     )
+
+
+# Ops through which a saved value reaches its real backward users unchanged.
+ALIAS_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def uses_through_aliases(nodes: list[torch.fx.Node]) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """The nodes that read ``nodes``, looking through ``detach`` / ``alias``.
+
+    Args:
+        nodes: values of one graph.
+
+    Returns:
+        ``(user, value it reads)`` pairs, the value being one of ``nodes`` or
+        one of their aliases.
+    """
+    frontier, uses = list(nodes), []
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.target in ALIAS_OPS:
+                frontier.append(user)
+            else:
+                uses.append((user, node))
+    return uses
+
+
+def backward_uses(name: str, bw_graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """The backward nodes that read a saved value, looking through ``detach`` / ``alias``.
+
+    Args:
+        name: the saved value's name (a placeholder of ``bw_graph``).
+        bw_graph: the backward graph being compiled.
+
+    Returns:
+        ``(user, value it reads)`` pairs, the value being the placeholder or one
+        of its aliases; empty when no placeholder has that name.
+    """
+    return uses_through_aliases([n for n in bw_graph.find_nodes(op="placeholder") if n.name == name])
+
+
+def through_aliases(node: torch.fx.Node) -> torch.fx.Node:
+    """The value ``node`` aliases, looking back through ``detach`` / ``alias`` (``node`` itself if none).
+
+    Args:
+        node: a node of an FX graph.
+
+    Returns:
+        The first node up the chain that is not one of :data:`ALIAS_OPS`.
+    """
+    while node.op == "call_function" and node.target in ALIAS_OPS:
+        node = node.args[0]
+    return node
+
+
+def producing_op(node: torch.fx.Node) -> str | None:
+    """Name of the aten op that produced a saved value, looking through ``detach`` and ``getitem``.
+
+    Args:
+        node: the saved value's node in the forward graph.
+
+    Returns:
+        The op's overload-packet name (``"native_layer_norm"``), or None when the
+        node is not an op call.
+
+    Raises:
+        Nothing.
+    """
+    node = through_aliases(node)
+    while node.op == "call_function" and node.target is operator.getitem:
+        node = through_aliases(node.args[0])
+    return op_name(node.target)
+
+
+def op_name(target: Any) -> str | None:
+    """The overload-packet name of an op (``"addmm"``), or a callable's ``__name__``.
+
+    Args:
+        target: a node's ``target`` (an op overload, a function), or None.
+
+    Returns:
+        The name, or None when ``target`` has neither.
+    """
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet, "__name__", None) if packet is not None else getattr(target, "__name__", None)

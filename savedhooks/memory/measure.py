@@ -35,8 +35,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx
 
-from savedhooks.memory.graph import tensor_storages
-from savedhooks.memory.sizes import storage_key
+from savedhooks.memory.sizes import storage_key, tensor_storages
 
 __all__ = [
     "CALL_MARK",

@@ -74,7 +74,9 @@ import torch.fx
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from savedhooks.kernels.fp8 import _row_chunks, torch_fp8_dequantize, torch_fp8_quantize
 from savedhooks.kernels.fp8_inductor import inductor_scratch_bytes, inductor_serves
+from savedhooks.memory.measure import measure_peak
 from savedhooks.memory.sizes import allocated_bytes, float_hint, size_hint
 
 __all__ = ["EXTERN_STRIDES", "MEASURED_ATEN", "MEASURED_CUDA_ATEN", "op_scratch_bytes"]
@@ -119,8 +121,6 @@ MEASURED_CUDA_ATEN = _CUDA_LOWERED | _CUDA_EXTERN
 
 
 def _chunk_rows(rows: int, cols: int) -> int:
-    from savedhooks.kernels.fp8 import _row_chunks
-
     return min(rows, _row_chunks(rows, cols).step)
 
 
@@ -129,8 +129,6 @@ def _scratch(run, device: str = "cpu") -> int:
 
     CUDA's allocator counts each block rounded up to 512 bytes: the outputs are subtracted so rounded.
     """
-    from savedhooks.memory.measure import measure_peak
-
     if torch.device(device).type == "cuda":
         run()
     held = []
@@ -141,8 +139,6 @@ def _scratch(run, device: str = "cpu") -> int:
 
 @functools.lru_cache(maxsize=256)
 def _fp8_quantize_scratch(dtype: torch.dtype, rows: int, cols: int, args: tuple, stochastic: bool = False) -> int:
-    from savedhooks.kernels.fp8 import torch_fp8_quantize
-
     with unset_fake_temporarily():  # called by compilers, inside AOTAutograd's fake mode
         x = torch.zeros(rows, cols, dtype=dtype)
         seed = torch.zeros((), dtype=torch.int64) if stochastic else None
@@ -153,8 +149,6 @@ def _fp8_quantize_scratch(dtype: torch.dtype, rows: int, cols: int, args: tuple,
 def _fp8_dequantize_scratch(
     q_dtype: torch.dtype, rows: int, cols: int, scale_rows: int, scale_cols: int, args: tuple
 ) -> int:
-    from savedhooks.kernels.fp8 import torch_fp8_dequantize
-
     with unset_fake_temporarily():
         q = torch.zeros(rows, cols, dtype=q_dtype)
         scale = torch.ones(scale_rows, scale_cols)

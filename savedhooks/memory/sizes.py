@@ -12,8 +12,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
-__all__ = ["CUDA_BLOCK_BYTES", "allocated_bytes", "float_hint", "size_hint", "storage_key", "tensor_nbytes"]
+__all__ = [
+    "CUDA_BLOCK_BYTES",
+    "allocated_bytes",
+    "float_hint",
+    "size_hint",
+    "storage_key",
+    "tensor_nbytes",
+    "tensor_storages",
+]
 
 CUDA_BLOCK_BYTES = 512  # CUDA's caching allocator rounds every block up to a multiple of this (kMinBlockSize)
 
@@ -110,3 +119,18 @@ def allocated_bytes(nbytes: int, device: torch.device | str) -> int:
     if torch.device(device).type != "cuda":
         return nbytes
     return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+
+
+def tensor_storages(value: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) node value.
+
+    Args:
+        value: a tensor, a tuple/list/dict of them, or anything else.
+
+    Returns:
+        The tensor leaves, in pytree order.
+
+    Raises:
+        Nothing.
+    """
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]

@@ -64,12 +64,12 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from savedhooks.codecs.base import producing_op
 from savedhooks.fidelity.select import SavedTensor, concrete_size
 from savedhooks.hooks import hook_context
 from savedhooks.memory import build_graph_memory, freed_inputs, saved_activations, simulate
 from savedhooks.memory.estimate import _input_bytes, _report_device
 from savedhooks.memory.fusion import inlined_nodes, is_alias, is_view
+from savedhooks.memory.graph import producing_op
 from savedhooks.memory.sizes import size_hint, storage_key, tensor_nbytes
 from savedhooks.planner.recording import (
     COPIED_INPUTS,

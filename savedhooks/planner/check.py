@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
+from savedhooks.compilers import saved_tensors_hooks
 from savedhooks.fidelity.sensitivity import default_loss
-from savedhooks.hooks import saved_tensors_hooks
 from savedhooks.planner.census import step_timeline
 from savedhooks.planner.result import Plan
 from savedhooks.planner.step import device_of, loss_peak, output_terms, record_step

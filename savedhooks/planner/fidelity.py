@@ -1,9 +1,9 @@
-"""Fidelity for the planner: lossy choices priced, and limited, by what :func:`savedhooks.sensitivity` measures.
+"""Fidelity for the planner: lossy choices priced, and limited, by what :func:`savedhooks.fidelity.sensitivity` measures.
 
 Design notes
 ------------
 * Opt-in: ``sh.plan(..., min_sqnr_db=...)``. :func:`measure_limit` runs
-  :func:`savedhooks.sensitivity` once per planner, with fp8, on the model as it
+  :func:`savedhooks.fidelity.sensitivity` once per planner, with fp8, on the model as it
   is (nothing recomputed), under the plan's backend: ``2 + 2 * groups``
   training steps, each a compile (the ``individually`` largest tensors alone,
   the rest grouped by producing op). Like a survey, it ends with
@@ -198,7 +198,7 @@ def measure_limit(
     min_sqnr_db: float,
     individually: int = 8,
 ) -> FidelityLimit:
-    """Run :func:`savedhooks.sensitivity` (fp8) and keep each signature's harm per byte (the worst of its groups), and reference gradients.
+    """Run :func:`savedhooks.fidelity.sensitivity` (fp8) and keep each signature's harm per byte (the worst of its groups), and reference gradients.
 
     Args:
         model: as for :func:`savedhooks.plan`.
@@ -213,7 +213,7 @@ def measure_limit(
         A :class:`FidelityLimit`.
 
     Raises:
-        ValueError: as :func:`savedhooks.sensitivity` (no parameter gets a
+        ValueError: as :func:`savedhooks.fidelity.sensitivity` (no parameter gets a
             gradient, no floating output and no ``loss_fn``).
     """
     # its census of saved tensors is taken while the graphs are traced: a compile served from inductor's FX
@@ -226,7 +226,7 @@ def measure_limit(
         report = sensitivity(model, example_inputs, fp8(), loss_fn, backend, individually, seed, verbose=False)
     if not report.groups:
         warnings.warn(
-            "sh.plan: sh.sensitivity listed no saved tensor to pack: min_sqnr_db prices nothing", stacklevel=2
+            "sh.plan: sh.fidelity.sensitivity listed no saved tensor to pack: min_sqnr_db prices nothing", stacklevel=2
         )
     reference: dict[str, torch.Tensor | None] = {}
     train_step(model, model, example_inputs, loss_fn or default_loss, seed, reference)
@@ -290,5 +290,5 @@ def fidelity_line(plan: Plan, min_sqnr_db: float, lost: int) -> str:
     checked = "" if plan.checked_sqnr_db is None else f", checked {plan.checked_sqnr_db:.1f} dB"
     return (
         f"fidelity: predicted {plan.predicted_sqnr_db:.1f} dB{checked} (min_sqnr_db {min_sqnr_db:g}); {lost} choices "
-        f"(plan keys) lost fp8 or bf16 (alone predicted below {min_sqnr_db:g} dB, from sh.sensitivity)"
+        f"(plan keys) lost fp8 or bf16 (alone predicted below {min_sqnr_db:g} dB, from sh.fidelity.sensitivity)"
     )

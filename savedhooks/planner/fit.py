@@ -65,7 +65,7 @@ def plan(
             ``nn.ModuleList`` of one class (:func:`~savedhooks.planner.recompute.find_blocks`);
             ``()``: codecs only.
         min_sqnr_db: None, or the least worst parameter-gradient SQNR (dB)
-            the plan may be predicted at: runs :func:`savedhooks.sensitivity`
+            the plan may be predicted at: runs :func:`savedhooks.fidelity.sensitivity`
             (fp8) once first (``2 + 2 * groups`` compiled steps;
             :mod:`savedhooks.planner.fidelity`), prices each lossy choice by
             the gradient noise it adds (the noises add up), and meets the

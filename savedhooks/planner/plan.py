@@ -25,7 +25,7 @@ Design notes
   memory model takes it from their ``getitem`` users.)
 * Fidelity: the policy's keeps are never candidates. With ``min_sqnr_db``,
   :mod:`savedhooks.planner.fidelity` gives each lossy option a harm measured
-  by :func:`savedhooks.sensitivity`; each setting's search meets the plan's
+  by :func:`savedhooks.fidelity.sensitivity`; each setting's search meets the plan's
   limit at the least time (bf16, keep or offload for fp8), and a setting
   whose plan is still predicted below it is not ranked (recompute settings
   that pack less can win). Plans predicted below it are not checked; in one

@@ -390,7 +390,7 @@ def fresh_backend(backend: str, **keywords: Any) -> Callable[..., Any]:
 
     Returns:
         A ``torch.compile`` backend that compiles as ``backend`` does; aot_eager
-        inside :func:`savedhooks.compilers.placed_compile`, as the plan runs it
+        inside :func:`savedhooks.contract.placed_compile`, as the plan runs it
         (``sh.backend("aot_eager")``), so that the codecs pack what they pack there.
 
     Raises:

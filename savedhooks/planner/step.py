@@ -18,9 +18,8 @@ import torch.utils._pytree as pytree
 
 from savedhooks.fidelity.select import mark_loss
 from savedhooks.fidelity.sensitivity import call_model, default_loss, kept_buffers
-from savedhooks.memory.graph import tensor_storages
 from savedhooks.memory.measure import measure_peak
-from savedhooks.memory.sizes import allocated_bytes, storage_key, tensor_nbytes
+from savedhooks.memory.sizes import allocated_bytes, storage_key, tensor_nbytes, tensor_storages
 from savedhooks.planner.caches import caches_off
 from savedhooks.planner.census import GraphTimeline, timeline_of
 from savedhooks.planner.recompute import FULL, checkpointed, resolve_blocks

@@ -69,10 +69,10 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from savedhooks.codecs import Downcast, Policy
-from savedhooks.codecs.base import materializes_better
+from savedhooks.codecs.backends import materializes_better
+from savedhooks.compilers import saved_tensors_hooks
 from savedhooks.fidelity.select import Census, SavedTensor, keyed_run
 from savedhooks.fidelity.sensitivity import default_loss
-from savedhooks.hooks import saved_tensors_hooks
 from savedhooks.memory.sizes import tensor_nbytes
 from savedhooks.planner.census import GraphTimeline, StepTimeline, key_of_saved, step_timeline
 from savedhooks.planner.costs import recompute_seconds as blocks_recompute_seconds
@@ -368,7 +368,7 @@ def _reread(
     """Under inductor, the points after the first use of ``saved`` (at each of its timeline ``keys``) where a fused decode holds only the payload.
 
     Floating tensors only, and not the 16-bit ones on the CPU, which the codecs
-    decode with their materializing ops (:func:`savedhooks.codecs.base.uses_fused`).
+    decode with their materializing ops (:func:`savedhooks.codecs.backends.uses_fused`).
     """
     if not fused or not saved.dtype.is_floating_point:
         return []
