@@ -34,7 +34,8 @@ def _loss(out):
     return out.loss
 
 
-def test_gpt2_as_shipped_plans_with_recompute_and_trains_with_the_cache_off_until_revert():
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_gpt2_as_shipped_plans_with_recompute_and_trains_with_the_cache_off_until_revert(mode):
     model, inputs = _gpt2()
     planner = sh.planner.Planner(model, inputs, loss_fn=_loss, backend="aot_eager")
     # a budget between the floor and the baseline: recompute settings are surveyed (they crashed with the cache on)
@@ -44,7 +45,8 @@ def test_gpt2_as_shipped_plans_with_recompute_and_trains_with_the_cache_off_unti
     assert all(s in planner._surveys for s in recomputing)
     assert model.config.use_cache is True, "planning leaves the config as it was"
 
-    forced = dataclasses.replace(plan, recompute=planner.blocks[:1])  # a plan that recomputes a block
+    # a plan that recomputes the first block, in each mode (selective checkpointing fails on an op it did not save)
+    forced = dataclasses.replace(plan, recompute=planner.blocks[:1], recompute_mode=mode)
     with pytest.warns(UserWarning, match="use_cache=False"):
         forced.apply(model)
     assert model.config.use_cache is False
@@ -57,6 +59,9 @@ def test_gpt2_as_shipped_plans_with_recompute_and_trains_with_the_cache_off_unti
             out = compiled(**inputs, **asked)
         out.loss.backward()
         assert (out.past_key_values is None) == (not asked)
+        if asked:  # GPT-2 hands its cache to a block by position: the recomputed block never appended to it
+            lengths = [layer.keys.shape[-2] for layer in out.past_key_values.layers if layer.keys is not None]
+            assert lengths == [inputs["input_ids"].shape[1]] * (len(planner.blocks) - 1)
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
     forced.revert(model)
     assert model.config.use_cache is True
@@ -66,14 +71,29 @@ def test_gpt2_as_shipped_plans_with_recompute_and_trains_with_the_cache_off_unti
 def test_a_checkpointed_block_called_with_a_cache_drops_it_only_when_a_backward_will_recompute_it():
     block = torch.nn.Linear(2, 2)
     kwargs = {"use_cache": True, "cache": object(), "attention_mask": 1}
-    dropped = without_cache_arguments(block.train(), kwargs)
-    assert dropped == {"use_cache": False, "cache": None, "attention_mask": 1}
+    dropped = {"use_cache": False, "cache": None, "attention_mask": 1}
+    assert without_cache_arguments(block.train(), (), kwargs) == ((), dropped)
     assert kwargs["use_cache"] is True, "the caller's dict is not changed"
     with torch.no_grad():
-        assert without_cache_arguments(block, kwargs) is kwargs
-    assert without_cache_arguments(block.eval(), kwargs) is kwargs
+        assert without_cache_arguments(block, (), kwargs)[1] is kwargs
+    assert without_cache_arguments(block.eval(), (), kwargs)[1] is kwargs
     plain = {"attention_mask": 1, "use_cache": False}
-    assert without_cache_arguments(block.train(), plain) is plain
+    assert without_cache_arguments(block.train(), (), plain)[1] is plain
+
+
+def test_a_cache_passed_to_a_block_by_position_is_dropped_by_the_name_its_forward_gives_it():
+    class Block(torch.nn.Module):
+        def forward(self, hidden, past_key_values=None, mask=None, use_cache=False):
+            return hidden
+
+    x, cache, mask = torch.ones(1), object(), torch.zeros(1)
+    args, kwargs = without_cache_arguments(Block().train(), (x, cache, mask, True), {})
+    assert args[0] is x and args[1] is None and args[2] is mask and args[3] is False and kwargs == {}
+    # no cache asked for: the very same arguments come back
+    given = (x, None, mask)
+    assert without_cache_arguments(Block().train(), given, {})[0] is given
+    with torch.no_grad():
+        assert without_cache_arguments(Block().train(), (x, cache), {})[0][1] is cache
 
 
 def test_cache_configs_finds_each_config_once_and_only_those_with_the_cache_on():

@@ -17,7 +17,8 @@ Design notes
   with the cache on also returns each layer's keys and values: forward
   outputs, which saved-tensor hooks never pack, held to the end of the step.
 * A cache asked for in the call itself (``use_cache=True`` among the keyword
-  arguments, a cache object passed to a block) is not a config: a checkpointed
+  arguments, a cache object passed to a block by keyword or by position) is
+  not a config: a checkpointed
   block called with grad enabled in train mode drops those arguments
   (:func:`without_cache_arguments`), as transformers' checkpointed layers do,
   and the planner refuses example inputs that ask for a cache.
@@ -26,6 +27,8 @@ Design notes
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -144,33 +147,60 @@ def check_no_cache_input(example_inputs: Any, what: str = "plan") -> None:
         )
 
 
-def without_cache_arguments(block: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A checkpointed block's keyword arguments without a KV cache, when the call records a backward.
+def without_cache_arguments(
+    block: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A checkpointed block's arguments without a KV cache, when the call records a backward.
+
+    A cache reaches a block by keyword or by position (GPT-2's model passes
+    its cache as the block's second positional argument); both are dropped.
+    Positions are named by the signature of the block class's ``forward``
+    (through ``functools.wraps``); a forward without a readable signature has
+    only its keyword arguments checked.
 
     Args:
-        block: the block (a module; its ``training`` flag is read).
+        block: the block (a module; its ``training`` flag and its class's
+            ``forward`` signature are read).
+        args: the positional arguments of its forward call.
         kwargs: the keyword arguments of its forward call.
 
     Returns:
-        ``kwargs``, or a copy with ``use_cache=False`` and each cache argument
-        (:data:`CACHE_ARGUMENTS`) None, when ``block`` is in train mode and
-        grad is enabled (a recompute will run); a call without grad (evaluation,
-        generation) keeps its cache.
-
-    Raises:
-        Nothing.
+        ``(args, kwargs)`` as given, or copies with ``use_cache=False`` and each
+        cache argument (:data:`CACHE_ARGUMENTS`) None, when ``block`` is in train
+        mode, grad is enabled (a recompute will run) and the call asks for a
+        cache; a call without grad (evaluation, generation) keeps its cache.
     """
     if not (getattr(block, "training", False) and torch.is_grad_enabled()):
-        return kwargs
-    if not any(_asks(kwargs.get(name)) for name in ("use_cache", *CACHE_ARGUMENTS)):
-        return kwargs
+        return args, kwargs
+    positions = _cache_positions(type(block))
+    asked = [i for i, name in positions.items() if i < len(args) and _asks(args[i])]
+    if not asked and not any(_asks(kwargs.get(name)) for name in ("use_cache", *CACHE_ARGUMENTS)):
+        return args, kwargs
+    kept_args = list(args)
+    for i in asked:
+        kept_args[i] = False if positions[i] == "use_cache" else None
     kept = dict(kwargs)
     if kept.get("use_cache"):
         kept["use_cache"] = False
     for name in CACHE_ARGUMENTS:
         if kept.get(name) is not None:
             kept[name] = None
-    return kept
+    return tuple(kept_args), kept
+
+
+@functools.cache
+def _cache_positions(block_type: type) -> dict[int, str]:
+    """Positions (after ``self``) of ``block_type.forward``'s parameters named ``use_cache`` or a cache argument."""
+    try:
+        parameters = list(inspect.signature(block_type.forward).parameters.values())[1:]
+    except (TypeError, ValueError):  # a forward without a signature (a builtin, a C extension)
+        return {}
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return {
+        i: p.name
+        for i, p in enumerate(parameters)
+        if p.kind in positional and p.name in ("use_cache", *CACHE_ARGUMENTS)
+    }
 
 
 def _asks(value: Any) -> bool:

@@ -158,7 +158,7 @@ def checkpoint_blocks(model: torch.nn.Module, paths: Sequence[str], mode: str = 
     Idempotent: a block already checkpointed stays checkpointed once, in the
     mode it was checkpointed with. A checkpointed block called in train mode
     with grad enabled runs without a KV cache (``use_cache=False``, cache
-    arguments None: :func:`savedhooks.planner.caches.without_cache_arguments`).
+    arguments None, by keyword or by position: :func:`savedhooks.planner.caches.without_cache_arguments`).
 
     Args:
         model: the module holding the blocks.
@@ -189,8 +189,8 @@ def checkpoint_blocks(model: torch.nn.Module, paths: Sequence[str], mode: str = 
 
 def _no_cache(block: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A checkpointed block's forward pre-hook: its KV cache arguments dropped when a backward will recompute it."""
-    kept = without_cache_arguments(block, kwargs)
-    return None if kept is kwargs else (args, kept)
+    kept_args, kept = without_cache_arguments(block, args, kwargs)
+    return None if kept_args is args and kept is kwargs else (kept_args, kept)
 
 
 def checkpointed_blocks(model: torch.nn.Module) -> dict[str, str]:
