@@ -152,7 +152,7 @@ def plan_with_a_failing_check(model: torch.nn.Module, x: torch.Tensor, how: str)
         The plan (every rank must get rank 0's, its check logged as failed on every rank).
     """
     planner = _planner(model, x, how)
-    module = sys.modules["savedhooks.planner.plan"]  # the package's ``plan`` attribute is the function
+    module = sys.modules["savedhooks.planner.driver"]
     original = module.check_peak
 
     def fails_once(*args, **kwargs):  # after its step: the memory model cannot read the graphs, say

@@ -174,6 +174,25 @@ def test_imports_inside_functions_say_why(graph):
     )
 
 
+# The planner's driver (survey, search, check, choose) calls its steps; only the entry point and the
+# package's __init__ import it, so no step can call back into it.
+DRIVER = "savedhooks.planner.driver"
+DRIVER_IMPORTERS = {"savedhooks.planner", "savedhooks.planner.api"}
+
+
+def test_no_planner_step_imports_the_driver(graph):
+    _, edges = graph
+    inside = [
+        f"{e.source}:{e.line} imports {e.target}"
+        for e in edges
+        if e.target in (DRIVER, "savedhooks.planner.api")
+        and e.source.startswith("savedhooks.planner")
+        and e.source not in DRIVER_IMPORTERS
+    ]
+    assert not inside, "planner modules below the driver import it:\n" + "\n".join(inside)
+    assert {e.source for e in edges if e.target == DRIVER} & DRIVER_IMPORTERS, "the driver is not where this test looks"
+
+
 def test_the_package_never_imports_benchmarks_or_tests():
     found = []
     for folder in ("savedhooks", "kernels"):

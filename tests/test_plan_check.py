@@ -17,7 +17,7 @@ from savedhooks.planner.result import CODECS
 from savedhooks.planner.search import Option, Unit
 from savedhooks.planner.survey import Survey
 
-plan_module = sys.modules["savedhooks.planner.plan"]  # the package's ``plan`` attribute is the function
+plan_module = sys.modules["savedhooks.planner.driver"]
 
 
 def _survey(top=100, **fields):

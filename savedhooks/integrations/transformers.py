@@ -49,7 +49,7 @@ import transformers
 from savedhooks.compilers import saved_tensors_hooks
 from savedhooks.hooks import HookPair
 from savedhooks.planner import Plan
-from savedhooks.planner.plan import Planner
+from savedhooks.planner.driver import Planner
 
 __all__ = ["PlanOnFirstBatch", "SavedHooksMixin", "SavedHooksTrainer"]
 

@@ -6,8 +6,8 @@ choices (:class:`Plan`, run with ``sh.saved_tensors_hooks(plan.hooks)``).
 Offload (to pinned host memory) is a choice for tensors on a GPU.
 """
 
-from savedhooks.planner.fit import plan
-from savedhooks.planner.plan import Planner
+from savedhooks.planner.api import plan
+from savedhooks.planner.driver import Planner
 from savedhooks.planner.recompute import find_blocks
 from savedhooks.planner.result import InfeasibleBudgetError, InfeasibleFidelityError, Plan, Planned, PlannedTensor
 from savedhooks.planner.survey import NotCompiledError, Survey, survey

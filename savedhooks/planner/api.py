@@ -1,7 +1,8 @@
-"""``sh.plan``: one budget, planned by a :class:`~savedhooks.planner.plan.Planner` made for the call.
+"""``sh.plan``: one budget, planned by a :class:`~savedhooks.planner.driver.Planner` made for the call.
 
-The planner's design notes are in :mod:`savedhooks.planner.plan`; keep a
-``Planner`` to plan several budgets without surveying again.
+The planner's design notes are in :mod:`savedhooks.planner.driver`; keep a
+``Planner`` to plan several budgets without surveying again. Within the
+package, this module is the only one that imports the driver.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from savedhooks.planner.plan import Planner
+from savedhooks.planner.driver import Planner
 from savedhooks.planner.result import Plan, check_budget
 
 __all__ = ["plan"]

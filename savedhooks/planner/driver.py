@@ -285,23 +285,70 @@ class Planner:
         return self._plan(budget_bytes, verbose, check)
 
     def _plan(self, budget_bytes: int, verbose: bool, check: bool) -> Plan:
-        """:meth:`plan` in one process, or on rank 0 (its checks run on every rank)."""
-        baseline, floor = self.baseline_bytes, self.floor_bytes
+        """The driver (:meth:`plan` in one process, or on rank 0; its checks run on every rank).
+
+        The steps, in order, each a method below:
+
+        1. survey every setting (:meth:`_usable`, once per planner);
+        2. below every modelled floor (``check``): the all-packed plans near the
+           floor, checked (:meth:`_plan_below_floor`);
+        3. search each setting whose floor meets the budget (:meth:`_search`);
+           none within the fidelity limit: a plan checked before, or the error
+           (:meth:`_checked_before`);
+        4. check the settings by modelled time, searching lower while a check
+           peaks above the budget (:meth:`_check_ranked`);
+        5. choose: the plan returned, with the driver's log (:meth:`_chosen`).
+        """
+        baseline, floor = self.baseline_bytes, self.floor_bytes  # 1. survey
         log = [f"{_name(*setting)}: not planned: {why}" for setting, why in self._skipped.items()]
         if check and budget_bytes < floor:
-            try:
-                return self._chosen(self._below_floor(budget_bytes, log), log, _SMALLEST, verbose)
-            except InfeasibleBudgetError as error:
-                if error.floor_bytes <= floor:
-                    raise
-                # every smallest-payload plan checked above the modelled floor; the search's own plan at that
-                # floor may check within it: name what a budget of the floor gets (planned, checked) or its error
-                try:
-                    lowest = self._plan(floor, False, check).predicted_peak_bytes
-                except InfeasibleBudgetError as above:
-                    lowest = above.floor_bytes
-                raise InfeasibleBudgetError(budget_bytes, lowest, baseline, checked=True) from None
+            best, kept = self._plan_below_floor(budget_bytes, log)  # 2.
+            return self._chosen(best, log, kept, verbose)
         check_budget(budget_bytes, floor, baseline)
+        ranked, unfaithful = self._search(budget_bytes, log)  # 3.
+        if not ranked:
+            best, kept = self._checked_before(budget_bytes, unfaithful, check)
+        elif check:
+            best, kept = self._check_ranked(ranked, budget_bytes, log)  # 4.
+        else:
+            best, kept = ranked[0][2], "the least modelled time"
+            log.append("not checked (check=False)")
+        return self._chosen(best, log, kept, verbose)  # 5.
+
+    def _plan_below_floor(self, budget_bytes: int, log: list[str]) -> tuple[Plan, str]:
+        """Step 2: a budget below every modelled floor, checked (:meth:`_below_floor`), and why it was kept.
+
+        Raises:
+            InfeasibleBudgetError: no plan checked meets the budget; where every
+                smallest-payload plan checked above the modelled floor, it names
+                what a budget of that floor gets (its checked plan's peak, or
+                that budget's own error).
+        """
+        floor = self.floor_bytes
+        try:
+            return self._below_floor(budget_bytes, log), _SMALLEST
+        except InfeasibleBudgetError as error:
+            if error.floor_bytes <= floor:
+                raise
+        # every smallest-payload plan checked above the modelled floor; the search's own plan at that
+        # floor may check within it: name what a budget of the floor gets (planned, checked) or its error
+        try:
+            lowest = self._plan(floor, False, True).predicted_peak_bytes
+        except InfeasibleBudgetError as above:
+            lowest = above.floor_bytes
+        raise InfeasibleBudgetError(budget_bytes, lowest, self.baseline_bytes, checked=True) from None
+
+    def _search(
+        self, budget_bytes: int, log: list[str]
+    ) -> tuple[list[tuple[tuple[int, str], Survey, Plan]], list[Plan]]:
+        """Step 3: each usable setting's plan for the budget, by modelled time, and the plans below the fidelity limit.
+
+        Returns:
+            ``(ranked, unfaithful)``: ``(setting, survey, plan)`` for each setting
+            whose floor meets the budget and whose plan meets the fidelity limit,
+            least modelled time first (ties: the setting tried first); the plans
+            that do not meet the limit.
+        """
         ranked: list[tuple[tuple[int, str], Survey, Plan]] = []
         unfaithful: list[Plan] = []
         for setting, found in self._usable():
@@ -318,34 +365,47 @@ class Planner:
                 ranked.append((setting, found, candidate))
             else:
                 unfaithful.append(candidate)
-        if not ranked:
-            # a plan checked for an earlier budget may meet this one within the limit
-            reused = [(p, peak) for p, peak in self._checked.values() if peak <= budget_bytes and self._faithful(p)]
-            if check and reused:
-                return self._chosen(cheapest(reused, budget_bytes), log, "a plan checked before", verbose)
-            raise InfeasibleFidelityError(budget_bytes, self.min_sqnr_db, max(p.predicted_sqnr_db for p in unfaithful))
         ranked.sort(key=lambda r: r[2].seconds)  # stable: ties go to the setting tried first
-        if check:
+        return ranked, unfaithful
+
+    def _checked_before(self, budget_bytes: int, unfaithful: list[Plan], check: bool) -> tuple[Plan, str]:
+        """Step 3, no setting within the fidelity limit: a plan checked for an earlier budget that meets this one.
+
+        Raises:
+            InfeasibleFidelityError: none (or ``check`` is off); it names the best predicted SQNR.
+        """
+        reused = [(p, peak) for p, peak in self._checked.values() if peak <= budget_bytes and self._faithful(p)]
+        if check and reused:
+            return cheapest(reused, budget_bytes), "a plan checked before"
+        raise InfeasibleFidelityError(budget_bytes, self.min_sqnr_db, max(p.predicted_sqnr_db for p in unfaithful))
+
+    def _check_ranked(
+        self, ranked: list[tuple[tuple[int, str], Survey, Plan]], budget_bytes: int, log: list[str]
+    ) -> tuple[Plan, str]:
+        """Step 4: the first setting whose checked plan meets the budget (:meth:`_checked_best`), and why it was kept.
+
+        Just above the modelled floor (within :data:`FLOOR_MARGIN`), where no
+        searched plan checks within the budget, the all-packed plans are
+        checked as below it (:meth:`_below_floor`): a plan that meets a lower
+        budget must meet this one.
+
+        Raises:
+            InfeasibleBudgetError: no plan checked meets the budget.
+            InfeasibleFidelityError: every plan checked measured below ``min_sqnr_db``.
+        """
+        try:
+            return self._checked_best(ranked, budget_bytes, log)
+        except InfeasibleBudgetError as error:
+            if budget_bytes > self.floor_bytes * (1 + FLOOR_MARGIN):
+                raise
             try:
-                best, kept = self._checked_best(ranked, budget_bytes, log)
-            except InfeasibleBudgetError as error:
-                if budget_bytes > floor * (1 + FLOOR_MARGIN):
-                    raise
-                # just above the modelled floor, a plan with every candidate packed may still meet it
-                # (and must, where it meets a lower budget below the floor)
-                try:
-                    best = self._below_floor(budget_bytes, log)
-                except InfeasibleBudgetError as below:  # it names the lowest checked peak if below the floor
-                    lowest = below.floor_bytes if below.checked else error.floor_bytes
-                    raise InfeasibleBudgetError(budget_bytes, lowest, baseline, checked=True) from None
-                kept = _SMALLEST
-        else:
-            best, kept = ranked[0][2], "the least modelled time"
-            log.append("not checked (check=False)")
-        return self._chosen(best, log, kept, verbose)
+                return self._below_floor(budget_bytes, log), _SMALLEST
+            except InfeasibleBudgetError as below:  # it names the lowest checked peak if below the floor
+                lowest = below.floor_bytes if below.checked else error.floor_bytes
+                raise InfeasibleBudgetError(budget_bytes, lowest, self.baseline_bytes, checked=True) from None
 
     def _chosen(self, best: Plan, log: list[str], kept: str, verbose: bool) -> Plan:
-        """The plan returned: ``best`` with the planner's baseline and floor, and the driver's log after its own."""
+        """Step 5: the plan returned: ``best`` with the planner's baseline and floor, and the driver's log after its own."""
         setting = (len(best.recompute), best.recompute_mode if best.recompute else FULL)
         if self.min_sqnr_db is not None:
             log.append(fidelity_line(best, self.min_sqnr_db, self._limited.get(setting, 0)))
