@@ -27,7 +27,7 @@ import savedhooks as sh
 from benchmarks.configs import CONFIGS
 from benchmarks.memory_scale import random_graph
 from benchmarks.models import MODELS, make_workload
-from benchmarks.schedule_gap import _best_time, random_problem
+from benchmarks.tools.schedule_gap import _best_time, random_problem
 from savedhooks.memory import ARENA_STRATEGIES, ArenaPlan, build_graph_memory, plan_arena, plan_lifetimes
 from savedhooks.passes import graph_problem
 from savedhooks.schedule import arena_of, problem_lifetimes, schedule
@@ -165,7 +165,7 @@ def _timings(nodes: int) -> list[str]:
             lambda s: plan_arena(memory, strategy=s),
         ),
         (
-            f"the {nodes}-node DAG of benchmarks.schedule_gap.random_problem (a tenth of its buffers outlive it)",
+            f"the {nodes}-node DAG of benchmarks.tools.schedule_gap.random_problem (a tenth of its buffers outlive it)",
             lambda s: plan_lifetimes(lifetimes, s),
         ),
     ]

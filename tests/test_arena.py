@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from models import GraphRecorder, mlp, train_step_grads
 
 import savedhooks as sh
-from benchmarks.schedule_gap import random_problem
+from benchmarks.tools.schedule_gap import random_problem
 from savedhooks.memory import (
     ARENA_STRATEGIES,
     ArenaPlan,

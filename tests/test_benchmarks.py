@@ -16,7 +16,7 @@ from filelock import FileLock
 
 from benchmarks.__main__ import main, parse_args
 from benchmarks.configs import CONFIGS
-from benchmarks.inductor_order import replay
+from benchmarks.tools.inductor_order import replay
 from benchmarks.models import BIG_MODEL_CONFIGS, MODELS, make_workload
 from benchmarks.report import ABOVE, COLUMNS, read_csv, table, write_csv
 from benchmarks.run import ABOVE_TOLERANCE_MIB, Row, jobs, with_baselines
@@ -234,7 +234,7 @@ def test_language_models_return_no_kv_cache(name):
 
 def test_peak_ops_finds_the_phase_of_the_peak():
     """An MLP without hooks peaks in its backward (gradients join the saved activations), above the forward's bytes."""
-    from benchmarks.peak_ops import peak_ops
+    from benchmarks.tools.peak_ops import peak_ops
 
     result = peak_ops("mlp", 0.25, "compiled")
     assert result["ops"][0] == "## backward"
@@ -242,7 +242,7 @@ def test_peak_ops_finds_the_phase_of_the_peak():
 
 
 def test_peak_ops_with_checkpointing_or_bf16_keeps_less_after_the_forward():
-    from benchmarks.peak_ops import peak_ops
+    from benchmarks.tools.peak_ops import peak_ops
 
     plain = peak_ops("mlp", 0.25, "compiled", backend="aot_eager")
     checkpointed = peak_ops("mlp", 0.25, "compiled", backend="aot_eager", checkpoint=True)
@@ -598,7 +598,7 @@ def test_the_torch_2_11_shim_refuses_any_other_torch_and_needs_its_confirmation(
 )
 def test_inductor_prediction_models_inductor_graphs_of_a_benchmark_model(model, compiled_loss):
     # the mlp's step was 7 % under while the model freed a C++ function's dying inputs node by node
-    from benchmarks.inductor_prediction import predicted_and_measured
+    from benchmarks.tools.inductor_prediction import predicted_and_measured
 
     predicted, measured = predicted_and_measured(model, 1.0, "sh", compiled_loss=compiled_loss)
     assert measured > 0
@@ -606,7 +606,7 @@ def test_inductor_prediction_models_inductor_graphs_of_a_benchmark_model(model, 
 
 
 def test_the_cuda_trace_finds_the_peak_and_the_blocks_alive_there(capsys):
-    from benchmarks import cuda_trace
+    from benchmarks.tools import cuda_trace
 
     def event(action, addr, size, line=1):
         return {

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import savedhooks as sh
-from benchmarks.schedule_gap import random_problem
+from benchmarks.tools.schedule_gap import random_problem
 from savedhooks.memory import build_graph_memory, simulate_order
 from savedhooks.passes import ordering_edges, reorder_graph
 from savedhooks.schedule import (
@@ -208,7 +208,7 @@ def test_place_puts_a_pack_chain_before_other_movers_after_the_same_anchor():
 
 
 def test_a_dumped_problem_with_chains_loads_as_it_was(tmp_path):
-    from benchmarks.problem_dump import load_problems, save_problems
+    from benchmarks.tools.problem_dump import load_problems, save_problems
 
     problem = random_problem(30, 7, window=4)
     problem = dataclasses.replace(problem, chains=frozenset(sorted(problem.early)[::2]))
@@ -490,7 +490,7 @@ def test_writes_and_rng_keep_their_order():
 def test_dfs_smallest_finds_the_lowest_order_of_gpt2_big_s_backward():
     """gpt2-big's backward under ``sh.fp8()`` (batch 1, inductor): only the smallest-first DFS gets it low.
 
-    Recorded with ``python -m benchmarks.problem_dump --model gpt2-big --size 1
+    Recorded with ``python -m benchmarks.tools.problem_dump --model gpt2-big --size 1
     --config sh --out tests/data/gpt2_big_sh_problems.json.gz``. Without
     ``dfs_smallest`` the portfolio chose ``dfs`` (262.6 MiB modelled, 10 %
     higher), and the measured activation peak was 138.5 MiB against 123.2
@@ -500,7 +500,7 @@ def test_dfs_smallest_finds_the_lowest_order_of_gpt2_big_s_backward():
     """
     from pathlib import Path
 
-    from benchmarks.problem_dump import load_problems
+    from benchmarks.tools.problem_dump import load_problems
 
     (problem,) = load_problems(Path(__file__).parent / "data" / "gpt2_big_sh_problems.json.gz")
     ours = STRATEGIES["dfs_smallest"](problem)

@@ -1,4 +1,4 @@
-"""How far the ordering portfolio is from optimal: ``python -m benchmarks.schedule_gap``.
+"""How far the ordering portfolio is from optimal: ``python -m benchmarks.tools.schedule_gap``.
 
 * 200 random 150-node DAGs (:func:`random_problem`): the portfolio's peak against
   the exact search's optimum; where the search runs out of budget, against the
@@ -125,7 +125,7 @@ def _model_problems():
 
 def main() -> None:
     """Print the gap table and the 5,000-node timing."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.schedule_gap")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tools.schedule_gap")
     parser.add_argument("--graphs", type=int, default=200)
     parser.add_argument("--nodes", type=int, default=150)
     parser.add_argument("--budget", type=int, default=50_000, help="exact search states per graph")

@@ -1,4 +1,4 @@
-"""Save the scheduling problems the reorder pass meets: ``python -m benchmarks.problem_dump``.
+"""Save the scheduling problems the reorder pass meets: ``python -m benchmarks.tools.problem_dump``.
 
 Compiles one step of a benchmark model under a configuration with inductor
 (a fresh inductor cache, so the pass runs) and writes every
@@ -104,7 +104,7 @@ def _tuples(value):
 
 def main() -> None:
     """Record one step's problems and write them (see the module docstring and ``--help``)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.problem_dump", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tools.problem_dump", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2-big")
     parser.add_argument("--size", type=float, default=1.0)
     parser.add_argument("--config", default="sh")

@@ -1,6 +1,6 @@
-"""Which backward order inductor keeps, and what its code allocates: ``python -m benchmarks.inductor_order``.
+"""Which backward order inductor keeps, and what its code allocates: ``python -m benchmarks.tools.inductor_order``.
 
-``python -m benchmarks.inductor_order [--order ORDER] -- <arguments of python -m benchmarks>``
+``python -m benchmarks.tools.inductor_order [--order ORDER] -- <arguments of python -m benchmarks>``
 runs the main benchmark (CPU, inductor rows) and, for every backward graph that
 inductor compiles, prints:
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.__main__ import main as benchmark_main
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.inductor_order", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tools.inductor_order", description=__doc__.splitlines()[0])
     parser.add_argument("--order", choices=_ORDERS, default=None,
                         help="the order inductor keeps for backward graphs (default: its lowest estimate)")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)

@@ -1,4 +1,4 @@
-"""Where a training step peaks: ``python -m benchmarks.peak_ops --model gpt2 --size 8 --config sh``.
+"""Where a training step peaks: ``python -m benchmarks.tools.peak_ops --model gpt2 --size 8 --config sh``.
 
 Runs one step of a benchmark model compiled with inductor (or ``--backend``; CPU),
 optionally with checkpointing per block (``--checkpoint``) or under bf16 autocast
@@ -79,7 +79,7 @@ def peak_ops(model: str, size: float, config: str, backend: str = "inductor", ch
 
 def main() -> None:
     """Print the peak, the ops at the peak and the live bytes after forward and backward (MiB)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.peak_ops")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tools.peak_ops")
     parser.add_argument("--model", choices=list(MODELS), default="gpt2")
     parser.add_argument("--size", type=float, default=8.0)
     parser.add_argument("--config", choices=list(_HOOKS), default="sh")

@@ -1,4 +1,4 @@
-"""Predicted against measured peaks of inductor steps: ``python -m benchmarks.inductor_prediction``.
+"""Predicted against measured peaks of inductor steps: ``python -m benchmarks.tools.inductor_prediction``.
 
 The main job predicts its aot_eager rows (``predicted MiB``); for inductor it
 measures only. This runs a benchmark model compiled with plain
@@ -115,7 +115,7 @@ def main(argv: Any = None) -> None:
     Raises:
         SystemExit: bad arguments.
     """
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.inductor_prediction")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tools.inductor_prediction")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["mlp", "cnn", "gpt2", "llama", "vit"])
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["compiled", "sh"])
     parser.add_argument("--size", type=float, default=1.0)

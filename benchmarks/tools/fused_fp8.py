@@ -1,4 +1,4 @@
-"""The fp8 codec's opaque op vs its decomposed form under inductor: ``python -m benchmarks.fused_fp8``.
+"""The fp8 codec's opaque op vs its decomposed form under inductor: ``python -m benchmarks.tools.fused_fp8``.
 
 A GELU-MLP training step (Linear -> GELU -> Linear, widths ``--dim`` and 4x,
 ``--tokens`` rows; with ``--batch B`` as a transformer's ``(B, tokens / B, dim)``

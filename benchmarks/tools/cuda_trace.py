@@ -1,6 +1,6 @@
 """Where a CUDA training step peaks: the allocator's trace of one step, and the blocks alive at its peak.
 
-``python -m benchmarks.cuda_trace --model llama --size 8 --config sh`` (GPU only)
+``python -m benchmarks.tools.cuda_trace --model llama --size 8 --config sh`` (GPU only)
 builds a benchmark configuration as the main job does (``--config``: a name of
 ``benchmarks.configs.CONFIGS``, or ``plan floor`` / ``plan <fraction>`` for
 ``sh.plan`` at the lowest budget it meets or at that fraction of its modelled
@@ -12,7 +12,7 @@ generated code the frame's line is the kernel or extern call, and the frames
 after it name the model's source. ``--out`` keeps the snapshot (gzip pickle) for
 ``torch.cuda.memory._snapshot`` viewers.
 
-The CPU counterpart is ``python -m benchmarks.peak_ops`` (the profiler's memory
+The CPU counterpart is ``python -m benchmarks.tools.peak_ops`` (the profiler's memory
 events). Written after the twentieth session read two such traces with ad-hoc
 scripts on an H200: a CUDA reduction's staging buffer, and llama's floor plan
 peaking in the memory-efficient attention's backward.
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         SystemExit: bad flags, an unknown configuration, or no CUDA device.
     """
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cuda_trace", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tools.cuda_trace", description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(MODELS), default="llama")
     parser.add_argument("--size", type=float, default=8.0, help="batch multiplier (default 8)")
     parser.add_argument("--config", default="sh", help="a benchmark configuration, or 'plan floor' / 'plan <f>'")
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.config in CONFIGS or args.config == "plan floor" or _fraction(args.config)):
         parser.error(f"--config: {args.config!r} is no configuration of benchmarks.configs.CONFIGS nor 'plan <f>'")
     if not torch.cuda.is_available():
-        parser.error("needs a CUDA device (the CPU counterpart: python -m benchmarks.peak_ops)")
+        parser.error("needs a CUDA device (the CPU counterpart: python -m benchmarks.tools.peak_ops)")
     workload = make_workload(args.model, args.size, "cuda")
     workload.compiled_loss = args.compiled_loss
     config, predicted = _config(workload, args.config, args.backend)

@@ -1,0 +1,1 @@
+"""Diagnostics: one-off measurements behind figures and tests (`python -m benchmarks.tools.<name>`)."""
