@@ -46,6 +46,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from savedhooks._torch.fx import side_effectful_functions
 from savedhooks._torch.offload import ao_ops
+from savedhooks._torch.ops import schema_or_none
 from savedhooks.memory import build_graph_memory, freed_inputs
 from savedhooks.memory.estimate import _report_device
 from savedhooks.memory.sizes import size_hint, tensor_nbytes
@@ -285,7 +286,7 @@ def _mutates(node: torch.fx.Node) -> bool:
     """
     if node.op != "call_function" or node.target is torch.ops.ao.wait_tensor.default:
         return False
-    schema = getattr(node.target, "_schema", None)
+    schema = schema_or_none(node.target)
     return (schema is not None and schema.is_mutable) or node.target in side_effectful_functions
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "TorchDispatchMode",
     "current_dispatch_mode",
     "schema_of",
+    "schema_or_none",
     "torch_dispatch_rule",
 ]
 
@@ -35,6 +36,18 @@ def schema_of(op: OpOverload) -> torch.FunctionSchema:
         ``op._schema``: its arguments (with alias and write information) and returns.
     """
     return op._schema
+
+
+def schema_or_none(target: Any) -> torch.FunctionSchema | None:
+    """The schema of an FX node's call target when it has one (an operator overload), else None.
+
+    Args:
+        target: a ``call_function`` node's target: an ``OpOverload``, a Python function, a builtin.
+
+    Returns:
+        ``target._schema``, or None for a target without one.
+    """
+    return getattr(target, "_schema", None)
 
 
 def current_dispatch_mode() -> TorchDispatchMode | None:
