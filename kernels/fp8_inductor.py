@@ -34,7 +34,7 @@ Design notes
   which ``torch._dynamo.reset()`` empties; tracing the codec again then cost 2 to
   3 s per variant on 2 cores, and test suites and benchmarks reset between cases.
   The precompiled variants are ours and survive the reset. With
-  ``inductor.config.force_disable_caches`` set, ``aot_compile`` refuses,
+  ``torch._inductor.config.force_disable_caches`` set, ``aot_compile`` refuses,
   and the plain compiled function serves (dynamo's cache, reset as before).
 * A last short block (block scales, columns not a multiple of the block size):
   under dynamic shapes inductor joins the two column segments' codes with an aten

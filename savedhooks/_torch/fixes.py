@@ -78,9 +78,6 @@ def align_rng_state_names(fw_graph: torch.fx.Graph, bw_graph: torch.fx.Graph) ->
     Args:
         fw_graph: the forward graph AOTAutograd is inlining hooks into.
         bw_graph: its backward graph.
-
-    Returns:
-        None.
     """
     forward = rng_state_outputs(fw_graph)
     if not forward:
@@ -130,8 +127,5 @@ def install() -> None:
     Called when savedhooks' hooks are entered (:class:`savedhooks.saved_tensors_hooks`)
     and when its compiler pieces are built (``sh.backend``, ``sh.compilers.reorder_pass``).
     The checkpointed-random-ops fix patches nothing: it runs inside the hooks.
-
-    Returns:
-        None.
     """
     set_up_dtype_propagation_once()

@@ -21,8 +21,5 @@ def rename_node(node: torch.fx.Node, name: str) -> None:
     Args:
         node: a node of a graph.
         name: the name it gets (made unique by the graph's namespace).
-
-    Returns:
-        None.
     """
     node._rename(name)

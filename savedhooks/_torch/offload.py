@@ -17,6 +17,7 @@ __all__ = ["ao_ops", "register_wait", "transfer_stream"]
 
 
 def _offload_ops() -> Any:
+    """torch's offloading module, imported (and its ``ao::`` ops registered) on first use."""
     from torch._functorch._activation_offloading import offload_ops  # registers the ao:: ops
 
     return offload_ops
