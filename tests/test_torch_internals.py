@@ -16,8 +16,9 @@ Read from the source (``ast``) of ``savedhooks/`` and ``kernels/``. Outside
   ``obj._name`` or through ``getattr`` / ``hasattr`` with a string, unless
   :data:`FOREIGN_PRIVATES` lists it. A name counts as defined by a ``def``, a
   ``class``, an assignment or attribute store (dataclass fields and
-  ``__slots__`` included), an argument, the ``as`` name of an import, or a string handed to
-  ``setattr`` / ``delattr`` / ``object.__setattr__``.
+  ``__slots__`` included), an argument, the ``as`` name of an import, or a
+  string handed to ``setattr`` / ``delattr`` / ``object.__setattr__``. A
+  string read with ``getattr`` defines nothing: it is checked as a read.
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 
 ``torch._inductor.config`` (the post-grad pass slot, caches), ``CustomGraphPass``
 (the base of a pass inductor keys its cache on), ``ir`` and ``V`` (the graph
-being lowered, read at scheduling time) are imported with this module: torch
-has loaded them by then. ``compile_fx``, ``GraphLowering``, inductor's ``memory``
-module (its peak-memory reordering) and ``estimate_roofline_runtime_ms`` are
-loaded on first access as attributes of this module (``inductor.compile_fx``), so
-that ``import savedhooks`` does not import them.
+being lowered, read at scheduling time) are imported with this module, which
+``import savedhooks`` imports (its compilers subclass ``CustomGraphPass``).
+``compile_fx``, ``GraphLowering``, inductor's ``memory`` module (its
+peak-memory reordering) and ``estimate_roofline_runtime_ms`` are loaded on
+first access as attributes of this module (``inductor.compile_fx``), so that
+``import savedhooks`` does not import them.
 """
 
 from __future__ import annotations
