@@ -250,16 +250,29 @@ def test_every_allowed_foreign_private_is_still_used():
     assert not stale, "FOREIGN_PRIVATES entries no longer needed:\n" + "\n".join(stale)
 
 
-def test_the_compat_package_imports_nothing_else_from_savedhooks():
+def compat_imports_of_savedhooks(trees: dict[str, ast.Module]) -> list[str]:
+    """Imports, in ``savedhooks/_torch/``, of savedhooks modules outside it (relative ones that climb out too).
+
+    Args:
+        trees: path -> parsed module, as :func:`_sources` returns.
+
+    Returns:
+        ``path:line module`` for each such import.
+    """
     found = []
-    for path, tree in _sources().items():
+    for path, tree in trees.items():
         if not path.startswith(COMPAT):
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""] if not node.level else ["savedhooks._torch"]
+                # the package has no subpackages: level 1 stays inside it, a higher level leaves it
+                names = (
+                    [node.module or ""]
+                    if not node.level
+                    else ["savedhooks._torch" if node.level == 1 else "savedhooks"]
+                )
             else:
                 continue
             found += [
@@ -268,7 +281,12 @@ def test_the_compat_package_imports_nothing_else_from_savedhooks():
                 if n.split(".")[0] == "savedhooks"
                 and not (n == "savedhooks._torch" or n.startswith("savedhooks._torch."))
             ]
-    assert not found, "\n".join(found)
+    return found
+
+
+def test_the_compat_package_imports_nothing_else_from_savedhooks():
+    found = compat_imports_of_savedhooks(_sources())
+    assert not found, "savedhooks/_torch/ imports from the rest of savedhooks:\n" + "\n".join(found)
 
 
 SYNTHETIC = """\
@@ -330,6 +348,14 @@ def test_the_checker_fails_on_each_rule(tmp_path):
         "savedhooks/a.py:27 <expr>._cdata (private attribute savedhooks does not define)",
     ]
     assert used == set(allowed)
+    assert compat_imports_of_savedhooks(_sources(tmp_path)) == []
+    (tmp_path / "savedhooks" / "_torch" / "b.py").write_text(
+        "from savedhooks._torch import x\nfrom . import y\nfrom savedhooks.memory import z\nfrom .. import w\n"
+    )
+    assert compat_imports_of_savedhooks(_sources(tmp_path)) == [
+        "savedhooks/_torch/b.py:3 savedhooks.memory",
+        "savedhooks/_torch/b.py:4 savedhooks",
+    ]
     # without its allowlist entry, the foreign private is found too
     found, _ = find_accesses(_sources(tmp_path), ())
     assert "savedhooks/a.py:29 trainer._prepare_inputs (private attribute savedhooks does not define)" in map(
