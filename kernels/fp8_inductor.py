@@ -63,6 +63,9 @@ import warnings
 
 import torch
 
+from savedhooks._torch import dynamo, inductor
+from savedhooks._torch.fx import is_fx_symbolic_tracing, shapes_config
+from savedhooks._torch.ops import current_dispatch_mode
 from savedhooks.kernels.fp8 import (
     _check_dequantize_args,
     _check_quantize_args,
@@ -115,11 +118,11 @@ def uses_inductor(x: torch.Tensor) -> bool:
     """
     if x.dim() != 2 or not inductor_serves(tuple(x.shape), x.device):
         return False
-    if torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None:
+    if torch.compiler.is_compiling() or dynamo.tracing_context() is not None:
         return False
-    if torch.fx._symbolic_trace.is_fx_symbolic_tracing():  # make_fx runs the op's body with its mode popped
+    if is_fx_symbolic_tracing():  # make_fx runs the op's body with its mode popped
         return False
-    return torch.utils._python_dispatch._get_current_dispatch_mode() is None
+    return current_dispatch_mode() is None
 
 
 def inductor_serves(shape: tuple[int, int], device: torch.device | str) -> bool:
@@ -199,7 +202,7 @@ class _Variants:
         self.variants = []
 
     def __call__(self, *args):
-        if torch._inductor.config.force_disable_caches:  # aot_compile needs the caches
+        if inductor.config.force_disable_caches:  # aot_compile needs the caches
             return self.compiled(*args)
         for variant in self.variants:
             if variant.guard_check(*args):
@@ -208,8 +211,8 @@ class _Variants:
             raise RuntimeError(f"savedhooks: {RECOMPILE_LIMIT} compiled variants of the fp8 codec, none fits")
         # constants stay constants (a float argument would otherwise restart the analysis, which
         # aot_compile does not do); no duck sizing, so a square first tensor is not a variant of its own
-        with torch._dynamo.config.patch(specialize_float=True), \
-                torch.fx.experimental._config.patch(use_duck_shape=False):  # fmt: skip
+        with dynamo.config.patch(specialize_float=True), \
+                shapes_config.patch(use_duck_shape=False):  # fmt: skip
             variant = self.compiled.aot_compile((args, {}))
         self.variants.append(variant)
         return variant.fn(*args)
@@ -224,7 +227,7 @@ def _compiled(fn) -> _Variants:
 def _steady_state():
     """The global state every call runs in: grad off, CPU autocast off, a recompile limit that raises."""
     with torch.no_grad(), torch.autocast("cpu", enabled=False), \
-            torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):  # fmt: skip
+            dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):  # fmt: skip
         yield
 
 

@@ -39,8 +39,9 @@ Design notes
 from __future__ import annotations
 
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false, make_contiguous_strides_for
 
+from savedhooks._torch.offload import register_wait, transfer_stream
+from savedhooks._torch.tensors import is_non_overlapping_and_dense_or_false, make_contiguous_strides_for
 from savedhooks.hostmem.pool import default_pool
 
 __all__ = ["torch_offload", "torch_offload_async", "torch_reload"]
@@ -130,13 +131,11 @@ def torch_offload_async(x: torch.Tensor) -> torch.Tensor:
     """
     if x.device.type == "cpu":
         raise ValueError("savedhooks.offload_async: needs a tensor on an accelerator, got one on the cpu")
-    from torch._functorch._activation_offloading import offload_ops as ao
-
-    transfer = ao._get_or_create_transfer_stream(x.device)
+    transfer = transfer_stream(x.device)
     current = torch.accelerator.current_stream(x.device)
     transfer.wait_stream(current)
     host = default_pool().empty_strided(x.size(), make_contiguous_strides_for(x.shape), x.dtype)
-    event = ao._register_wait(host, x.device)
+    event = register_wait(host, x.device)
     torch.accelerator.set_stream(transfer)
     try:
         host.copy_(x, non_blocking=True)

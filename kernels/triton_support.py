@@ -24,9 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.library import triton_op, wrap_triton
+
+from savedhooks._torch.ops import torch_dispatch_rule
+from savedhooks._torch.tensors import FakeTensor, FunctionalTensor, FunctionalTensorMode
 
 __all__ = ["as_triton_op", "is_interpreted", "launch", "runs_triton"]
 
@@ -112,7 +113,7 @@ def as_triton_op(name: str, fn: Callable[..., Any], kernel: Any) -> Any:
     """
     op = triton_op(name, fn, mutates_args=())
     op.__doc__ = fn.__doc__
-    decompose: Callable[..., Any] = op._torch_dispatch_fns[FunctionalTensorMode]  # torch's own rule
+    decompose: Callable[..., Any] = torch_dispatch_rule(op, FunctionalTensorMode)  # torch's own rule
 
     def rule(mode, func, types, args, kwargs):
         first = next(a for a in args if isinstance(a, torch.Tensor))

@@ -23,11 +23,10 @@ from collections.abc import Iterator
 
 import torch
 import torch.fx
-from torch._dynamo.backends.debugging import aot_eager, boxed_nop
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import savedhooks.kernels.offload  # noqa: F401  (registers savedhooks::offload, which the pass looks for)
-from savedhooks import torchfixes
+from savedhooks._torch import aot, fixes, inductor
+from savedhooks._torch.dynamo import aot_eager, boxed_nop
 from savedhooks.contract import placed_compile, placing_requested
 from savedhooks.hooks import HookPair, applied, check_hook_pair
 from savedhooks.identity import source_digest
@@ -50,7 +49,7 @@ __all__ = [
 ]
 
 
-class ReorderPass(CustomGraphPass):
+class ReorderPass(inductor.CustomGraphPass):
     """The reorder pass as inductor's ``post_grad_custom_post_pass`` (a CustomGraphPass).
 
     By default it reorders backward graphs only: there inductor leaves the
@@ -132,9 +131,7 @@ class ReorderPass(CustomGraphPass):
         overlap_transfers(gm, is_backward)  # offload copies (accelerator <-> host) only
 
     def uuid(self) -> str:
-        from torch._functorch import config as functorch_config
-
-        bandwidth = functorch_config.activation_offload_cpu_gpu_bw  # times the overlap of offload copies
+        bandwidth = aot.config.activation_offload_cpu_gpu_bw  # times the overlap of offload copies
         # a backward's copies of the weights its forward kept (input_layout) depend on that forward's compile
         weights = ",".join(sorted(recorded_weights()))
         options = f"forward={self.forward}:hooked_only={self.hooked_only}:copy_gbps={bandwidth}:weights={weights}"
@@ -157,7 +154,7 @@ def reorder_pass(forward: bool = False) -> ReorderPass:
     Raises:
         Nothing.
     """
-    torchfixes.install()
+    fixes.install()
     return _REORDER_PASSES[bool(forward), False]
 
 
@@ -215,12 +212,9 @@ def inductor_placement(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
-
-    slot = _with_pass(inductor_config.post_grad_custom_post_pass, _REORDER_PASSES[False, True])
-    with inductor_config.patch(post_grad_custom_post_pass=slot, allow_buffer_reuse=False), \
-            functorch_config.patch(force_non_lazy_backward_lowering=True):  # fmt: skip
+    slot = _with_pass(inductor.config.post_grad_custom_post_pass, _REORDER_PASSES[False, True])
+    with inductor.config.patch(post_grad_custom_post_pass=slot, allow_buffer_reuse=False), \
+            aot.config.patch(force_non_lazy_backward_lowering=True):  # fmt: skip
         yield
 
 
@@ -236,7 +230,7 @@ def backend(base: str = "aot_eager"):
     Raises:
         ValueError: ``base`` is neither.
     """
-    torchfixes.install()
+    fixes.install()
     if base == "aot_eager":
         return _AOT_EAGER_BACKEND
     if base == "inductor":
@@ -273,9 +267,8 @@ def _placing(is_backward: bool):
 
 
 def _inductor_backend(gm: torch.fx.GraphModule, example_inputs):
-    from torch._inductor.compile_fx import compile_fx
-
-    return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": _REORDER_PASSES[False, False]})
+    slot = {"post_grad_custom_post_pass": _REORDER_PASSES[False, False]}
+    return inductor.compile_fx(gm, example_inputs, config_patches=slot)
 
 
 # One shared instance per option: equal passes, equal cache keys.
@@ -324,7 +317,7 @@ class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors 
         self._entered: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> HookPair:
-        torchfixes.install()
+        fixes.install()
         with contextlib.ExitStack() as stack:
             stack.enter_context(inductor_placement(self.reorder))
             stack.enter_context(applied(self.hooks))

@@ -20,7 +20,10 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
+
+from savedhooks._torch import pytree
+from savedhooks._torch.aot import saved_tensor_hook_context
+from savedhooks._torch.tensors import version_counter
 
 __all__ = [
     "HookContext",
@@ -127,12 +130,11 @@ def hook_context() -> HookContext | None:
     Raises:
         Nothing.
     """
-    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
-
-    state = _get_saved_tensor_hook_context()
-    if not state:
+    state = saved_tensor_hook_context()
+    if state is None:
         return None
-    return HookContext(node=state["_node"], fw_graph=state["_fw_graph"], bw_graph=state["_bw_graph"])
+    node, fw_graph, bw_graph = state
+    return HookContext(node=node, fw_graph=fw_graph, bw_graph=bw_graph)
 
 
 _PLACED: contextvars.ContextVar[bool] = contextvars.ContextVar("savedhooks_placed_compile", default=False)
@@ -179,9 +181,9 @@ def placing_requested() -> bool:
 
 
 def _pack_checked(fns: _HookFunctions, x: torch.Tensor) -> tuple[Any, _SavedMeta]:
-    version = x._version
+    version = version_counter(x)
     packed = fns.call("pack", x)
-    if x._version != version:
+    if version_counter(x) != version:
         raise fns.error(HookMutationError, "pack", "mutated the saved tensor in place; return a new tensor instead")
     for leaf in pytree.tree_leaves(packed):
         if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES)):
@@ -198,9 +200,9 @@ def _pack_checked(fns: _HookFunctions, x: torch.Tensor) -> tuple[Any, _SavedMeta
 def _unpack_checked(fns: _HookFunctions, packed_and_meta: tuple[Any, _SavedMeta]) -> torch.Tensor:
     packed, (dtype, device, shape) = packed_and_meta
     tensors = [t for t in pytree.tree_leaves(packed) if isinstance(t, torch.Tensor)]
-    versions = [t._version for t in tensors]
+    versions = [version_counter(t) for t in tensors]
     out = fns.call("unpack", packed)
-    if [t._version for t in tensors] != versions:
+    if [version_counter(t) for t in tensors] != versions:
         raise fns.error(
             HookMutationError, "unpack", "mutated the packed payload in place; backward may unpack it more than once"
         )

@@ -36,10 +36,11 @@ import weakref
 from typing import Any, Callable
 
 import torch
-import torch.utils._pytree as pytree
 
+from savedhooks._torch import pytree
+from savedhooks._torch.fixes import align_rng_state_names
+from savedhooks._torch.tensors import base_of, is_traced, is_view, version_counter
 from savedhooks.contract import HookError, _HookFunctions, _pack_checked, _unpack_checked, hook_context
-from savedhooks.torchfixes import align_rng_state_names
 
 
 class _Passthrough:
@@ -49,7 +50,7 @@ class _Passthrough:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-        self.version = tensor._version
+        self.version = version_counter(tensor)
 
 
 class _Aliasing:
@@ -62,7 +63,7 @@ class _Aliasing:
     __slots__ = ("packed", "tensor", "version")
 
     def __init__(self, packed: Any, tensor: torch.Tensor) -> None:
-        self.packed, self.tensor, self.version = packed, tensor, tensor._version
+        self.packed, self.tensor, self.version = packed, tensor, version_counter(tensor)
 
 
 class _Held:
@@ -72,7 +73,7 @@ class _Held:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor: torch.Tensor | None = tensor
-        self.version = tensor._version
+        self.version = version_counter(tensor)
         self.edge = (tensor.grad_fn, tensor.output_nr)
         self.readers: set[str] = set()
         self.packed: Any = None
@@ -102,11 +103,11 @@ class _ViewOf:
 
 
 def _check_version(fns: _HookFunctions, tensor: torch.Tensor, version: int) -> None:
-    if tensor._version != version:
+    if version_counter(tensor) != version:
         raise RuntimeError(
             "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: {tuple(tensor.shape)} {tensor.dtype} is at version {tensor._version}; expected version "
-            f"{version} instead (it was saved as is by {fns.label('pack')})"
+            f"operation: {tuple(tensor.shape)} {tensor.dtype} is at version {version_counter(tensor)}; "
+            f"expected version {version} instead (it was saved as is by {fns.label('pack')})"
         )
 
 
@@ -167,14 +168,14 @@ def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
     if not _is_eager(x):
         ctx = hook_context()
         if ctx is not None:
-            align_rng_state_names(ctx.fw_graph, ctx.bw_graph)  # torch 2.13: checkpointed random ops (savedhooks.torchfixes)
+            align_rng_state_names(ctx.fw_graph, ctx.bw_graph)  # torch 2.13: checkpointed random ops (_torch.fixes)
         return _pack_checked(fns, x)
     if _frees_nothing(x):
         return _Passthrough(x)
     frame = _eager_frame(fns)
     if frame is None:  # torch's own hooks entered directly: no sharing within the forward
         return _pack_now(fns, x, None)
-    base = x._base if x._is_view() else None
+    base = base_of(x) if is_view(x) else None
     if base is not None and _covers(x, base) and not _frees_nothing(base):
         # relu's (B, T, C) output and the (B*T, C) view the next matmul saves: one payload
         # the view keeps its own shape, also when the base's payload is the base itself
@@ -184,7 +185,7 @@ def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
 
 def _pack_cached(frame: _Frame, x: torch.Tensor) -> Any:
     hit = frame.cache.get(id(x))
-    if hit is not None and hit[0]() is x and hit[1] == x._version:
+    if hit is not None and hit[0]() is x and hit[1] == version_counter(x):
         return hit[2]
     if frame.window:
         _note_readers(frame, x)
@@ -199,7 +200,7 @@ def _pack_now(fns: _HookFunctions, x: torch.Tensor, cache: dict[int, tuple[Any, 
         return _Aliasing(packed, x)
     if cache is None:
         return packed
-    cache[id(x)] = (weakref.ref(x, lambda _, k=id(x): cache.pop(k, None)), x._version, packed)
+    cache[id(x)] = (weakref.ref(x, lambda _, k=id(x): cache.pop(k, None)), version_counter(x), packed)
     return packed
 
 
@@ -217,7 +218,7 @@ def _note_readers(frame: _Frame, x: torch.Tensor) -> None:
 def _hold(frame: _Frame, x: torch.Tensor) -> _Held:
     """Hold ``x`` as it is in ``frame``'s window; the oldest held tensor beyond the window is packed."""
     held = _Held(x)
-    frame.cache[id(x)] = (weakref.ref(x, lambda _, k=id(x), c=frame.cache: c.pop(k, None)), x._version, held)
+    frame.cache[id(x)] = (weakref.ref(x, lambda _, k=id(x), c=frame.cache: c.pop(k, None)), version_counter(x), held)
     frame.held.append(held)
     while len(frame.held) > frame.window:
         _settle(frame, frame.held.pop(0))
@@ -239,7 +240,7 @@ def _input_edges(node: Any) -> list[tuple[Any, int]]:
 def _settle(frame: _Frame, held: _Held) -> None:
     """Pack a held tensor now, its readers visible to the codec; one changed in place stays for unpack to refuse."""
     x = held.tensor
-    if x is None or x._version != held.version:
+    if x is None or version_counter(x) != held.version:
         return
     _active.readers = frozenset(held.readers)
     try:
@@ -294,8 +295,8 @@ def _unpack(fns: _HookFunctions, packed: Any) -> torch.Tensor:
 # A hook entered inside a torch.compile'd function is called from frames dynamo
 # compiles; its body must still run eagerly on real tensors (the eager rules above),
 # so dynamo never traces it. AOTAutograd's re-trace of the hook graphs is unaffected.
-_pack_outside_dynamo = torch._dynamo.disable(_pack)
-_unpack_outside_dynamo = torch._dynamo.disable(_unpack)
+_pack_outside_dynamo = torch.compiler.disable(_pack)
+_unpack_outside_dynamo = torch.compiler.disable(_unpack)
 
 
 def _eager_frame(fns: _HookFunctions) -> _Frame | None:
@@ -324,10 +325,7 @@ def _lookup(key: str) -> _HookFunctions:
 
 def _is_eager(x: torch.Tensor) -> bool:
     # AOTAutograd traces hooks on FakeTensor / FunctionalTensor subclasses.
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    return not isinstance(x, (FakeTensor, FunctionalTensor))
+    return not is_traced(x)
 
 
 def _frees_nothing(x: torch.Tensor) -> bool:
@@ -336,5 +334,5 @@ def _frees_nothing(x: torch.Tensor) -> bool:
     # and views of them. Eager autograd cannot tell a no-grad float input from a float
     # tensor made inside an op, so both are kept (CPU eager dropout's float noise is
     # one); bool masks and int64 indices made in the forward are packed.
-    base = x._base if x._is_view() else x
+    base = base_of(x) if is_view(x) else x
     return isinstance(base, torch.nn.Parameter) or (base.is_leaf and (base.requires_grad or base.is_floating_point()))

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 import savedhooks.kernels
+from savedhooks._torch.ops import OpOverload, OpOverloadPacket
 
 __all__ = ["Fingerprint", "UnfingerprintableError", "fingerprint", "fingerprint_details", "source_digest"]
 
@@ -142,7 +143,7 @@ class _Walker:
             return ("module", obj.__name__)
         if isinstance(obj, type):
             return self._class(obj, path)
-        if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if isinstance(obj, (OpOverload, OpOverloadPacket)):
             return ("op", str(obj))
         if isinstance(obj, types.BuiltinFunctionType):
             owner = getattr(obj, "__self__", None)

@@ -38,6 +38,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from savedhooks._torch import inductor
+from savedhooks._torch.dynamo import tracing_context
+
 __all__ = ["keep_input_layout", "recorded_weights", "restore_input_layout"]
 
 _VISIBLE, _STRIDES = "user_visible_output_idxs", "original_output_strides"
@@ -135,14 +138,14 @@ def recorded_weights() -> frozenset[str]:
     Raises:
         Nothing.
     """
-    context = torch._guards.TracingContext.try_get()
+    context = tracing_context()
     fw_metadata = getattr(context, "fw_metadata", None)
     entry = getattr(context, _RECORD, {}).get(id(fw_metadata))
     return entry[1] if entry is not None and entry[0] is fw_metadata else frozenset()
 
 
 def _record(names: set[str]) -> None:
-    context = torch._guards.TracingContext.try_get()
+    context = tracing_context()
     fw_metadata = getattr(context, "fw_metadata", None)
     if fw_metadata is None:
         return
@@ -161,6 +164,4 @@ def _layout_optimized(graph: torch.fx.Graph) -> bool:
     """Inductor's own decision for this graph (a training graph: ``is_inference=False``)."""
     from types import SimpleNamespace
 
-    from torch._inductor.graph import GraphLowering
-
-    return bool(GraphLowering.decide_layout_opt(SimpleNamespace(graph=graph), is_inference=False))
+    return bool(inductor.GraphLowering.decide_layout_opt(SimpleNamespace(graph=graph), is_inference=False))

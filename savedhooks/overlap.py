@@ -43,8 +43,10 @@ import logging
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-from torch.fx.node import _side_effectful_functions
 
+from savedhooks._torch.fx import side_effectful_functions
+from savedhooks._torch.offload import ao_ops
+from savedhooks._torch.ops import schema_or_none
 from savedhooks.memory import build_graph_memory, freed_inputs
 from savedhooks.memory.estimate import _report_device
 from savedhooks.memory.sizes import size_hint, tensor_nbytes
@@ -202,9 +204,7 @@ def _overlappable(node: torch.fx.Node, is_backward: bool) -> bool:
 
 
 def _ao_ops():
-    import torch._functorch._activation_offloading.offload_ops  # registers ao::offload, ao::reload, ao::wait_tensor
-
-    return torch.ops.ao
+    return ao_ops()  # registers ao::offload, ao::reload, ao::wait_tensor
 
 
 def _split(graph: torch.fx.Graph, node: torch.fx.Node, ao, is_backward: bool) -> tuple[torch.fx.Node, torch.fx.Node]:
@@ -286,8 +286,8 @@ def _mutates(node: torch.fx.Node) -> bool:
     """
     if node.op != "call_function" or node.target is torch.ops.ao.wait_tensor.default:
         return False
-    schema = getattr(node.target, "_schema", None)
-    return (schema is not None and schema.is_mutable) or node.target in _side_effectful_functions
+    schema = schema_or_none(node.target)
+    return (schema is not None and schema.is_mutable) or node.target in side_effectful_functions
 
 
 def _warn_if_copies_outlast_compute(copying: float, computing: float, is_backward: bool) -> None:

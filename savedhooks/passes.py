@@ -37,6 +37,7 @@ import re
 import torch
 import torch.fx
 
+from savedhooks._torch.ops import OpOverload, schema_of
 from savedhooks.memory import build_graph_memory, freed_inputs, lower_bound
 from savedhooks.memory.estimate import _report_device
 from savedhooks.schedule import STRATEGIES, Problem, Schedule, build_problem, hoist_frees, peak_of, schedule, sink_free
@@ -106,10 +107,10 @@ def _written_buffers(node: torch.fx.Node, node_buffers) -> set[int]:
     target = node.target
     if target is operator.getitem:
         return set()
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return set().union(*(node_buffers.get(a, set()) for a in node.all_input_nodes))
     written: set[int] = set()
-    schema = target._schema
+    schema = schema_of(target)
     for k, argument in enumerate(schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue

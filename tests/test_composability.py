@@ -17,7 +17,7 @@ from torch._dynamo import compiled_autograd
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import savedhooks as sh
-from savedhooks.torchfixes import rng_state_outputs
+from savedhooks._torch.fixes import rng_state_outputs
 from tests.models import POLICY_DB, GraphCapture, TransformerBlock, transformer, worst_sqnr
 
 # the recorder's list makes its identity process-local (savedhooks warns): nothing else depends on it here
@@ -118,7 +118,7 @@ def test_checkpoint_eager_packs_what_stays_saved_once_and_nothing_recomputed(sel
 
 def test_checkpoint_compiled_with_random_ops():
     """Checkpointed SDPA with dropout_p given (as transformers' models call it): torch saves the
-    generator state for the recompute, and its hook inlining could not find it (savedhooks.torchfixes)."""
+    generator state for the recompute, and its hook inlining could not find it (savedhooks._torch.fixes)."""
     model, x = _Checkpointed(dropout=0.1), torch.randn(2, 32, 64)
     compiled = torch.compile(model, backend="aot_eager")
     want = _grads(model, compiled, x)
@@ -184,7 +184,7 @@ def test_hooks_on_what_checkpointing_still_saves_lower_its_measured_peak(backend
 
 @pytest.mark.xfail(strict=True, reason="torch 2.13: inlined hooks cannot find a checkpointed random op's rng state")
 def test_torch_inlined_hooks_fail_on_checkpointed_random_ops():
-    """Pins the torch bug savedhooks.torchfixes works around: torch's own GraphModule hooks."""
+    """Pins the torch bug savedhooks._torch.fixes works around: torch's own GraphModule hooks."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     identity = make_fx(lambda t: t * 1)(torch.randn(2))

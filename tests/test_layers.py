@@ -17,7 +17,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # The layers, lowest first, with the modules each holds (a prefix holds its submodules).
 # A module imports only from its own layer or from one listed before it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("_torch", ("savedhooks.torchfixes",)),
+    ("_torch", ("savedhooks._torch",)),
     ("hostmem", ("savedhooks.hostmem",)),
     ("kernels", ("savedhooks.kernels",)),
     ("memory", ("savedhooks.memory",)),

@@ -1,4 +1,4 @@
-"""savedhooks.torchfixes: the dtype-propagation set-up that torch 2.13 re-ran on every construction."""
+"""savedhooks._torch.fixes: the dtype-propagation set-up that torch 2.13 re-ran on every construction."""
 
 import functools
 import subprocess
@@ -11,7 +11,7 @@ import torch._inductor.lowering  # fills inductor's op rules, as any compile doe
 from torch._inductor import dtype_propagation
 from torch._inductor import utils as inductor_utils
 
-from savedhooks.torchfixes import install, set_up_dtype_propagation_once
+from savedhooks._torch.fixes import install, set_up_dtype_propagation_once
 
 Handler = dtype_propagation.DtypePropagationOpsHandler
 pytestmark = pytest.mark.skipif(not torch.__version__.startswith("2.13."), reason="the fix is for torch 2.13 only")

@@ -13,7 +13,8 @@ import dataclasses
 from typing import Any
 
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+from savedhooks._torch.tensors import is_non_overlapping_and_dense_or_false
 
 __all__ = ["Layout", "from_rows", "innermost_size", "is_broadcast", "memory_order", "narrow_broadcast", "to_rows"]
 

@@ -14,9 +14,9 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 import savedhooks.kernels.offload  # noqa: F401  (registers savedhooks::offload and savedhooks::reload)
+from savedhooks._torch import pytree
 from savedhooks.codecs.base import Codec, as_codec
 from savedhooks.codecs.layout import is_broadcast, narrow_broadcast
 from savedhooks.contract import hook_context

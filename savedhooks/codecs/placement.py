@@ -24,13 +24,13 @@ Design notes
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from savedhooks._torch import inductor
 from savedhooks.contract import HookContext, placing_requested
 from savedhooks.memory.sizes import storage_key
 
@@ -49,14 +49,7 @@ def inductor_compiling() -> bool:
     Raises:
         Nothing.
     """
-    compile_fx = sys.modules.get("torch._inductor.compile_fx")  # never imported: inductor is not compiling
-    main = getattr(compile_fx, "_compile_fx_main", None)
-    frame = sys._getframe(1)
-    while main is not None and frame is not None:
-        if frame.f_code is main.__code__:
-            return True
-        frame = frame.f_back
-    return False
+    return inductor.compiling()
 
 
 def unpacks_placed() -> bool:

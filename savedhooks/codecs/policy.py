@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from savedhooks._torch.ops import schema_of
 from savedhooks.codecs.backends import uses_fused
 from savedhooks.codecs.base import Codec, as_codec
 from savedhooks.codecs.bitmask import Bitmask
@@ -134,7 +135,7 @@ def is_statistic_of(node: torch.fx.Node, ops: tuple[str, ...]) -> bool:
     original = node.meta.get("original_aten")
     if op_name(original) not in ops:
         return False
-    if len(original._schema.returns) == 1:
+    if len(schema_of(original).returns) == 1:
         return True
     return _numel(node) < _largest_input_numel(node, original)
 

@@ -27,9 +27,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.nn.parameter import UninitializedBuffer
 
+from savedhooks._torch import dynamo, pytree
+from savedhooks._torch.nn import own_buffers
 from savedhooks.codecs import fp8
 from savedhooks.codecs.base import Codec, as_codec
 from savedhooks.compilers import saved_tensors_hooks
@@ -182,7 +183,7 @@ def kept_buffers(model: torch.nn.Module) -> Iterator[None]:
     saved = [
         (module, name, b, b.detach().clone())
         for module in model.modules()
-        for name, b in module._buffers.items()
+        for name, b in own_buffers(module).items()
         if b is not None and not isinstance(b, UninitializedBuffer) and not b.is_inference()
     ]  # lazy modules' buffers have no values yet; inference tensors cannot be written here (and a step cannot either)
     try:
@@ -190,7 +191,7 @@ def kept_buffers(model: torch.nn.Module) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for module, name, b, value in saved:  # every one: batch norm's kernel updates its stats unversioned
-                module._buffers[name] = b  # a buffer the step replaced gets its own tensor back
+                own_buffers(module)[name] = b  # a buffer the step replaced gets its own tensor back
                 b.copy_(value)
 
 
@@ -232,7 +233,7 @@ def sensitivity(
         backend: a ``torch.compile`` backend (``"aot_eager"``: the saved tensors
             are those of the compiled graphs; ``"inductor"`` recompiles slowly),
             or None for eager mode. Under compile it ends with
-            ``torch._dynamo.reset()``: its compiles, one per selection of packed
+            ``torch.compiler.reset()``: its compiles, one per selection of packed
             tensors, would leave the model's code past dynamo's recompile
             limit, and a later ``torch.compile`` of it would run eagerly.
             Compile the model for training after it.
@@ -266,7 +267,7 @@ def sensitivity(
         return grads, run.census
 
     # every step recompiles (new hooks): never fall back to eager half way
-    with torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16):
+    with dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16):
         reference, saved = step(Census(codec))
         if all(g is None for g in reference.values()):
             raise ValueError("sensitivity: no parameter of the model got a gradient")
@@ -280,7 +281,7 @@ def sensitivity(
     model.zero_grad(set_to_none=True)
     if backend is not None:
         # its compiles fill dynamo's cache for the model's code past the recompile limit: a later compile would run eagerly
-        torch._dynamo.reset()
+        torch.compiler.reset()
     groups.sort(key=lambda g: -math.inf if math.isnan(g.only_db) else g.only_db)
     report = Sensitivity(tuple(groups), all_db, all_worst, 2 + 2 * len(groups), codec)
     if verbose:

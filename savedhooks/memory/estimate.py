@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from savedhooks._torch.tensors import FakeTensorMode, unset_fake_temporarily
 from savedhooks.memory.graph import Buffer, GraphMemory, build_graph_memory
 
 __all__ = [
@@ -349,7 +349,6 @@ def _input_bytes(memory: GraphMemory, device: torch.device) -> int:
 
 
 def _propagate_fake_values(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...]) -> None:
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -71,9 +71,12 @@ import logging
 
 import torch
 import torch.fx
-from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from savedhooks._torch import pytree
+from savedhooks._torch.aot import run_and_save_rng_state, run_with_rng_state
+from savedhooks._torch.ops import OpOverload
+from savedhooks._torch.profiler import profiler_enabled
+from savedhooks._torch.tensors import unset_fake_temporarily
 from savedhooks.kernels.fp8 import _row_chunks, torch_fp8_dequantize, torch_fp8_quantize
 from savedhooks.kernels.fp8_inductor import inductor_scratch_bytes, inductor_serves
 from savedhooks.memory.measure import measure_peak
@@ -133,7 +136,7 @@ def _scratch(run, device: str = "cpu") -> int:
         run()
     held = []
     peak = measure_peak(lambda: held.append(run()), device=device)
-    outputs = [t for t in torch.utils._pytree.tree_leaves(held) if isinstance(t, torch.Tensor)]
+    outputs = [t for t in pytree.tree_leaves(held) if isinstance(t, torch.Tensor)]
     return max(0, peak - sum(allocated_bytes(t.untyped_storage().nbytes(), device) for t in outputs))
 
 
@@ -187,7 +190,7 @@ def op_scratch_bytes(node: torch.fx.Node, fused: bool = False) -> int:
     if node.op != "call_function":
         return 0
     dropout = _dropout_scratch(node)
-    if dropout or not isinstance(node.target, torch._ops.OpOverload):
+    if dropout or not isinstance(node.target, OpOverload):
         return dropout
     name = node.target.name()
     if node.target in MEASURED_ATEN or node.target in MEASURED_CUDA_ATEN:
@@ -235,7 +238,7 @@ class _Zeros:
 
 def _profiling(name: str) -> bool:
     """Whether a profiler is active: measuring on the CPU starts one, and a nested one would end the user's."""
-    if torch._C._autograd._profiler_enabled():
+    if profiler_enabled():
         # count none (the model without scratch) rather than disturb their trace
         log.info("savedhooks: a profiler is active; %s scratch not measured (counted 0)", name)
         return True
@@ -251,7 +254,7 @@ def _measured_on(node: torch.fx.Node, fused: bool) -> torch.device | None:
     """The device ``node``'s op is measured on: that of all its tensor arguments, if the op is measured there."""
     vals = [
         a.meta.get("val")
-        for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+        for a in pytree.tree_leaves((node.args, node.kwargs))
         if isinstance(a, torch.fx.Node)
     ]
     if not vals or not all(isinstance(v, torch.Tensor) for v in vals) or len({v.device for v in vals}) != 1:
@@ -269,7 +272,7 @@ def _aten_scratch(node: torch.fx.Node, fused: bool) -> int:
     if device is None or (device.type == "cpu" and _profiling(node.target.name())):
         return 0
 
-    tensors = [a for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
+    tensors = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
     recorded = node.meta.get(EXTERN_STRIDES) if fused else None
     strides = dict(zip(tensors, recorded, strict=True)) if recorded and len(recorded) == len(tensors) else {}
 
@@ -284,7 +287,7 @@ def _aten_scratch(node: torch.fx.Node, fused: bool) -> int:
         return size_hint(arg) if isinstance(arg, torch.SymInt) else arg
 
     try:
-        args = torch.utils._pytree.tree_map(spec, (node.args, node.kwargs))
+        args = pytree.tree_map(spec, (node.args, node.kwargs))
     except RuntimeError as error:  # a data-dependent size (no hint)
         log.info("savedhooks: scratch of %s not measured (%s); counted 0", node.target, error)
         return 0
@@ -301,7 +304,7 @@ def _frozen(value):
 
 
 @functools.lru_cache(maxsize=256)
-def _measured_aten_scratch(op: torch._ops.OpOverload, frozen: tuple) -> int:
+def _measured_aten_scratch(op: OpOverload, frozen: tuple) -> int:
     """The scratch of ``op`` on zeros (0, cached too, where it fails: an argument it cannot rebuild, no memory).
 
     Every tensor argument is on one device (:func:`_measured_on`).
@@ -312,7 +315,7 @@ def _measured_aten_scratch(op: torch._ops.OpOverload, frozen: tuple) -> int:
             return torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device=value.device).zero_()
         return [real(v) for v in value] if isinstance(value, tuple) else value
 
-    device = torch.device(next(z.device for z in torch.utils._pytree.tree_leaves(frozen) if isinstance(z, _Zeros)))
+    device = torch.device(next(z.device for z in pytree.tree_leaves(frozen) if isinstance(z, _Zeros)))
     generators = [device.index or 0] if device.type == "cuda" else []
     try:
         # compilers call this inside AOTAutograd's fake mode; a random op (dropout in SDPA) must not

@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
+
+from savedhooks._torch import pytree
+from savedhooks._torch.tensors import storage_cdata
 
 __all__ = [
     "CUDA_BLOCK_BYTES",
@@ -97,7 +99,7 @@ def storage_key(t: torch.Tensor) -> int | None:
         Nothing.
     """
     try:
-        return t.untyped_storage()._cdata
+        return storage_cdata(t)
     except (NotImplementedError, RuntimeError):  # storage-less tensors
         return None
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
+from savedhooks._torch import aot, inductor, pytree
 from savedhooks.memory.graph import backward_uses
 from savedhooks.memory.sizes import float_hint, size_hint, storage_key, tensor_nbytes
 
@@ -65,9 +65,7 @@ class TransferModel:
         """
         if self.copy_bytes_per_s is not None:
             return float(self.copy_bytes_per_s)
-        from torch._functorch import config
-
-        return config.activation_offload_cpu_gpu_bw * 1024**3
+        return aot.config.activation_offload_cpu_gpu_bw * 1024**3
 
     def seconds(self, node: torch.fx.Node) -> float:
         """Modelled run time of ``node`` on the compute stream.
@@ -90,9 +88,7 @@ class TransferModel:
         if node.op != "call_function":
             return 0.0
         if torch.cuda.is_available() and makes_cuda_tensor(node):
-            from torch._inductor.fx_passes.overlap_scheduling import estimate_roofline_runtime_ms
-
-            return float_hint(estimate_roofline_runtime_ms(node)) / 1e3
+            return float_hint(inductor.estimate_roofline_runtime_ms(node)) / 1e3
         return nominal_seconds(node)
 
 

@@ -62,8 +62,8 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from savedhooks._torch import pytree
 from savedhooks.fidelity.select import SavedTensor, concrete_size
 from savedhooks.hooks import hook_context
 from savedhooks.memory import build_graph_memory, freed_inputs, saved_activations, simulate

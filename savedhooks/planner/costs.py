@@ -47,8 +47,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from savedhooks._torch import dynamo, pytree
 from savedhooks.codecs.base import Codec
 from savedhooks.planner.recompute import FULL, block_seconds, check_mode
 
@@ -182,7 +182,7 @@ def seconds_per_byte(
             raise ValueError(f"seconds_per_byte: {codec!r} does not accept {dtype}")
         round_trip = torch.compile(lambda t: codec.decode(codec.encode(t)), backend=backend, dynamic=False)
         # one code object for every codec, dtype and backend: past dynamo's recompile limit it would run eagerly
-        with torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16):
+        with dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16):
             round_trip(x)
             best = float("inf")
             for _ in range(repeats):

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from savedhooks._torch.dynamo import is_compiled_module
 from savedhooks.metrics import worst_sqnr
 from savedhooks.planner.caches import check_no_cache_input
 from savedhooks.planner.check import (
@@ -532,4 +533,4 @@ def _name(k: int, mode: str, verb: str = "recompute") -> str:
 
 def _compiled(model: torch.nn.Module) -> bool:
     """Whether ``model`` is ``torch.compile``'s wrapper of a module, or a module compiled in place by ``.compile()``."""
-    return isinstance(model, torch._dynamo.OptimizedModule) or getattr(model, "_compiled_call_impl", None) is not None
+    return is_compiled_module(model)

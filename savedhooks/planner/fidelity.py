@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from savedhooks._torch import aot, inductor
 from savedhooks.codecs import fp8
 from savedhooks.fidelity.select import SavedTensor
 from savedhooks.fidelity.sensitivity import default_loss, sensitivity
@@ -219,8 +220,8 @@ def measure_limit(
     # its census of saved tensors is taken while the graphs are traced: a compile served from inductor's FX
     # graph cache or AOTAutograd's cache traces nothing, and the report came out empty (every harm 0)
     with (
-        torch._functorch.config.patch(enable_autograd_cache=False),
-        torch._inductor.config.patch(fx_graph_cache=False),
+        aot.config.patch(enable_autograd_cache=False),
+        inductor.config.patch(fx_graph_cache=False),
         caches_off(model),  # as the plan trains
     ):
         report = sensitivity(model, example_inputs, fp8(), loss_fn, backend, individually, seed, verbose=False)

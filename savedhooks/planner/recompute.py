@@ -40,9 +40,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from savedhooks._torch.ops import TorchDispatchMode
 from savedhooks.fidelity.sensitivity import call_model, kept_buffers
 from savedhooks.planner.caches import caches_off, without_cache_arguments
 

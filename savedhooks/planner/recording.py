@@ -23,12 +23,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
-from torch._dynamo.backends.debugging import boxed_nop
-from torch._inductor import ir as inductor_ir
-from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._inductor.virtualized import V
 
+from savedhooks._torch import inductor, pytree
+from savedhooks._torch.dynamo import boxed_nop
+from savedhooks._torch.inductor import CustomGraphPass, V
+from savedhooks._torch.inductor import ir as inductor_ir
 from savedhooks.compilers import placed_aot_eager, reorder_pass
 from savedhooks.memory.fusion import is_alias
 from savedhooks.memory.scratch import EXTERN_STRIDES
@@ -106,7 +105,7 @@ class GraphRecorder(CustomGraphPass):
         Raises:
             Nothing.
         """
-        import torch._inductor.memory as inductor_memory
+        inductor_memory = inductor.memory
 
         original = inductor_memory.reorder_for_peak_memory
 
@@ -261,8 +260,6 @@ def _copied_inputs(graph: torch.fx.Graph) -> tuple[str, ...]:
     is a new buffer, held from the forward to its last use in the backward.
     Read from the graph being compiled (``V.graph``) at scheduling time.
     """
-    from torch._inductor.virtualized import V
-
     lowering = V.graph
     outputs = pytree.tree_leaves(graph.find_nodes(op="output")[0].args)
     if len(outputs) != len(lowering.graph_outputs):
@@ -399,9 +396,7 @@ def fresh_backend(backend: str, **keywords: Any) -> Callable[..., Any]:
     if backend == "aot_eager":
         return functools.partial(placed_aot_eager, **keywords)
     if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return functools.partial(compile_fx, **keywords)
+        return functools.partial(inductor.compile_fx, **keywords)
     raise ValueError(f"plan: backend must be 'inductor' or 'aot_eager', got {backend!r}")
 
 

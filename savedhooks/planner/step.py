@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from savedhooks._torch import aot, dynamo, inductor, pytree
 from savedhooks.fidelity.select import mark_loss
 from savedhooks.fidelity.sensitivity import call_model, default_loss, kept_buffers
 from savedhooks.memory.measure import measure_peak
@@ -323,16 +323,16 @@ def record_step(
     runs: list[int] = []
     with (
         checkpointed(model, tuple(recompute), recompute_mode),
-        torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16),
-        torch._functorch.config.patch(enable_autograd_cache=False),
-        torch._inductor.config.patch(fx_graph_cache=False),
+        dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16),
+        aot.config.patch(enable_autograd_cache=False),
+        inductor.config.patch(fx_graph_cache=False),
     ):
         try:
             with within(), recorder.kernel_order():
                 compiled = torch.compile(model, backend=counting_runs(recording, recorder, runs))
                 output = train_step(compiled, model, example_inputs, loss_fn, seed, grads)
         finally:
-            torch._dynamo.reset()
+            torch.compiler.reset()
     if not recorder.forwards or len(recorder.forwards) != len(recorder.backwards):
         raise NotCompiledError(
             f"plan: the model did not compile into forward and backward graphs under {backend!r} "

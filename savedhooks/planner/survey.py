@@ -65,9 +65,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from savedhooks._torch import pytree
+from savedhooks._torch.tensors import FakeTensorMode
 from savedhooks.codecs import Downcast, Policy
 from savedhooks.codecs.backends import materializes_better
 from savedhooks.compilers import saved_tensors_hooks

@@ -1,4 +1,4 @@
-"""Work-arounds for torch 2.13 bugs met on savedhooks' own code paths.
+"""Work-arounds for torch 2.13 bugs met on savedhooks' own code paths (the only code that patches torch).
 
 Design notes
 ------------
@@ -39,6 +39,10 @@ import operator
 import torch
 import torch.fx
 
+from savedhooks._torch.aot import run_and_save_rng_state
+from savedhooks._torch.fx import rename_node
+from savedhooks._torch.version import is_torch_2_13
+
 __all__ = ["align_rng_state_names", "install", "rng_state_outputs", "set_up_dtype_propagation_once"]
 
 _BACKWARD_STATE_PREFIX = "rng_state_output_"  # torch/_functorch/partitioners.py: functionalize_rng_ops
@@ -52,11 +56,7 @@ def rng_state_outputs(fw_graph: torch.fx.Graph) -> list[torch.fx.Node]:
 
     Returns:
         The ``getitem(run_and_save_rng_state(...), 0)`` nodes among its outputs.
-
-    Raises:
-        Nothing.
     """
-    run_and_save = torch._prims.rng_prims.run_and_save_rng_state
     outputs = fw_graph.output_node().args[0]
     return [
         n
@@ -65,7 +65,7 @@ def rng_state_outputs(fw_graph: torch.fx.Graph) -> list[torch.fx.Node]:
         and n.target is operator.getitem
         and n.args[1] == 0
         and isinstance(n.args[0], torch.fx.Node)
-        and n.args[0].target is run_and_save
+        and n.args[0].target is run_and_save_rng_state
     ]
 
 
@@ -78,12 +78,6 @@ def align_rng_state_names(fw_graph: torch.fx.Graph, bw_graph: torch.fx.Graph) ->
     Args:
         fw_graph: the forward graph AOTAutograd is inlining hooks into.
         bw_graph: its backward graph.
-
-    Returns:
-        None.
-
-    Raises:
-        Nothing.
     """
     forward = rng_state_outputs(fw_graph)
     if not forward:
@@ -92,7 +86,7 @@ def align_rng_state_names(fw_graph: torch.fx.Graph, bw_graph: torch.fx.Graph) ->
     if len(forward) != len(backward):
         return
     for state, placeholder in zip(forward, backward):
-        state._rename(placeholder.name)
+        rename_node(state, placeholder.name)
 
 
 def set_up_dtype_propagation_once() -> bool:
@@ -103,11 +97,8 @@ def set_up_dtype_propagation_once() -> bool:
 
     Returns:
         True if the handler's ``__init__`` is (now) the once-only one.
-
-    Raises:
-        Nothing.
     """
-    if not torch.__version__.startswith("2.13."):
+    if not is_torch_2_13():
         return False
     from torch._inductor import dtype_propagation
     from torch._inductor import utils as inductor_utils
@@ -136,8 +127,5 @@ def install() -> None:
     Called when savedhooks' hooks are entered (:class:`savedhooks.saved_tensors_hooks`)
     and when its compiler pieces are built (``sh.backend``, ``sh.compilers.reorder_pass``).
     The checkpointed-random-ops fix patches nothing: it runs inside the hooks.
-
-    Returns:
-        None.
     """
     set_up_dtype_propagation_once()

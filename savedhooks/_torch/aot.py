@@ -1,0 +1,33 @@
+"""functorch / AOTAutograd internals: its config, the saved-tensor hook context, the rng prims of checkpointing.
+
+``torch._functorch.config`` holds the options savedhooks reads or patches
+(the autograd cache, eager backward lowering, the host-copy bandwidth used to
+time offloads). While AOTAutograd inlines saved-tensor hooks into a compiled
+graph it publishes the node being saved and both graphs through
+``torch._functorch._aot_autograd.graph_compile._get_saved_tensor_hook_context``.
+Checkpointed random ops are wrapped in ``torch._prims.rng_prims``'s
+``run_and_save_rng_state`` / ``run_with_rng_state``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._functorch import config
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+__all__ = ["config", "run_and_save_rng_state", "run_with_rng_state", "saved_tensor_hook_context"]
+
+
+def saved_tensor_hook_context() -> tuple[torch.fx.Node, torch.fx.Graph, torch.fx.Graph] | None:
+    """What AOTAutograd is inlining a saved-tensor hook for, while it does.
+
+    Returns:
+        ``(node, fw_graph, bw_graph)``: the forward node whose value is saved
+        and the forward and backward graphs; None outside the inlining (eager mode).
+    """
+    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+
+    state = _get_saved_tensor_hook_context()
+    if not state:
+        return None
+    return state["_node"], state["_fw_graph"], state["_bw_graph"]
