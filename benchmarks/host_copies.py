@@ -7,7 +7,7 @@
   the first one (cold) and the next ones after a free (torch's pinned
   allocator may hand the freed block back): the figures that bound any
   offload's step time;
-* for the stress model of ``tests/test_offload_overlap.py`` (4 x Linear(256) +
+* for the stress model of ``tests/compile/test_offload_overlap.py`` (4 x Linear(256) +
   GELU, ``dynamic=True``, 30 steps of random batch sizes), how the gradients
   with ``sh.offload()`` compare with those without hooks, in three variants under
   inductor (the copies asynchronous and placed, asynchronous and left in place,

@@ -44,7 +44,7 @@ Design notes
   column by the block size makes it split the column loop into ``cols // block``
   whole blocks, and the columns past them are never written; pinned by the strict
   xfail ``test_torch_inductor_loop_split_bug_drops_the_columns_past_the_last_whole_block``
-  in ``tests/test_compile.py``.)
+  in ``tests/compile/test_compile.py``.)
 * Division must be IEEE ``x / scale``. Inductor's C++ backend prints ``a / b`` (it
   replaces a division by a constant with a reciprocal multiply only off CPU), but its
   Triton codegen prints float32 ``x / y`` as the approximate ``div.full.f32`` unless
@@ -330,10 +330,10 @@ def fused_fp8_dequantize(
             such a view of a computed ``(blocks, block_size)`` result through
             ``(i // block) * block + i % block``, which its C++ backend does not
             simplify and leaves the consuming kernel scalar (the cnn's
-            ``(32, 128, 8, 8)`` convolution outputs, ``tests/test_fused_codec.py``).
+            ``(32, 128, 8, 8)`` convolution outputs, ``tests/kernel_ops/test_fused_codec.py``).
             Where the blocks align with the rows the view is affine already, and
             the expanded scales measured a higher backward peak (a 4-layer MLP:
-            ``tests/test_passes.py``). In eager mode the expanded scales are a
+            ``tests/compile/test_passes.py``). In eager mode the expanded scales are a
             full-size copy: pass a shape only while tracing for inductor.
 
     Returns:

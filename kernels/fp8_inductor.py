@@ -44,7 +44,7 @@ Design notes
   reading its block's scale, were bit-exact under dynamic shapes but miscompiled
   the last block under static ones in torch 2.13.) Stochastic rounding draws its
   bits from the flat index of the whole tensor, so it keeps the reference there.
-* Scratch, measured with the CPU profiler (``tests/test_inductor_codec.py``):
+* Scratch, measured with the CPU profiler (``tests/codec/test_inductor_codec.py``):
   nothing beyond the outputs but the quantize's per-group amax when a row has
   several groups, and with a last short block two chunks of codes
   (:func:`inductor_scratch_bytes`, what the memory model counts).

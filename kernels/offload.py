@@ -19,7 +19,7 @@ Design notes
   writes into a slab of the host pool instead of a new pinned buffer per copy.
   The hooks cannot call those ops directly: ``ao::wait_tensor`` returns an
   alias of its input, which functionalization refuses
-  (``tests/test_codec_models.py`` pins this).
+  (``tests/codec/test_codec_models.py`` pins this).
 * Layout: a dense tensor keeps its strides on both sides (transposed and
   channels-last tensors come back as they went); any other tensor moves
   contiguous.

@@ -82,7 +82,7 @@ class ReorderPass(inductor.CustomGraphPass):
     nothing, where the graph has it. On an H200 that held llama's float32
     activations to the end of the forward (README, "On a GPU"). On the CPU
     inductor fuses most packs into their producers, and its own order
-    measured lower than the placed one (``tests/test_passes.py``'s 4-layer
+    measured lower than the placed one (``tests/compile/test_passes.py``'s 4-layer
     MLP with the decomposed codec: forward 7.47 MB against 8.01 MB placed),
     so CPU graphs keep it.
 

@@ -1,4 +1,4 @@
-"""One rank of the 2-process gloo tests (tests/test_distributed.py): FSDP2 or DDP, compiled, under savedhooks.
+"""One rank of the 2-process gloo tests (tests/integrations/test_distributed.py): FSDP2 or DDP, compiled, under savedhooks.
 
 Kept out of the test module so that spawned processes import only this file.
 """

@@ -1,4 +1,4 @@
-"""Checks of the Triton kernels on CPU under the Triton interpreter; run by tests/test_kernels.py.
+"""Checks of the Triton kernels on CPU under the Triton interpreter; run by tests/kernel_ops/test_kernels.py.
 
 ``python tests/interpret_kernels.py numerics|compile [case ...]`` sets
 ``TRITON_INTERPRET=1`` before anything imports triton (so it runs in its own

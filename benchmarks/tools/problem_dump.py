@@ -3,7 +3,7 @@
 Compiles one step of a benchmark model under a configuration with inductor
 (a fresh inductor cache, so the pass runs) and writes every
 :class:`savedhooks.schedule.Problem` the pass scheduled, in order, as gzipped
-JSON. Tests replay them (``tests/test_schedule.py``): the backward of a model
+JSON. Tests replay them (``tests/memory/test_schedule.py``): the backward of a model
 too large to compile in a test is scheduled in about a second.
 """
 

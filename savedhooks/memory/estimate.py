@@ -310,7 +310,7 @@ def freed_inputs(backward: torch.fx.GraphModule) -> tuple[str, ...]:
     checkpointed blocks, whose logits gradient (4 MiB at ``--size 1``) is
     read first by the default order and late by a placed one, under aot_eager:
     23.0 and 24.7 MiB, predicted 23.0 and 24.7 with the gradients freed, 27.0 and
-    24.7 with them held (``tests/test_memory.py``). Parameters are held by their
+    24.7 with them held (``tests/memory/test_memory.py``). Parameters are held by their
     owners. A gradient that something else keeps (``retain_grad`` on the model's
     output, a hook storing it) lives longer than predicted.
 

@@ -16,7 +16,7 @@ From one chunk of elements on, the ops run the inductor-compiled decomposed form
 on CPU instead (``savedhooks.kernels.fp8_inductor``), which allocates little
 beyond its outputs (the quantize's per-group amax; two chunks of codes with a
 last short block): that figure is counted (``inductor_scratch_bytes``, measured
-equal in ``tests/test_inductor_codec.py``), not the reference's.
+equal in ``tests/codec/test_inductor_codec.py``), not the reference's.
 
 Some aten ops allocate inside too, on CPU (:data:`MEASURED_ATEN`): a
 convolution's forward and backward hold temporaries of the order of their
@@ -60,7 +60,7 @@ mask as a float tensor of the input's size and dtype before casting it to bool
 (measured: the scratch equals the input's bytes, at every shape and dtype
 tried), also where checkpointing runs it under ``run_and_save_rng_state`` /
 ``run_with_rng_state``. A placed backward that recomputes a dropout at its peak
-measured that much above the model without it (``tests/test_recompute.py``).
+measured that much above the model without it (``tests/planner/test_recompute.py``).
 """
 
 from __future__ import annotations

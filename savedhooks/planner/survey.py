@@ -13,7 +13,7 @@ Design notes
      that pack nothing leave the graphs as they are without hooks but for the
      names of the saved values, which the recording gives back
      (:func:`savedhooks.passes.unhook_names`): a second compile without hooks
-     would cost as much again for the same graphs (``tests/test_planner.py``
+     would cost as much again for the same graphs (``tests/planner/test_planner.py``
      compares them).
   Planning a budget is then the search alone (:mod:`savedhooks.planner.search`):
   the choice is modelled, not measured.

@@ -130,7 +130,7 @@ def dfs_smallest(problem: Problem) -> list[int]:
     them. A node's size is the bytes of the buffers it reads plus twice those it
     makes: what it makes stays alive after it, what it reads may die there.
     Inductor's own sort counts what it makes once; on gpt2-big's backward at
-    batch 1 (``tests/test_schedule.py``) the modelled peaks were 237.2 MiB with
+    batch 1 (``tests/memory/test_schedule.py``) the modelled peaks were 237.2 MiB with
     this weight and 243.2 with inductor's (measured activation peaks 123.2 and
     129.2 MiB), where the portfolio's choice before, :func:`dfs`, modelled 262.6
     (measured 138.5; README, "Results at ``--size 1``").

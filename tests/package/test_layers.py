@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 # The layers, lowest first, with the modules each holds (a prefix holds its submodules).
 # A module imports only from its own layer or from one listed before it.
@@ -108,7 +108,7 @@ def _layer(module: str) -> int:
             if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_length:
                 best, best_length = index, len(prefix)
     if best is None:
-        raise AssertionError(f"{module} is in no layer: add it to tests/test_layers.py's LAYERS")
+        raise AssertionError(f"{module} is in no layer: add it to tests/package/test_layers.py's LAYERS")
     return best
 
 

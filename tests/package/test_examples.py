@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "docs" / "examples"
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ import savedhooks.input_layout
 import savedhooks.passes
 import savedhooks.schedule
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_kernels_resolve_to_this_repo_and_never_as_bare_kernels():

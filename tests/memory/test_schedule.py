@@ -502,7 +502,7 @@ def test_dfs_smallest_finds_the_lowest_order_of_gpt2_big_s_backward():
 
     from benchmarks.tools.problem_dump import load_problems
 
-    (problem,) = load_problems(Path(__file__).parent / "data" / "gpt2_big_sh_problems.json.gz")
+    (problem,) = load_problems(Path(__file__).parents[1] / "data" / "gpt2_big_sh_problems.json.gz")
     ours = STRATEGIES["dfs_smallest"](problem)
     check_order(problem, ours)
     others = [

@@ -7,7 +7,7 @@ import re
 
 import torch
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_hook_example_runs():

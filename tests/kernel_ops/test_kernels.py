@@ -24,7 +24,7 @@ import savedhooks as sh
 from savedhooks.codecs.backends import uses_triton
 from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")

@@ -26,7 +26,7 @@ def _aten_reference(monkeypatch):
     """The fp8 ops run their aten reference (the spec) at every size here: the numerics are its.
 
     With the compiled path on, large CPU tensors would run the decomposed form
-    compiled by inductor, whose bytes ``tests/test_inductor_codec.py`` checks equal
+    compiled by inductor, whose bytes ``tests/codec/test_inductor_codec.py`` checks equal
     to the reference's on the kernels' sweep; compiling a variant per dtype,
     granularity and input dtype here cost about 50 s of the suite (38 compiles).
     """

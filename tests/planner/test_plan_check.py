@@ -141,7 +141,7 @@ def test_a_plan_that_packs_nothing_or_check_false_compiles_nothing_more(monkeypa
 
 
 def test_check_is_on_by_default_and_its_argument_checked():
-    """Several processes check too, in lockstep (tests/test_distributed.py runs them)."""
+    """Several processes check too, in lockstep (tests/integrations/test_distributed.py runs them)."""
     import savedhooks.planner.check as check_module
 
     assert check_module.resolve_check(None) and check_module.resolve_check(True)
@@ -299,7 +299,7 @@ def test_a_check_that_fails_after_a_checked_round_goes_on_to_the_next_setting(mo
 
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="gloo")
 def test_a_lockstep_check_sorts_what_a_check_raises(tmp_path):
-    """One process of a gloo group: the gather's verdict (two ranks: tests/test_distributed.py)."""
+    """One process of a gloo group: the gather's verdict (two ranks: tests/integrations/test_distributed.py)."""
     import torch.distributed as dist
 
     from savedhooks.planner.lockstep import CheckFailed, ChecksAborted, checked_together

@@ -206,7 +206,7 @@ def test_policy_min_bytes_and_dtypes_in_eager():
 def test_policy_without_an_integer_codec_leaves_int64_indices_alone_under_compile():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(8 * 7 * 7, 2))
     capture = GraphCapture()
-    hooks = sh.policy(min_bytes=0, integer=None)  # the default narrows max-pool indices (tests/test_fidelity.py)
+    hooks = sh.policy(min_bytes=0, integer=None)  # the default narrows max-pool indices (tests/planner/test_fidelity.py)
     train_step_grads(model, torch.compile(model, backend=capture.backend), torch.randn(2, 3, 16, 16), hooks)
     fw = capture.fw[0]
     assert "getitem_1_hook_1 = max_pool2d_with_indices[1]" in fw  # indices returned as they are

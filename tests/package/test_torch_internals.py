@@ -27,7 +27,7 @@ import ast
 import dataclasses
 import pathlib
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 FOLDERS = ("savedhooks", "kernels")
 COMPAT = "savedhooks/_torch/"  # the package allowed to reach torch's internals
 

@@ -1,8 +1,8 @@
 """Stochastic rounding of the fp8 codec: the hash, the rounding, unbiasedness, SQNR, reproducibility, the codec.
 
 Bit-exactness of the three forms for the same seed is checked with the other fp8
-cases: Triton vs the reference in tests/test_kernels.py (``stochastic ...`` cases
-of tests/interpret_kernels.py), the decomposed form in tests/test_fused_codec.py.
+cases: Triton vs the reference in tests/kernel_ops/test_kernels.py (``stochastic ...`` cases
+of tests/interpret_kernels.py), the decomposed form in tests/kernel_ops/test_fused_codec.py.
 """
 
 from __future__ import annotations
