@@ -1,4 +1,4 @@
-"""Shared fixtures: seeds, a fresh dynamo state per test, the one GPU marker, codec costs kept per session,
+"""Shared fixtures: the slow and GPU markers, seeds, a fresh dynamo state per test, codec costs kept per session,
 a directory all pytest-xdist workers share."""
 
 import pytest
@@ -6,11 +6,11 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if "full_zoo" in item.keywords:  # the zoo's full tier is slow too: the fast tier leaves it out
+            item.add_marker(pytest.mark.slow)
+        if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
 
 

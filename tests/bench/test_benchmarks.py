@@ -38,6 +38,7 @@ def quick_run(shared_tmp_dir):
     return out
 
 
+@pytest.mark.slow
 def test_quick_run_writes_one_row_per_configuration(quick_run, capsys):
     rows = read_csv(quick_run / "benchmarks.csv")  # raises unless the header is Row's fields
     expected = {(name, "aot_eager" if CONFIGS[name].compiled else "eager") for name in QUICK_CONFIGS}
@@ -58,6 +59,7 @@ def test_quick_run_writes_one_row_per_configuration(quick_run, capsys):
     assert (quick_run / "timeline_mlp.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_saved_bytes_match_the_analytic_count(quick_run):
     rows = {r.config + "/" + r.backend: r for r in read_csv(quick_run / "benchmarks.csv")}
     width, batch, blocks, classes = 512, 1024, 4, 10  # models.mlp at --quick (size 0.5)
@@ -232,6 +234,7 @@ def test_language_models_return_no_kv_cache(name):
     assert out.past_key_values is None
 
 
+@pytest.mark.slow
 def test_peak_ops_finds_the_phase_of_the_peak():
     """An MLP without hooks peaks in its backward (gradients join the saved activations), above the forward's bytes."""
     from benchmarks.tools.peak_ops import peak_ops
@@ -252,6 +255,7 @@ def test_peak_ops_with_checkpointing_or_bf16_keeps_less_after_the_forward():
     assert 0.5 * plain["forward"] < autocast["forward"] < 0.8 * plain["forward"]
 
 
+@pytest.mark.slow
 def test_train_learns_and_reports_each_configuration_against_no_hooks(tmp_path, capsys):
     from benchmarks import train
 
@@ -271,6 +275,7 @@ def test_train_learns_and_reports_each_configuration_against_no_hooks(tmp_path, 
     assert "| mlp | sh.fp8() | 0 | 12 |" in out and (tmp_path / "train_loss.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_train_seeds_compare_each_run_with_no_hooks_at_its_own_seed(tmp_path, capsys):
     from benchmarks import train
 
@@ -376,6 +381,7 @@ def test_compiled_loss_puts_the_loss_in_the_compiled_graph():
         assert ("aten._log_softmax.default" in targets) == log_softmax_in_graph, compiled_loss
 
 
+@pytest.mark.slow
 def test_reorder_inductor_predicts_the_forward_that_inductor_runs_in_fx_order():
     """With inductor's reorder off the model's forward prediction is checked against the measurement (CPU, deterministic).
 
@@ -591,6 +597,7 @@ def test_the_torch_2_11_shim_refuses_any_other_torch_and_needs_its_confirmation(
     assert exit_info.value.code == 2 and f"this is torch {torch.__version__}" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "compiled_loss"),
     [("gpt2", True), ("gpt2", False), ("mlp", True)],
@@ -657,6 +664,7 @@ def test_step_time_runs_each_step_once_per_round_in_orders_that_change():
         interleaved_times(steps, rounds=0)
 
 
+@pytest.mark.slow
 def test_step_time_ratio_divides_by_the_baseline_in_the_same_round(monkeypatch):
     from benchmarks import step_time
 
@@ -696,6 +704,7 @@ def test_step_time_builds_each_configuration_with_its_baseline_and_times_them_in
             time_configs("mlp", ["sh offload"])
 
 
+@pytest.mark.slow
 def test_step_time_times_plans_made_for_the_model_in_turn_with_the_rest(capsys):
     from benchmarks.run import _saved_bytes
     from benchmarks.step_time import built_configs, plan_configs, plan_label, time_configs
@@ -719,6 +728,7 @@ def test_step_time_times_plans_made_for_the_model_in_turn_with_the_rest(capsys):
         time_configs("mlp", ["plan 0.5"], extra=plans)
 
 
+@pytest.mark.slow
 def test_step_time_keeps_each_configuration_s_own_compiled_code_side_by_side():
     # Under inductor all copies of a model class share dynamo's cache entries unless compiled apart:
     # the memory-budget copy (a functorch config patch, which dynamo does not guard on) then ran the
@@ -749,6 +759,7 @@ def test_step_time_command_line_refuses_what_cannot_run(capsys):
         assert exit_info.value.code == 2 and "CUDA only" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_long_run_compares_the_smoothed_loss_with_no_hooks_after_warm_up(tmp_path, capsys):
     pytest.importorskip("transformers")
     from benchmarks import long_run

@@ -116,6 +116,7 @@ def _grads(model, fn, x, hooks):
     return [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_the_policy_centers_batch_norm_inputs_under_inductor_and_recovers_the_gradients(monkeypatch):
     """Inductor recomputes batch norm and ReLU from the saved conv output: plain fp8 there costs the gradients."""
     model, x = _bn_net(), torch.randn(8, 3, 32, 32)
@@ -133,6 +134,7 @@ def test_the_policy_centers_batch_norm_inputs_under_inductor_and_recovers_the_gr
     assert got >= POLICY_DB and got > plain + 10, (got, plain)  # measured 28.8 against 14.9 dB
 
 
+@pytest.mark.slow
 def test_policy_does_not_center_without_the_decomposed_codec(monkeypatch):
     """Under aot_eager the subtraction would be a full-size temporary in the forward: fp8 as before."""
     model, x = _bn_net(), torch.randn(4, 3, 32, 32)

@@ -51,6 +51,7 @@ def _compiled(model, backend):
     return model if backend == "eager" else torch.compile(model, backend=backend)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_fp8_gradients_sqnr_and_eager_agreement(name, backend):
@@ -384,6 +385,7 @@ def test_policy_keeps_the_attention_logsumexp():
     assert logsumexp and set(logsumexp) == {-1}  # (batch, heads, seq) float32: stored as is (pack runs twice)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_statistics_are_recognised_in_plain_and_decomposed_graphs(backend):
     """Inductor decomposes norms before the hooks see them (var_mean, rsqrt): original_aten tells."""
@@ -483,6 +485,7 @@ def _aot_eager_step_peak(hooks, around=contextlib.nullcontext):
     return sh.memory.measure_peak(step, device="cpu"), encoded
 
 
+@pytest.mark.slow
 def test_without_placement_overlapping_saved_views_are_stored_as_they_are():
     # Plain aot_eager leaves every unpack at the start of the backward. Packing both the
     # attention output and its reshape decodes them into two buffers where the step without

@@ -46,6 +46,7 @@ def _roundtrip_problem(x, dtype, granularity, block, pow2, seed) -> str | None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_ops_compiled_form_is_bit_exact_with_the_reference(case, every_size):
     x, in_dtype, dtype, granularity, block, pow2, seed = CASES[case]
@@ -55,6 +56,7 @@ def test_the_ops_compiled_form_is_bit_exact_with_the_reference(case, every_size)
     assert problem is None, problem
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(4096, 2048), (2048, 1000)])
 def test_a_large_tensor_takes_the_compiled_form_with_the_references_bytes(shape, monkeypatch):
     """As the op sees a language model's log-softmax: above the threshold, no monkeypatch."""
@@ -68,6 +70,7 @@ def test_a_large_tensor_takes_the_compiled_form_with_the_references_bytes(shape,
     assert set(calls) == {"fused_fp8_quantize", "fused_fp8_dequantize"}  # the quantize once per chunk with (2048, 1000)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shape, in_dtype, granularity",
     [((65536, 128), torch.float32, "block"), ((512, 1000), torch.float32, "block"),
@@ -136,6 +139,7 @@ def test_entering_the_hooks_does_not_recompile_the_compiled_form(every_size):
     assert _variants() == before
 
 
+@pytest.mark.slow
 def test_the_compiled_variants_outlive_a_dynamo_reset(every_size):
     """Dynamo's reset (tests, benchmark rows) must not trace the codec again; without caches dynamo serves."""
     x = torch.randn(64, 256)

@@ -65,6 +65,7 @@ def _inductor(model: torch.nn.Module) -> torch.nn.Module:
     return torch.compile(model, backend="inductor", options=options)
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="torch 2.13 inductor reorder_for_peak_memory bug (CPU); strict: tells us when fixed")
 def test_torch_inductor_reorder_bug_conv_relu_maxpool():
     model = cnn()
@@ -97,6 +98,7 @@ def test_torch_inductor_loop_split_bug_drops_the_columns_past_the_last_whole_blo
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make_model, shape", [(mlp, (16, 8)), (cnn, (2, 3, 16, 16))])
 def test_inductor_gradients_match_eager_within_bf16_rounding(make_model, shape):
     model = make_model()

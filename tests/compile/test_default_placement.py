@@ -121,6 +121,7 @@ def _step_recording(hooks: sh.HookPair, reorder: bool) -> Recorder:
     return recorder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hooks", [sh.fp8(), bf16], ids=["fp8", "user_hook"])
 def test_plain_compile_places_each_unpack_right_before_its_first_user(hooks):
     placed = _step_recording(hooks, reorder=True)
@@ -135,6 +136,7 @@ def test_plain_compile_places_each_unpack_right_before_its_first_user(hooks):
     assert len(misplaced_unpacks(unplaced.backward[0])) >= 2
 
 
+@pytest.mark.slow
 def test_a_users_post_grad_pass_still_runs_and_the_slot_is_restored():
     user = Recorder()
     with inductor_config.patch(post_grad_custom_post_pass=user):
@@ -164,6 +166,7 @@ def test_the_opt_out_leaves_inductor_alone():
         sh.saved_tensors_hooks(sh.fp8(), reorder="yes")
 
 
+@pytest.mark.slow
 def test_graphs_without_hook_chains_are_untouched(monkeypatch):
     reordered = []
     original = savedhooks.compilers.reorder_for_memory
@@ -185,6 +188,7 @@ def test_the_cache_key_covers_the_pass_and_its_options():
     assert ReorderPass(hooked_only=True).uuid() == ReorderPass(hooked_only=True).uuid()
 
 
+@pytest.mark.slow
 def test_inductor_graph_cache_hits_with_the_default_pass(monkeypatch, tmp_path):
     """The slot holds only CustomGraphPasses: inductor caches (no bypass) and hits on a second compile."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -206,6 +210,7 @@ def test_inductor_graph_cache_hits_with_the_default_pass(monkeypatch, tmp_path):
         assert counters["inductor"]["fxgraph_cache_hit"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("_results_cache")
 def test_plain_compile_gets_the_measured_backward_peak_of_the_pass():
     """Measured on CPU (deterministic): the default usage as low as sh.backend("inductor"), below torch's order.
@@ -225,6 +230,7 @@ def test_plain_compile_gets_the_measured_backward_peak_of_the_pass():
     assert bw_default < 0.95 * bw_torch
 
 
+@pytest.mark.slow
 def test_no_freed_dequantized_buffer_is_held_for_reuse():
     """Measured on CPU: inductor's reuse pool (off inside the block) raises the 2-layer transformer's backward peak.
 
@@ -248,6 +254,7 @@ def test_no_freed_dequantized_buffer_is_held_for_reuse():
     assert peaks["fused"][0] <= peaks["fused"][1], peaks
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("_results_cache")
 def test_gradients_are_unchanged_by_the_default_pass():
     model = gelu_mlp()

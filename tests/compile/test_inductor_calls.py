@@ -111,6 +111,7 @@ def _recorded_training_step(model, loss_of):
     return recorder, measured
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="inductor copies to channels_last with mkldnn")
 def test_inputs_that_inductor_copies_for_a_convolution_are_held_to_the_backward():
     """Inductor runs the convolution channels_last on the CPU: it copies the image (1.5 MiB) and the weight,
@@ -148,6 +149,7 @@ class _DepthwiseBlock(torch.nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(y)))).permute(0, 3, 1, 2)
 
 
+@pytest.mark.slow
 def test_a_convolution_s_scratch_is_measured_with_the_strides_inductor_passes_it():
     """The depthwise convolution's backward gets, in the FX graph, a gradient in the channels_last strides of
     the permuted MLP output; inductor computes that gradient itself and passes it contiguous. On the CPU the

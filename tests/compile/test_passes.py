@@ -27,11 +27,13 @@ def _assert_same_gradients(make, shape, plain_backend, our_backend):
         assert torch.equal(p, q)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_placement_changes_no_result(name):
     _assert_same_gradients(*CASES[name], "aot_eager", sh.backend("aot_eager"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_placement_halves_the_measured_forward_peak_under_aot_eager(name):
     make, shape = CASES[name]
@@ -74,6 +76,7 @@ def test_reorder_pass_is_a_cache_safe_custom_graph_pass():
         sh.backend("eager")
 
 
+@pytest.mark.slow
 def test_inductor_with_the_pass_is_never_above_inductors_own_order():
     """Measured on CPU (deterministic): forward as inductor's own, backward lower.
 
@@ -99,6 +102,7 @@ def test_inductor_with_the_pass_is_never_above_inductors_own_order():
     assert bw_op_ours < 0.5 * bw_op and bw_fused < 0.5 * bw_op
 
 
+@pytest.mark.slow
 def test_inductor_gradients_are_identical_with_the_pass():
     # 1 block of the acceptance transformer (attention, norms, GELU): a cold inductor compile of the
     # fused codec takes about 85 s on 2 cores here, 130 s with 2 blocks

@@ -96,6 +96,7 @@ def _backward_peak(module: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> 
     return peak
 
 
+@pytest.mark.slow
 def test_gpt2s_tied_head_gradient_no_longer_holds_the_logits_gradient(monkeypatch):
     """GPT-2 with its loss compiled: the head's weight-gradient matmul (an addmm with the embedding's
     gradient, made last) ran at the end of the backward, and the logits' gradient lived until then."""

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import json
@@ -47,6 +49,7 @@ def _run(tmp_path, dtype: str) -> dict[str, int]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_same_hook_code_hits_and_changed_code_misses(tmp_path):
     first = _run(tmp_path, "bfloat16")
     assert first.get("autograd_cache_miss") == 1 and first.get("autograd_cache_saved") == 1, first

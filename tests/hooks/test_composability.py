@@ -116,6 +116,7 @@ def test_checkpoint_eager_packs_what_stays_saved_once_and_nothing_recomputed(sel
     assert len(packed) == len(made) and len({id(t) for t in packed}) == len(packed)  # nothing packed twice
 
 
+@pytest.mark.slow
 def test_checkpoint_compiled_with_random_ops():
     """Checkpointed SDPA with dropout_p given (as transformers' models call it): torch saves the
     generator state for the recompute, and its hook inlining could not find it (savedhooks._torch.fixes)."""
@@ -163,6 +164,7 @@ class _CheckpointedMLP(torch.nn.Module):
         return self.head(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_hooks_on_what_checkpointing_still_saves_lower_its_measured_peak(backend):
     """The benchmark's "sh + checkpoint": sh.policy() packs the saved block inputs, placed as the
@@ -196,6 +198,7 @@ def test_torch_inlined_hooks_fail_on_checkpointed_random_ops():
 # --- bf16 autocast ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bf16_autocast_compiled_policy_halves_the_saved_bytes():
     model, x = transformer(2, 64), torch.randn(4, 64, 64)
     compiled = torch.compile(model, backend="aot_eager")
@@ -227,6 +230,7 @@ def test_bf16_autocast_compiled_policy_halves_the_saved_bytes():
 # --- compiled autograd --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["lossless", "policy"])
 def test_compiled_autograd_runs_the_inlined_hooks(codec):
     model, x = transformer(1, 32), torch.randn(2, 16, 32)
@@ -251,6 +255,7 @@ def test_compiled_autograd_runs_the_inlined_hooks(codec):
 # --- dynamic shapes ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dynamic_batch_sizes_compile_as_often_as_without_hooks():
     model = transformer(1, 32)
     frames = {}

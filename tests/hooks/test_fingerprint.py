@@ -170,6 +170,7 @@ def test_decorated_helpers_are_followed_through_wrapped():
     assert len(fingerprint(_compile_fn("def f(x):\n    return helper(x)\n", helper=no_grad_helper))) == 64
 
 
+@pytest.mark.slow
 def test_set_constants_are_stable_across_hash_seeds(tmp_path):
     import subprocess
     import sys

@@ -54,6 +54,7 @@ def _one_process(config: str) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["fsdp2", "ddp"])
 def test_two_processes_match_without_hooks_and_one_process(how, tmp_path):
     out = tmp_path / "grads.pt"
@@ -75,6 +76,7 @@ def test_two_processes_match_without_hooks_and_one_process(how, tmp_path):
     assert through_hooks > 0 and saved["no hooks"] - saved["policy"] >= 0.55 * through_hooks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["fsdp2", "ddp"])
 def test_the_ranks_plan_their_step_together_with_checks(how, tmp_path):
     # sh.plan on the wrapped model in every rank (its half of the batch), checked on every rank together

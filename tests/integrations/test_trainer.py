@@ -84,6 +84,7 @@ def reference(tmp_path_factory):
     return updates, _step_peak(trainer, inputs)
 
 
+@pytest.mark.slow
 def test_trainer_with_the_policy_packs_every_micro_batch_and_matches_the_updates(reference, tmp_path):
     """torch_compile=True, 2 micro-batches per optimizer step, 3 steps: the updates match the Trainer's
     without hooks at >= 25 dB, and the training step peaks lower."""
@@ -111,6 +112,7 @@ def test_trainer_with_the_policy_packs_every_micro_batch_and_matches_the_updates
     assert len(packs) == 2 * one_step  # 2 steps of 2 micro-batches
 
 
+@pytest.mark.slow
 def test_trainer_with_a_plan_meets_its_budget_and_matches_the_updates(reference, tmp_path):
     """A plan for 0.7x of the Trainer's measured step peak, made on the first batch: the step measures
     <= 1.05x of the budget, the updates match at >= 25 dB, and training ends with the plan reverted."""
@@ -179,6 +181,7 @@ def test_the_trainer_rejects_what_is_not_hooks(tmp_path):
         SavedHooksTrainer(model=model, args=args, train_dataset=_rows(inputs), savedhooks="policy")
 
 
+@pytest.mark.slow
 def test_import_savedhooks_needs_neither_transformers_nor_peft():
     """In a fresh interpreter where importing transformers, accelerate or peft fails, savedhooks imports
     and does not try to."""
@@ -220,6 +223,7 @@ class _Watching(Codec):
         return index
 
 
+@pytest.mark.slow
 def test_lora_packs_activations_never_the_frozen_base_weights():
     """A zoo decoder with PEFT LoRA on every projection (base frozen): the policy packs the saved
     activations and none of the frozen weights the base layers save for their input gradients; the step

@@ -41,7 +41,7 @@ ALLOWED = {"t5": {"decoder_start_token_id"}}  # shifting the labels needs it; th
 
 
 def _params(names):
-    return [pytest.param(n, marks=[] if n in QUICK else [pytest.mark.slow]) for n in names]
+    return [pytest.param(n, marks=[] if n in QUICK else [pytest.mark.full_zoo]) for n in names]
 
 
 @pytest.mark.parametrize("name", list(zoo.ZOO))
@@ -81,6 +81,7 @@ def test_table_shows_figures_and_errors():
     assert "torch " in page and "transformers " in page and "- n / a: `RuntimeError: x | y`" in page
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _params(zoo.ZOO))
 def test_policy_compiled_and_eager_on_tiny_entry(name):
     row = zoo.measure_model(zoo.ZOO[name], "tiny", only=("a", "b"))
@@ -90,6 +91,7 @@ def test_policy_compiled_and_eager_on_tiny_entry(name):
     assert row.b_sqnr >= MIN_SQNR_DB, (row.b_sqnr, row.worst)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _params(zoo.ZOO))
 def test_policy_under_bf16_autocast_on_tiny_entry(name):
     # autocast saves the weights' bf16 copies for the matmuls: the policy keeps them (is_cast_of_input)

@@ -128,6 +128,7 @@ def _unsigned_nan_codes(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return torch.where(torch.isnan(codes.view(dtype).float()), codes & 0x7F, codes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(COMPILED))
 def test_fused_is_bit_exact_with_the_reference_under_inductor(case):
     problem, codes = _compiled_case(case, "cpu")
@@ -217,6 +218,7 @@ def test_fused_backend_traces_plain_aten_ops():
     assert "aten.div.Tensor(" in code and "aten.view.dtype(" in code and "aten.__rshift__." in code
 
 
+@pytest.mark.slow
 def test_auto_is_fused_only_where_inductor_compiles():
     """aot_eager would run each decomposed op as a full-size pass: there "auto" keeps the op, as in eager."""
     from torch._inductor.utils import run_and_get_code
@@ -234,6 +236,7 @@ def test_auto_is_fused_only_where_inductor_compiles():
     assert pack_saved(sh.codecs.Float8(), torch.randn(4, 256))[1][0].dtype == E4M3
 
 
+@pytest.mark.slow
 def test_auto_keeps_the_op_for_16_bit_tensors_on_the_cpu_under_inductor():
     from torch._inductor.utils import run_and_get_code
 
@@ -271,6 +274,7 @@ def _bf16_step_peak(hooks: sh.HookPair | None) -> int:
     return sh.memory.measure_peak(step, device="cpu")
 
 
+@pytest.mark.slow
 def test_bf16_conv_batch_norm_step_peaks_no_higher_than_without_hooks():
     """The decomposed decode of a bf16 conv output, fused by inductor into the kernels that recompute
     batch norm in the backward, held float32 intermediates of the full shape there (measured 1.5x
@@ -293,6 +297,7 @@ def _code_reads(code: str) -> dict[str, int]:
     return reads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "hooks", [sh.fp8(), sh.policy(centered=None), sh.policy()], ids=["fp8", "uncentered", "policy"]
 )
@@ -350,6 +355,7 @@ def _full_size_float_buffers(code: str) -> int:
     return allocated + len(re.findall(r"= torch\.ops\.savedhooks\.fp8_dequantize", code))
 
 
+@pytest.mark.slow
 def test_inductor_fuses_the_dequantize_into_the_gelu_backward_kernel():
     fused, opaque = _backward_code("fused"), _backward_code("aten")
     assert _gelu_backward_reads_codes(fused), fused
@@ -384,6 +390,7 @@ def test_inductor_fuses_the_dequantize_into_the_gelu_backward_kernel_on_cuda():
     assert float_buffers(fused) < float_buffers(opaque), (float_buffers(fused), float_buffers(opaque))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("model", ["gelu mlp", "transformer"])
 def test_gradients_with_the_fused_form_equal_those_with_the_op(model, backend):
@@ -413,6 +420,7 @@ def _scalar(kernels: dict[str, str]) -> list[str]:
     return [name for name, body in kernels.items() if "max_shift" in body or "Vectorized<int32_t>" not in body]
 
 
+@pytest.mark.slow
 def test_inductor_vectorizes_the_quantize_it_fuses():
     """The encode's shifts are constant: inductor's C++ backend keeps the fused kernels vectorized.
 
@@ -458,6 +466,7 @@ def _dequantize_kernels(code: str) -> dict[str, str]:
     return {name: body for name, types, body in kernels if "'const uint8_t*'" in types}
 
 
+@pytest.mark.slow
 def test_inductor_vectorizes_the_dequantize_of_rows_blocked_across_rows():
     """Rows of 8 values are quantized in blocks of 128 that span 16 rows.
 

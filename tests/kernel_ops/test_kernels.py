@@ -56,11 +56,13 @@ NUMERICS = list(ik.numerics_cases())
 COMPILE = list(ik.compile_cases())
 
 
+@pytest.mark.slow
 @needs_triton
 def test_triton_is_bit_exact_with_aten_under_the_interpreter():
     _assert_every_case_passes(NUMERICS, _interpret("numerics"))
 
 
+@pytest.mark.slow
 @needs_triton
 def test_compiled_gradients_triton_equal_aten_under_the_interpreter():
     _assert_every_case_passes(COMPILE, _interpret("compile"))
@@ -230,6 +232,7 @@ def test_dynamo_takes_triton_available_as_a_constant_without_a_warning_or_a_brea
 # --- benchmark -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA behaviour")
 def test_kernel_benchmark_refuses_without_cuda_and_times_aten_with_cpu(capsys):
     from benchmarks import kernels

@@ -147,6 +147,7 @@ def test_stochastic_rounding_is_unbiased(dtype, draws):
     assert nearest.mean() > 10 * error.mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, floor", [(E4M3, 26.0), (E5M2, 20.0)])
 def test_the_sqnr_it_costs_on_gaussian_data(dtype, floor):
     """Measured (256 x 384, seed 0): e4m3 block 31.8 -> 28.8 dB, e5m2 25.8 -> 22.8 dB, 3 dB as the variance doubles."""
@@ -235,6 +236,7 @@ def test_eager_training_step_with_stochastic_rounding():
     _check_gradients(plain, grads, again, _steps(model, model, x, "nearest")[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_training_step_with_stochastic_rounding(backend):
     """The seed draw is a graph op: the opaque op's seed argument under aot_eager, the fused form under inductor."""

@@ -53,6 +53,7 @@ def _assert_model_matches_measurement(gm, args):
     return estimate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_predicted_live_bytes_equal_measured_per_node(name):
     make_model, shape, hooks = MODELS[name]
@@ -214,6 +215,7 @@ def test_lower_bound_never_exceeds_the_best_order(data):
     assert list(estimate.live_after) == sh.memory.profile_graph(gm, *inputs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hooks", [None, sh.fp8()], ids=["plain", "fp8"])
 @pytest.mark.parametrize("name", ["mlp", "transformer"])
 def test_measured_training_step_matches_the_prediction(name, hooks):

@@ -93,6 +93,7 @@ def test_exact_search_matches_brute_force(nodes, seed, window):
     assert best.lower_bound == best.peak and best.gap == 0.0
 
 
+@pytest.mark.slow
 def test_exact_search_out_of_budget_reports_a_valid_bound():
     problem = random_problem(150, seed=2)
     portfolio = schedule(problem, exact_budget=0)

@@ -13,6 +13,7 @@ pytest.importorskip("accelerate")
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "docs" / "examples"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script, extra",
     [("trainer_policy.py", ["--compile"]), ("trainer_plan.py", []), ("lora.py", [])],

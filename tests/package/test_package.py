@@ -27,6 +27,7 @@ import savedhooks.schedule
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_kernels_resolve_to_this_repo_and_never_as_bare_kernels():
     # Run from a neutral directory so the repository root is not on sys.path.
     code = (

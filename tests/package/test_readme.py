@@ -5,11 +5,13 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
 import torch
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 
+@pytest.mark.slow
 def test_readme_hook_example_runs():
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert blocks, "README has no python example"

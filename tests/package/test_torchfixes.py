@@ -22,6 +22,7 @@ def _installed():
     install()
 
 
+@pytest.mark.slow
 def test_import_leaves_torch_unpatched_and_entering_hooks_installs_the_fix():
     script = textwrap.dedent(
         """

@@ -50,6 +50,7 @@ def test_an_unreadable_file_is_measured_over_and_an_empty_variable_keeps_no_file
         costs.seconds_per_byte(CODECS["bf16"], torch.float32, "cpu", "aot_eager", repeats=0)
 
 
+@pytest.mark.slow
 def test_each_codec_and_dtype_is_compiled_past_dynamos_recompile_limit(fresh):
     # the round trip is one lambda (one code object) for every codec, dtype and backend
     compiled = []

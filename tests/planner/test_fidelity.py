@@ -40,6 +40,7 @@ def _classifier(batch: int = 1024) -> tuple[nn.Module, torch.Tensor, callable]:
     return _Classifier(targets), torch.randn(batch, 64), torch.mean
 
 
+@pytest.mark.slow
 def test_sensitivity_finds_the_loss_heads_log_softmax():
     model, x, loss_fn = _classifier()
     before = [p.detach().clone() for p in model.parameters()]
@@ -82,6 +83,7 @@ def test_sensitivity_keys_name_compiled_nodes_and_groups_stay_within_individuall
     assert all(20 < g.only_db < 80 for g in report.groups)  # packed lossily, not broken
 
 
+@pytest.mark.slow
 def test_a_model_compiles_again_after_sensitivity():
     """Its compiles would leave the model's code past dynamo's recompile limit: the next compile would run eagerly."""
     blocks = [nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)) for _ in range(3)]
@@ -152,6 +154,7 @@ def _census(codec, fn, *inputs) -> list[tuple]:
     return [t.shape for t in run.census]
 
 
+@pytest.mark.slow
 def test_policy_keeps_the_narrow_loss_head_and_beats_fp8():
     model, x, loss_fn = _classifier()
     fp8 = sh.fidelity.sensitivity(model, (x,), loss_fn=loss_fn, backend="aot_eager", individually=0, verbose=False)
@@ -256,6 +259,7 @@ def test_policy_narrows_max_pool_indices_losslessly_under_compile(side, narrow, 
     assert all(torch.equal(a, b) for a, b in zip(reference, got))  # lossless: the same gradients, bit for bit
 
 
+@pytest.mark.slow
 def test_policy_packs_inductors_max_pool_offsets_into_bits_losslessly(monkeypatch):
     """Under inductor the pools save int8 window offsets (below 4 for 2 x 2): 2 bits each, 4 per byte."""
     model, x = _pool_net(), torch.randn(2, 3, 16, 16)
@@ -308,6 +312,7 @@ def test_pool_plane_reads_the_input_plane_of_the_indices_only():
     assert all(p is None for d, p in seen if d != "torch.int64")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", [True, False], ids=["placement", "opt-out"])
 def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_sees(placement, monkeypatch):
     """Why the policy's saved bytes under inductor were above 0.30x on the cnn and the vit (README "Under inductor").
@@ -402,6 +407,7 @@ def _chosen(fn, x, **rules) -> dict[tuple[int, ...], set]:
     return chosen
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:savedhooks hook")
 def test_policy_packs_fused_attentions_query_key_value_and_output_in_bf16():
     torch.manual_seed(0)
@@ -437,6 +443,7 @@ def _autocast_grads(model, x, hooks, compiled):
     return [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:savedhooks hook")
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
 def test_policy_keeps_autocast_s_weight_copies(compiled):

@@ -83,6 +83,7 @@ def _counting(monkeypatch, losses=None):
     return calls
 
 
+@pytest.mark.slow
 def test_a_checked_plan_at_the_floor_predicts_the_measured_peak_under_inductor(monkeypatch):
     """At the modelled floor under inductor the hooks change the compiled graphs; the plan's check models
     the graphs compiled with them. The survey puts the floor at 1,725,696 bytes; the floor plan's check

@@ -34,6 +34,7 @@ def _loss(out):
     return out.loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_gpt2_as_shipped_plans_with_recompute_and_trains_with_the_cache_off_until_revert(mode):
     model, inputs = _gpt2()

@@ -54,6 +54,7 @@ def test_run_order_takes_the_runs_where_they_count_every_graph():
     assert run_order([], 3) == (0, 1, 2)
 
 
+@pytest.mark.slow
 def test_a_graph_run_once_per_block_is_counted_per_run_and_eager_checkpoints_are_not_planned():
     torch.manual_seed(0)
     model, x = _BrokenLoop(), torch.randn(256, 64)
@@ -97,6 +98,7 @@ class _Other(torch.nn.Module):
         return x + torch.tanh(self.linear(x))
 
 
+@pytest.mark.slow
 def test_interleaved_runs_of_two_reused_graphs_pair_each_backward_with_its_forward():
     # a backward compiles when it first runs, in the backward of its graph's last forward run: here the outer
     # blocks' graph (run first and last) compiles its backward first, which paired it with the loop's forward
@@ -125,6 +127,7 @@ class _SpareBlock(torch.nn.Module):
         return x
 
 
+@pytest.mark.slow
 def test_a_block_the_forward_never_runs_leaves_recompute_out_with_a_warning_naming_it():
     torch.manual_seed(0)
     model, x = _SpareBlock(), torch.randn(256, 64)
@@ -163,6 +166,7 @@ class _Normed(torch.nn.Module):
         return x
 
 
+@pytest.mark.slow
 def test_planning_and_sensitivity_leave_the_model_s_buffers_as_they_were():
     # the surveys, checks, recompute timings and sensitivity steps each ran a training step: batch norm's
     # running statistics moved and num_batches_tracked counted them (14 after one sh.plan)

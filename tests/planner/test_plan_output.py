@@ -48,6 +48,7 @@ def _step_peak(model: torch.nn.Module, x: torch.Tensor, hooks: sh.HookPair, back
     return peak
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_each_plan_predicts_the_loop_it_was_made_for_and_a_kept_output_needs_output_held(backend):
     """Checked plans for both loops measure their prediction; the dropping loop's plan is short for a keeping loop.

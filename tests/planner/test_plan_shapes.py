@@ -65,6 +65,7 @@ def _chosen(plan, model, x, dynamic=None):
     return dict(_CHOSEN)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [320, 768], ids=["smaller batch", "larger batch"])
 def test_a_plan_at_other_shapes_applies_its_choice_per_role(planned, rows):
     """Every saved tensor the plan names at 512 rows gets the same choice at other row counts, and the
@@ -79,6 +80,7 @@ def test_a_plan_at_other_shapes_applies_its_choice_per_role(planned, rows):
     assert db >= 25
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [320, 768], ids=["smaller batch", "larger batch"])
 def test_a_plan_warns_once_where_its_saved_tensors_grow(planned, rows):
     """The hooks run (and warn) as the graph compiles (:func:`_uncached`)."""
@@ -95,6 +97,7 @@ def test_a_plan_warns_once_where_its_saved_tensors_grow(planned, rows):
         assert f"{rows}x" in grew[0] and "512x" in grew[0] and "1.50x its elements" in grew[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
 def test_a_plan_at_its_own_shapes_does_not_warn(planned, dynamic):
     """At the planned shapes every saved tensor is named, compiled with static or dynamic shapes (the keys
@@ -157,6 +160,7 @@ def decoder():
     return model, inputs, entry.loss_of, plan, peak
 
 
+@pytest.mark.slow
 def test_a_decoder_s_plan_keeps_its_share_of_the_peak_at_a_smaller_batch_and_a_longer_sequence(decoder):
     """Made at batch 8, used at batch 5 and at 1.5x the sequence (one compile each, dynamic after the first
     change, as a training loop meets them): the peak stays within the plan's share of the step without hooks

@@ -49,6 +49,7 @@ def _measured(model, inputs, hooks=None):
     return peak
 
 
+@pytest.mark.slow
 def test_a_plan_for_a_decoder_with_its_own_loss_meets_its_budget_as_modelled():
     model, inputs = _qwen2()
     planner = sh.planner.Planner(model, inputs, loss_fn=lambda out: out.loss)

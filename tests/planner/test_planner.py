@@ -291,6 +291,7 @@ def _recorded(backend, census, unhook, recompute=()):
     return graphs, [t.key for t in run.census], recorder.forwards
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("backend", "recompute"), [("aot_eager", ()), ("aot_eager", ("1",)), ("inductor", ())])
 def test_the_census_compile_records_the_graphs_of_a_compile_without_hooks(backend, recompute):
     """The survey compiles once: under the census's hooks (they pack nothing), with the saved values' names back."""
@@ -353,6 +354,7 @@ def test_the_eager_loss_s_saves_are_kept_and_the_model_s_own_eager_saves_stay_ca
         assert run.saved_by_loss("eager:0") and not run.saved_by_loss("g0:mm")
 
 
+@pytest.mark.slow
 def test_plan_under_plain_torch_compile_predicts_the_measured_peak():
     model, x = _mlp()
     survey = sh.planner.survey(model, (x,), loss_fn=_loss, backend="inductor")
@@ -366,6 +368,7 @@ def test_plan_under_plain_torch_compile_predicts_the_measured_peak():
     assert abs(measured - planned.predicted_peak_bytes) <= 0.05 * planned.predicted_peak_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "blocks",
     # the recompute floor (all three blocks recomputed) was over-predicted by 128 KiB (6 %): the memory
@@ -456,6 +459,7 @@ def test_a_fidelity_limit_prices_lossy_options_and_takes_away_those_too_harmful_
     assert harms["fine"]["keep"] == harms["fine"]["offload"] == 0.0
 
 
+@pytest.mark.slow
 def test_measure_limit_lists_the_saved_tensors_when_inductor_s_caches_are_warm():
     from savedhooks.planner.fidelity import measure_limit
 
@@ -515,6 +519,7 @@ class _Offset(torch.nn.Module):
         return self.out(_Cancels.apply(self.inner(x)))
 
 
+@pytest.mark.slow
 def test_plan_with_min_sqnr_keeps_a_planted_sensitive_tensor_exact():
     torch.manual_seed(0)
     model = torch.nn.Sequential(_mlp()[0][0], _Offset(), _mlp()[0][1])
@@ -556,6 +561,7 @@ def _mlp_at_fixed_costs(monkeypatch):
     return model, x, reference
 
 
+@pytest.mark.slow
 def test_plan_with_min_sqnr_meets_it_for_the_whole_plan(monkeypatch):
     model, x, reference = _mlp_at_fixed_costs(monkeypatch)
     plans, measured = {}, {}
@@ -581,6 +587,7 @@ def test_plan_with_min_sqnr_meets_it_for_the_whole_plan(monkeypatch):
     assert sh.Plan.from_json(plans[42.0].to_json()) == plans[42.0]
 
 
+@pytest.mark.slow
 def test_a_second_planner_reuses_the_recompute_times_and_makes_the_same_plan(monkeypatch, tmp_path):
     from savedhooks.planner import costs
 
@@ -603,6 +610,7 @@ def test_a_second_planner_reuses_the_recompute_times_and_makes_the_same_plan(mon
     assert next(readings) == 1.0  # measured once per mode (selective, full), by the first planner
 
 
+@pytest.mark.slow
 def test_a_checked_plan_s_fidelity_is_measured_and_one_below_the_limit_is_refused(monkeypatch):
     import dataclasses
 

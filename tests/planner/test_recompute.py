@@ -144,6 +144,7 @@ class _WithLoss(torch.nn.Module):
         return _loss(self.model(x))
 
 
+@pytest.mark.slow
 def test_the_planner_recomputes_blocks_when_codecs_alone_cannot_meet_the_budget():
     # which setting wins depends on measured times; each one's plan must meet the budget
     model, x = _net()
@@ -182,6 +183,7 @@ def test_the_planner_recomputes_blocks_when_codecs_alone_cannot_meet_the_budget(
     assert loaded == planned and loaded.recompute == planned.recompute
 
 
+@pytest.mark.slow
 def test_a_budget_the_codecs_meet_cheaper_recomputes_nothing_and_bad_blocks_are_refused():
     model, x = _net()
     planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
@@ -198,6 +200,7 @@ def test_a_budget_the_codecs_meet_cheaper_recomputes_nothing_and_bad_blocks_are_
         planner.survey(1, "some")
 
 
+@pytest.mark.slow
 def test_a_recompute_setting_with_checkpointed_dropout_is_planned_and_its_peak_predicted():
     # AOTAutograd leaves no meta["val"] on the run_and_save_rng_state / run_with_rng_state nodes that a
     # checkpointed dropout becomes; the memory model reads their values from their getitems
@@ -303,6 +306,7 @@ def test_selective_block_seconds_leaves_out_the_saved_ops_share(monkeypatch):
     assert block_seconds(model, (x,), blocks, repeats=2, mode="selective") == pytest.approx([3 / 5] * len(blocks))
 
 
+@pytest.mark.slow
 def test_a_selective_plan_applies_round_trips_and_trains_the_same():
     model, x = _net()
     planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
@@ -321,6 +325,7 @@ def test_a_selective_plan_applies_round_trips_and_trains_the_same():
     assert all("forward" not in vars(layer) for layer in model.layers)
 
 
+@pytest.mark.slow
 def test_the_model_still_compiles_after_the_planner_compiled_it_many_times():
     # 7 recompute settings, 2 compiles each: more entries for the model's forward than
     # dynamo's recompile limit (8); left in its cache, the user's compile ran eagerly
