@@ -27,14 +27,13 @@ Design notes
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["CACHE_ARGUMENTS", "cache_configs", "caches_off", "check_no_cache_input", "restore_caches",
+__all__ = ["CACHE_ARGUMENTS", "cache_configs", "cache_positions", "caches_off", "check_no_cache_input", "restore_caches",
            "turn_caches_off", "without_cache_arguments"]
 
 # keyword arguments through which transformers' layers receive a KV cache (names vary by model and release)
@@ -148,21 +147,21 @@ def check_no_cache_input(example_inputs: Any, what: str = "plan") -> None:
 
 
 def without_cache_arguments(
-    block: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    block: Any, args: tuple[Any, ...], kwargs: dict[str, Any], positions: Mapping[int, str] | None = None
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A checkpointed block's arguments without a KV cache, when the call records a backward.
 
     A cache reaches a block by keyword or by position (GPT-2's model passes
     its cache as the block's second positional argument); both are dropped.
-    Positions are named by the signature of the block class's ``forward``
-    (through ``functools.wraps``); a forward without a readable signature has
-    only its keyword arguments checked.
 
     Args:
-        block: the block (a module; its ``training`` flag and its class's
-            ``forward`` signature are read).
+        block: the block (a module; its ``training`` flag is read).
         args: the positional arguments of its forward call.
         kwargs: the keyword arguments of its forward call.
+        positions: which positional arguments are a cache or ``use_cache``
+            (:func:`cache_positions` of the block's forward, read once when the
+            block is checkpointed: a forward pre-hook runs inside dynamo's
+            trace); None: keyword arguments only.
 
     Returns:
         ``(args, kwargs)`` as given, or copies with ``use_cache=False`` and each
@@ -172,7 +171,7 @@ def without_cache_arguments(
     """
     if not (getattr(block, "training", False) and torch.is_grad_enabled()):
         return args, kwargs
-    positions = _cache_positions(type(block))
+    positions = positions or {}
     asked = [i for i, name in positions.items() if i < len(args) and _asks(args[i])]
     if not asked and not any(_asks(kwargs.get(name)) for name in ("use_cache", *CACHE_ARGUMENTS)):
         return args, kwargs
@@ -188,11 +187,19 @@ def without_cache_arguments(
     return tuple(kept_args), kept
 
 
-@functools.cache
-def _cache_positions(block_type: type) -> dict[int, str]:
-    """Positions (after ``self``) of ``block_type.forward``'s parameters named ``use_cache`` or a cache argument."""
+def cache_positions(forward: Callable[..., Any]) -> dict[int, str]:
+    """The positions of a forward's parameters named ``use_cache`` or a cache argument (:data:`CACHE_ARGUMENTS`).
+
+    Args:
+        forward: a module's bound ``forward`` (its signature, through
+            ``functools.wraps``, names the parameters; ``self`` is not among them).
+
+    Returns:
+        Position -> parameter name, for the parameters that can be passed by
+        position; empty where the forward has no readable signature (a builtin).
+    """
     try:
-        parameters = list(inspect.signature(block_type.forward).parameters.values())[1:]
+        parameters = list(inspect.signature(forward).parameters.values())
     except (TypeError, ValueError):  # a forward without a signature (a builtin, a C extension)
         return {}
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)

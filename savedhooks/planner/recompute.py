@@ -44,7 +44,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from savedhooks._torch.ops import TorchDispatchMode
 from savedhooks.fidelity.sensitivity import call_model, kept_buffers
-from savedhooks.planner.caches import caches_off, without_cache_arguments
+from savedhooks.planner.caches import cache_positions, caches_off, without_cache_arguments
 
 __all__ = ["FULL", "MODES", "SAVED_OPS", "SELECTIVE", "block_seconds", "check_mode", "checkpoint_blocks", "checkpointed",
            "checkpointed_blocks", "find_blocks", "resolve_blocks", "restore_blocks", "save_products"]
@@ -184,12 +184,15 @@ def checkpoint_blocks(model: torch.nn.Module, paths: Sequence[str], mode: str = 
         setattr(block, _ORIGINAL, original)
         block.forward = functools.partial(checkpoint, original, **keywords)
         # outside the checkpoint, like the module's other hooks; the forward stays torch's own frame
-        setattr(block, _CACHE_HOOK, block.register_forward_pre_hook(_no_cache, with_kwargs=True))
+        no_cache = functools.partial(_no_cache, positions=cache_positions(original))  # read once, not traced
+        setattr(block, _CACHE_HOOK, block.register_forward_pre_hook(no_cache, with_kwargs=True))
 
 
-def _no_cache(block: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _no_cache(
+    block: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], positions: dict[int, str]
+) -> Any:
     """A checkpointed block's forward pre-hook: its KV cache arguments dropped when a backward will recompute it."""
-    kept_args, kept = without_cache_arguments(block, args, kwargs)
+    kept_args, kept = without_cache_arguments(block, args, kwargs, positions)
     return None if kept_args is args and kept is kwargs else (kept_args, kept)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import savedhooks as sh
-from savedhooks.planner.caches import cache_configs, check_no_cache_input, without_cache_arguments
+from savedhooks.planner.caches import cache_configs, cache_positions, check_no_cache_input, without_cache_arguments
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -87,14 +87,19 @@ def test_a_cache_passed_to_a_block_by_position_is_dropped_by_the_name_its_forwar
         def forward(self, hidden, past_key_values=None, mask=None, use_cache=False):
             return hidden
 
+    block = Block().train()
+    positions = cache_positions(block.forward)
+    assert positions == {1: "past_key_values", 3: "use_cache"}
+    assert cache_positions(len) == {}, "a forward without a readable signature: keywords only"
     x, cache, mask = torch.ones(1), object(), torch.zeros(1)
-    args, kwargs = without_cache_arguments(Block().train(), (x, cache, mask, True), {})
+    args, kwargs = without_cache_arguments(block, (x, cache, mask, True), {}, positions)
     assert args[0] is x and args[1] is None and args[2] is mask and args[3] is False and kwargs == {}
     # no cache asked for: the very same arguments come back
     given = (x, None, mask)
-    assert without_cache_arguments(Block().train(), given, {})[0] is given
+    assert without_cache_arguments(block, given, {}, positions)[0] is given
     with torch.no_grad():
-        assert without_cache_arguments(Block().train(), (x, cache), {})[0][1] is cache
+        assert without_cache_arguments(block, (x, cache), {}, positions)[0][1] is cache
+    assert without_cache_arguments(block, (x, cache), {})[0][1] is cache, "without positions: keywords only"
 
 
 def test_cache_configs_finds_each_config_once_and_only_those_with_the_cache_on():
