@@ -41,7 +41,7 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
 import savedhooks as sh
 from benchmarks.models import Workload
-from savedhooks.compilers import placed_aot_eager
+from savedhooks.compiler.api import placed_aot_eager
 
 __all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FIDELITY_STEP", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "lowest_budget", "plan_at", "plan_or_lowest", "planner_for", "torch_fp8_hooks"]
 

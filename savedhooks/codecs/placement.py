@@ -6,7 +6,7 @@ Design notes
   backward runs in that order unless something moves them: inductor (the reorder
   pass that entering the hooks installs, and its scheduler, which fuses decodes
   into their readers) or a savedhooks backend
-  (:func:`savedhooks.contract.placed_compile`). Neither has run when the hooks
+  (:func:`savedhooks.hooks.contract.placed_compile`). Neither has run when the hooks
   are traced, so the codecs ask :func:`unpacks_placed`.
 * Without placement, overlapping views of one storage cost memory: AOTAutograd
   packs each saved value on its own and each is decoded into a buffer of its
@@ -31,7 +31,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from savedhooks._torch import inductor
-from savedhooks.contract import HookContext, placing_requested
+from savedhooks.hooks.contract import HookContext, placing_requested
 from savedhooks.memory.sizes import storage_key
 
 __all__ = ["decodes_twice", "inductor_compiling", "saved_for_an_eager_loss", "unpacks_placed"]
@@ -61,7 +61,7 @@ def unpacks_placed() -> bool:
     Returns:
         True under inductor (the reorder pass that entering the hooks installs,
         and its scheduler, which fuses decodes into their readers) and inside
-        :func:`savedhooks.contract.placed_compile` (``sh.backend("aot_eager")``);
+        :func:`savedhooks.hooks.contract.placed_compile` (``sh.backend("aot_eager")``);
         False elsewhere, for example under plain ``torch.compile(backend="aot_eager")``.
 
     Raises:

@@ -23,9 +23,9 @@ from savedhooks.codecs.downcast import Downcast
 from savedhooks.codecs.fp8 import Float8
 from savedhooks.codecs.indices import PoolIndices
 from savedhooks.codecs.placement import decodes_twice, saved_for_an_eager_loss
-from savedhooks.contract import HookContext
-from savedhooks.eager import VIEW_NODES
 from savedhooks.hooks import eager_readers, hook_context
+from savedhooks.hooks.contract import HookContext
+from savedhooks.hooks.eager import VIEW_NODES
 from savedhooks.memory.graph import backward_uses, op_name, producing_op, through_aliases, uses_through_aliases
 
 __all__ = [
@@ -417,7 +417,7 @@ class Policy(Codec):
         """In eager mode, how many saved tensors are held before packing, until the op reading them is known.
 
         Fused attention saves its query, key and value before it runs, and then
-        its output (:mod:`savedhooks.eager`): three; none without an ``attention``
+        its output (:mod:`savedhooks.hooks.eager`): three; none without an ``attention``
         codec. Only tensors bound for ``floating`` are held (:meth:`eager_holds`).
         """
         return 3 if self.attention is not None and self.floating is not None else 0

@@ -3,7 +3,7 @@
 :mod:`savedhooks.hostmem.pool`: a pool of exact-size host buffers reused across
 steps. ``sh.offload``'s pinned copies write into its :func:`default_pool`; the
 overlapped form of compiled CUDA graphs (``ao::offload``, placed by
-:mod:`savedhooks.overlap`) allocates through torch's host allocator.
+:mod:`savedhooks.compiler.overlap`) allocates through torch's host allocator.
 """
 
 from savedhooks.hostmem.pool import HostPool, HostPoolExhaustedError, PoolStats, default_pool, pinned_bytes

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from savedhooks.compilers import saved_tensors_hooks
+from savedhooks.compiler.api import saved_tensors_hooks
 from savedhooks.fidelity.sensitivity import default_loss
 from savedhooks.planner.census import step_timeline
 from savedhooks.planner.result import Plan

@@ -12,7 +12,7 @@ Design notes
      by the memory model (:func:`~savedhooks.planner.census.step_timeline`). Hooks
      that pack nothing leave the graphs as they are without hooks but for the
      names of the saved values, which the recording gives back
-     (:func:`savedhooks.passes.unhook_names`): a second compile without hooks
+     (:func:`savedhooks.compiler.passes.unhook_names`): a second compile without hooks
      would cost as much again for the same graphs (``tests/planner/test_planner.py``
      compares them).
   Planning a budget is then the search alone (:mod:`savedhooks.planner.search`):
@@ -70,7 +70,7 @@ from savedhooks._torch import pytree
 from savedhooks._torch.tensors import FakeTensorMode
 from savedhooks.codecs import Downcast, Policy
 from savedhooks.codecs.backends import materializes_better
-from savedhooks.compilers import saved_tensors_hooks
+from savedhooks.compiler.api import saved_tensors_hooks
 from savedhooks.fidelity.select import Census, SavedTensor, keyed_run
 from savedhooks.fidelity.sensitivity import default_loss
 from savedhooks.memory.sizes import tensor_nbytes

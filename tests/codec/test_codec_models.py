@@ -19,7 +19,7 @@ import savedhooks as sh
 from savedhooks.codecs.base import pack_saved, unpack_saved
 from savedhooks.codecs.fp8 import Float8
 from savedhooks.codecs.layout import narrow_broadcast
-from savedhooks.compilers import placed_compile
+from savedhooks.compiler.api import placed_compile
 
 
 def _mlp4() -> torch.nn.Module:
@@ -227,7 +227,7 @@ def test_eager_packs_each_activation_once_and_never_parameters():
 
 @pytest.mark.parametrize("codec", ["fp8", "policy"])  # the policy holds the last saved tensors (eager_window)
 def test_eager_pack_cache_does_not_keep_tensors_alive(codec):
-    from savedhooks import hooks as hooks_module
+    from savedhooks.hooks import eager as hooks_module
 
     model = mlp(width=16)
     with sh.saved_tensors_hooks(getattr(sh, codec)()):

@@ -13,15 +13,15 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import savedhooks as sh
-import savedhooks.compilers
-import savedhooks.passes
+import savedhooks.compiler.api
+import savedhooks.compiler.passes
 from benchmarks.reorder_inductor import measured_peaks
 from savedhooks.codecs.downcast import Downcast
 from savedhooks.codecs.fp8 import Float8
 from savedhooks.codecs.policy import Policy
-from savedhooks.compilers import ReorderPass
+from savedhooks.compiler.api import ReorderPass
+from savedhooks.compiler.passes import has_hook_chains, is_backward_graph
 from savedhooks.memory.fusion import inlined_nodes, is_view
-from savedhooks.passes import has_hook_chains, is_backward_graph
 from savedhooks.planner.census import plan_key
 from savedhooks.planner.result import Planned
 
@@ -90,7 +90,7 @@ def misplaced_unpacks(nodes: list[torch.fx.Node]) -> list[str]:
     for node in nodes:
         inputs = node.all_input_nodes
         if node.op == "placeholder":
-            if savedhooks.passes._HOOK_VALUE.search(node.name):
+            if savedhooks.compiler.passes._HOOK_VALUE.search(node.name):
                 chain.add(node)
         elif node.op == "call_function" and inputs and all(i in chain for i in inputs):
             chain.add(node)
@@ -169,8 +169,8 @@ def test_the_opt_out_leaves_inductor_alone():
 @pytest.mark.slow
 def test_graphs_without_hook_chains_are_untouched(monkeypatch):
     reordered = []
-    original = savedhooks.compilers.reorder_for_memory
-    monkeypatch.setattr(savedhooks.compilers, "reorder_for_memory",
+    original = savedhooks.compiler.api.reorder_for_memory
+    monkeypatch.setattr(savedhooks.compiler.api, "reorder_for_memory",
                         lambda gm, is_backward, **kw: reordered.append(is_backward) or original(gm, is_backward, **kw))
     linear = torch.nn.Linear(16, 16)  # saves only its input and weight: graph inputs, never hooked
     train_step(linear, torch.compile(linear), torch.randn(4, 16), sh.fp8())
@@ -349,11 +349,11 @@ def test_a_hooked_forward_on_cuda_gets_its_packs_placed_and_a_cpu_one_keeps_indu
     from savedhooks.schedule import peak_of
 
     def modelled_peak(gm) -> int:  # as inductor runs the graph: a pack's links fused
-        problem, _ = savedhooks.passes.graph_problem(gm, fused=True)
+        problem, _ = savedhooks.compiler.passes.graph_problem(gm, fused=True)
         return peak_of(problem, list(range(problem.size)))
 
     gm = _hooked_forward_graph(device)
-    chains = savedhooks.passes.pack_chain_nodes(gm.graph)
+    chains = savedhooks.compiler.passes.pack_chain_nodes(gm.graph)
     mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
     relus = [n for n in gm.graph.nodes if n.target is torch.ops.aten.relu.default]
     assert len(mms) == 4 and len(relus) == 3 and not chains & {*mms, *relus}

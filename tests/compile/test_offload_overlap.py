@@ -21,10 +21,10 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 import savedhooks as sh
 import savedhooks.kernels.offload  # the savedhooks::offload and savedhooks::reload ops
 from savedhooks.codecs.base import pack_saved, unpack_saved
+from savedhooks.compiler.overlap import Transfer, hoist_starts, overlap_transfers, sink_waits
 from savedhooks.hostmem import default_pool
 from savedhooks.memory import estimate_peak
 from savedhooks.memory.timing import TransferModel, nominal_seconds
-from savedhooks.overlap import Transfer, hoist_starts, overlap_transfers, sink_waits
 from tests.models import train_step_grads
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -139,10 +139,10 @@ def test_sunk_waits_respect_an_explicit_limit():
 
 def test_the_reorder_pass_makes_offload_copies_asynchronous():
     gm = _trace(_forward, "cuda", "cuda", "cuda", "cuda")
-    sh.compilers.reorder_pass()(gm.graph)  # a forward graph: not reordered, but its copies overlap
+    sh.compiler.reorder_pass()(gm.graph)  # a forward graph: not reordered, but its copies overlap
     assert "savedhooks.offload_async.default" in _targets(gm) and "savedhooks.offload.default" not in _targets(gm)
     gm = _trace(_backward, "cpu", "cuda", "cuda", "cuda")
-    sh.compilers.reorder_pass()(gm.graph)
+    sh.compiler.reorder_pass()(gm.graph)
     assert "ao.reload.default" in _targets(gm) and "savedhooks.reload.default" not in _targets(gm)
 
 
@@ -397,7 +397,7 @@ def test_async_offload_is_bit_exact_over_many_steps_of_changing_sizes(backend, c
     compiled = torch.compile(model, backend=sh.backend(backend), dynamic=True)
     rng = random.Random(0)
     hits = default_pool().stats.hits
-    with caplog.at_level(logging.INFO, logger="savedhooks.overlap"):
+    with caplog.at_level(logging.INFO, logger="savedhooks.compiler.overlap"):
         for _ in range(30):
             x = torch.randn(rng.choice([8, 64, 200, 512]), 256, device="cuda")
             want = train_step_grads(model, compiled, x)
@@ -428,7 +428,7 @@ def test_a_forward_that_offloads_gets_its_copies_placed_after_the_last_use():
 
     gm = _trace(forward, "cuda", "cuda")
     before = _device_peak(gm)
-    sh.compilers.reorder_pass()(gm.graph)
+    sh.compiler.reorder_pass()(gm.graph)
     order = [n for n in gm.graph.nodes if n.op == "call_function"]
     starts = [n for n in order if n.target is torch.ops.savedhooks.offload_async.default]
     assert len(starts) == 3
@@ -449,7 +449,7 @@ def test_copies_longer_than_the_graph_s_compute_are_reported(copy_units, warns, 
     """No placement hides copies that take longer than all the compute around them (gpt2-medium on an H200:
     4.2 GB each way at 55 GB/s against a 34 ms step); the pass says so, with both modelled times."""
     gm = _trace(_forward, "cuda", "cuda", "cuda", "cuda")  # 5 matmuls of compute, one copy
-    with caplog.at_level(logging.WARNING, logger="savedhooks.overlap"):
+    with caplog.at_level(logging.WARNING, logger="savedhooks.compiler.overlap"):
         overlap_transfers(gm, is_backward=False, model=_model(copy_units=copy_units))
     messages = [r.getMessage() for r in caplog.records if "longer than the graph's modelled compute" in r.getMessage()]
     assert bool(messages) == warns, messages

@@ -10,8 +10,8 @@ import savedhooks as sh
 from benchmarks.acceptance import MODELS
 from benchmarks.reorder_inductor import MODELS as INDUCTOR_MODELS
 from benchmarks.reorder_inductor import measured_peaks
-from savedhooks.compilers import ReorderPass, placed_compile, reorder_pass
-from savedhooks.passes import is_backward_graph, place_hooks
+from savedhooks.compiler.api import ReorderPass, placed_compile, reorder_pass
+from savedhooks.compiler.passes import is_backward_graph, place_hooks
 
 CASES = {name.replace(" ", "_"): case for name, case in MODELS.items()}
 

@@ -7,8 +7,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
-import savedhooks.compilers
-from savedhooks.unfuse import join_adjacent, split_late_addmm
+import savedhooks.compiler.api
+from savedhooks.compiler.unfuse import join_adjacent, split_late_addmm
 
 aten = torch.ops.aten
 
@@ -109,7 +109,7 @@ def test_gpt2s_tied_head_gradient_no_longer_holds_the_logits_gradient(monkeypatc
     grads = [p.grad for p in workload.model.parameters()]
     workload.model.zero_grad(set_to_none=True)
     torch._dynamo.reset()
-    monkeypatch.setattr(savedhooks.compilers, "split_late_addmm", lambda graph: [])
+    monkeypatch.setattr(savedhooks.compiler.api, "split_late_addmm", lambda graph: [])
     with torch._inductor.utils.fresh_cache():
         fused = _backward_peak(workload.with_loss(), workload.inputs)
     assert split <= fused - 0.4 * logits_bytes, (split, fused)

@@ -9,10 +9,10 @@ import weakref
 
 import pytest
 import torch
+from models import bf16, cast_hook, mlp, train_step_grads
 from torch._dynamo.exc import BackendCompilerFailed
 
 import savedhooks as sh
-from models import bf16, cast_hook, mlp, train_step_grads
 
 
 def _counting_hook(calls: list[str], tag: str) -> sh.HookPair:
@@ -416,7 +416,7 @@ def test_hook_capturing_a_tensor_names_itself_when_compile_fails():
 
 
 def test_process_local_hooks_are_not_kept_alive():
-    from savedhooks import hooks as hooks_module
+    from savedhooks.hooks import eager as hooks_module
 
     scale = torch.tensor(2.0)
     registered = len(hooks_module._FUNCTIONS)

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import savedhooks as sh
 from benchmarks.tools.schedule_gap import random_problem
+from savedhooks.compiler.passes import ordering_edges, reorder_graph
 from savedhooks.memory import build_graph_memory, simulate_order
-from savedhooks.passes import ordering_edges, reorder_graph
 from savedhooks.schedule import (
     STRATEGIES,
     Problem,

@@ -14,14 +14,14 @@ import torch
 
 import savedhooks
 import savedhooks.codecs
+import savedhooks.compiler.api
+import savedhooks.compiler.input_layout
+import savedhooks.compiler.passes
 import savedhooks.fidelity
 import savedhooks.hostmem
 import savedhooks.kernels
 import savedhooks.memory
 import savedhooks.metrics
-import savedhooks.compilers
-import savedhooks.input_layout
-import savedhooks.passes
 import savedhooks.schedule
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def test_every_subpackage_is_in_the_wheel():
 def test_public_functions_document_args_returns_raises():
     missing = []
     namespaces = [savedhooks, savedhooks.codecs, savedhooks.fidelity, savedhooks.hostmem, savedhooks.memory,
-                  savedhooks.metrics, savedhooks.passes, savedhooks.compilers, savedhooks.input_layout,
+                  savedhooks.metrics, savedhooks.compiler.passes, savedhooks.compiler.api, savedhooks.compiler.input_layout,
                   savedhooks.planner, savedhooks.schedule]
     kernel_modules = ("fp8", "bitmask", "offload")
     namespaces += [savedhooks.kernels] + [importlib.import_module(f"savedhooks.kernels.{m}") for m in kernel_modules]

@@ -19,12 +19,12 @@ of the forward, and every unpacked one from the start of the backward.
   that allocates nothing right before its first user (same modelled peak).
 * Only the order changes, never what is computed, with one exception for
   inductor: an ``addmm`` that inductor fused from an ``mm`` and a later ``add``
-  is split back (:mod:`savedhooks.unfuse`) so that the ``mm`` may run early, and
+  is split back (:mod:`savedhooks.compiler.unfuse`) so that the ``mm`` may run early, and
   fused again where it did not move. Beyond dataflow, in-place writes, RNG and
   side effects keep their order (:func:`ordering_edges`).
 
 How the pass reaches the compilers (inductor's post-grad slot, ``sh.backend``,
-the hooks' context) is :mod:`savedhooks.compilers`.
+the hooks' context) is :mod:`savedhooks.compiler.api`.
 """
 
 from __future__ import annotations
