@@ -46,9 +46,11 @@ class Codec:
         return x.is_floating_point() and x.numel() > 0
 
     def encode(self, x: torch.Tensor) -> Any:  # pragma: no cover - abstract
+        """The payload kept for backward in place of ``x``: a pytree of tensors and Python values."""
         raise NotImplementedError
 
     def decode(self, payload: Any) -> torch.Tensor:  # pragma: no cover - abstract
+        """The tensor :meth:`encode` packed into ``payload``, with the saved tensor's dtype, shape and strides."""
         raise NotImplementedError
 
     def choose(self, x: torch.Tensor) -> int:

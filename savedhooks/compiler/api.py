@@ -131,6 +131,7 @@ class ReorderPass(inductor.CustomGraphPass):
         overlap_transfers(gm, is_backward)  # offload copies (accelerator <-> host) only
 
     def uuid(self) -> str:
+        """This pass's key in inductor's FX graph cache: a digest of what changes its output (see the class notes)."""
         bandwidth = aot.config.activation_offload_cpu_gpu_bw  # times the overlap of offload copies
         # a backward's copies of the weights its forward kept (input_layout) depend on that forward's compile
         weights = ",".join(sorted(recorded_weights()))

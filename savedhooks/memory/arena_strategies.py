@@ -233,6 +233,7 @@ def iterated_greedy(sizes: Sequence[int], starts: Sequence[int], ends: Sequence[
     return best[1]
 
 
+# The offset assignments plan_arena(strategy=...) runs, by name ("best" runs them all).
 ARENA_STRATEGIES: dict[str, Callable[[Sequence[int], Sequence[int], Sequence[int]], list[int]]] = {
     "greedy_by_size": greedy_by_size,
     "greedy_by_breadth": greedy_by_breadth,
