@@ -112,9 +112,6 @@ def uses_inductor(x: torch.Tensor) -> bool:
     Returns:
         True for a real CPU tensor of at least :data:`INDUCTOR_MIN_ELEMS` elements,
         outside compiles and dispatch modes, while the path is on.
-
-    Raises:
-        Nothing.
     """
     if x.dim() != 2 or not inductor_serves(tuple(x.shape), x.device):
         return False
@@ -136,9 +133,6 @@ def inductor_serves(shape: tuple[int, int], device: torch.device | str) -> bool:
 
     Returns:
         True on CPU from :data:`INDUCTOR_MIN_ELEMS` elements while the path is on.
-
-    Raises:
-        Nothing.
     """
     return _state["enabled"] and torch.device(device).type == "cpu" and shape[0] * shape[1] >= INDUCTOR_MIN_ELEMS
 
@@ -168,9 +162,6 @@ def inductor_scratch_bytes(
         scales, when a row has several groups; with a last short block that of one
         chunk of rows plus two chunks of codes (the segments and their join), or
         None with a seed, where the reference runs instead.
-
-    Raises:
-        Nothing.
     """
     rows, groups = scale_shape
     if not quantize or groups <= 1:

@@ -111,9 +111,6 @@ def seed_keys(seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns:
         ``(k0, k1)``: int64 tensors of seed's shape.
-
-    Raises:
-        Nothing.
     """
     k0 = (((seed & _M32) ^ KEY_XOR) * KEY_MULTIPLIER) & _M32
     return k0, torch.div(seed, 1 << 32, rounding_mode="floor") & _M32
@@ -130,9 +127,6 @@ def random_bits(index: torch.Tensor, seed: torch.Tensor, below_2_32: bool = Fals
 
     Returns:
         int64 tensor of index's shape, values in ``[0, 2**32)``.
-
-    Raises:
-        Nothing.
     """
     k0, k1 = seed_keys(seed)
     if below_2_32:

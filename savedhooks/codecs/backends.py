@@ -38,9 +38,6 @@ def check_backend(what: str, backend: Any, fused: bool = False) -> None:
         backend: the value given.
         fused: the codec has a decomposed form, so ``"fused"`` is valid too.
 
-    Returns:
-        None.
-
     Raises:
         ValueError: ``backend`` is not one of :data:`BACKENDS` (or ``"fused"``), or
             is ``"triton"`` without the triton package.
@@ -61,9 +58,6 @@ def uses_triton(backend: str, x: torch.Tensor) -> bool:
 
     Returns:
         True for ``"triton"``, and for ``"auto"`` on CUDA when triton imports.
-
-    Raises:
-        Nothing.
     """
     return backend == "triton" or (backend == "auto" and x.device.type == "cuda" and triton_available())
 
@@ -84,9 +78,6 @@ def uses_fused(backend: str, x: torch.Tensor | None = None) -> bool:
         run as a full-size pass with full-size temporaries. One exception, measured:
         ``"auto"`` keeps the ops for a 16-bit floating tensor on the CPU
         (:func:`materializes_better`).
-
-    Raises:
-        Nothing.
     """
     if backend == FUSED:
         return True
@@ -101,9 +92,6 @@ def inductor_traces() -> bool:
     Returns:
         True when :func:`savedhooks.hook_context` is set and inductor's compile
         is on the call stack.
-
-    Raises:
-        Nothing.
     """
     return hook_context() is not None and inductor_compiling()
 
@@ -123,9 +111,6 @@ def materializes_better(x: torch.Tensor) -> bool:
 
     Returns:
         True for a bf16 or fp16 tensor on the CPU.
-
-    Raises:
-        Nothing.
     """
     return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
 
@@ -138,8 +123,5 @@ def kernel_backend(backend: str) -> str:
 
     Returns:
         ``backend``, or ``"auto"`` for ``"fused"``.
-
-    Raises:
-        Nothing.
     """
     return "auto" if backend == FUSED else backend

@@ -115,14 +115,8 @@ def sign_only_in_backward() -> bool:
     through ``detach``) is ``threshold_backward(grad, value, 0)``: ReLU's saved
     output. Then 1 bit per element restores the gradient exactly.
 
-    Args:
-        None.
-
     Returns:
         False in eager mode, where there is no backward graph to look at.
-
-    Raises:
-        Nothing.
     """
     ctx = hook_context()
     if ctx is None:

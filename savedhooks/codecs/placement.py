@@ -40,14 +40,8 @@ __all__ = ["decodes_twice", "inductor_compiling", "saved_for_an_eager_loss", "un
 def inductor_compiling() -> bool:
     """Whether the caller runs inside inductor's ``compile_fx`` (AOTAutograd called by inductor).
 
-    Args:
-        None.
-
     Returns:
         True when inductor's ``_compile_fx_main`` is on the call stack.
-
-    Raises:
-        Nothing.
     """
     return inductor.compiling()
 
@@ -55,17 +49,11 @@ def inductor_compiling() -> bool:
 def unpacks_placed() -> bool:
     """Whether the graphs being traced will have their unpacks moved to their uses.
 
-    Args:
-        None.
-
     Returns:
         True under inductor (the reorder pass that entering the hooks installs,
         and its scheduler, which fuses decodes into their readers) and inside
         :func:`savedhooks.hooks.contract.placed_compile` (``sh.backend("aot_eager")``);
         False elsewhere, for example under plain ``torch.compile(backend="aot_eager")``.
-
-    Raises:
-        Nothing.
     """
     return placing_requested() or inductor_compiling()
 
@@ -95,9 +83,6 @@ def decodes_twice(ctx: HookContext) -> bool:
         True when the outputs sharing the storage are known to hold more
         elements' bytes than the storage (False when the sizes are symbolic
         and not known to).
-
-    Raises:
-        Nothing.
     """
     val = _tensor(ctx.node)
     mine = None if val is None else storage_key(val)
@@ -133,8 +118,5 @@ def saved_for_an_eager_loss(x: torch.Tensor, ctx: HookContext | None) -> bool:
         True in eager mode for the output of a log-softmax (autograd node
         ``LogSoftmaxBackward0``); False under compile, where the loss's
         tensors are graph values that placement and fusion handle.
-
-    Raises:
-        Nothing.
     """
     return ctx is None and type(x.grad_fn).__name__ == "LogSoftmaxBackward0"

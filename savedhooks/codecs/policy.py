@@ -124,9 +124,6 @@ def is_statistic_of(node: torch.fx.Node, ops: tuple[str, ...]) -> bool:
 
     Returns:
         True when the value should be kept as it is.
-
-    Raises:
-        Nothing.
     """
     node = through_aliases(node)
     if producing_op(node) in ops:
@@ -154,9 +151,6 @@ def is_batch_norm_input(node: torch.fx.Node) -> bool:
     Returns:
         True when a batch norm (one op, or the nodes inductor decomposed it into)
         reads the value as its input and the value is not itself made inside one.
-
-    Raises:
-        Nothing.
     """
     node = through_aliases(node)
     if op_name(node.meta.get("original_aten")) in BATCH_NORM_OPS or producing_op(node) in BATCH_NORM_OPS:
@@ -289,9 +283,6 @@ def is_periodic_argument(name: str, bw_graph: torch.fx.Graph) -> bool:
     Returns:
         True when a backward user of the value (looking through ``detach``) is
         ``sin``, ``cos`` or ``tan``.
-
-    Raises:
-        Nothing.
     """
     return any(op_name(user.target) in _PERIODIC_OPS for user, _ in backward_uses(name, bw_graph))
 
@@ -312,9 +303,6 @@ def is_narrow_softmax(x: torch.Tensor, node: torch.fx.Node | None, classes: int)
 
     Returns:
         True when ``x`` should be kept as it is.
-
-    Raises:
-        Nothing.
     """
     if x.dim() == 0 or not isinstance(x.shape[-1], int) or x.shape[-1] > classes:
         return False

@@ -151,9 +151,6 @@ def reorder_pass(forward: bool = False) -> ReorderPass:
 
     Returns:
         A :class:`ReorderPass` (one shared instance per option: equal passes, equal cache keys).
-
-    Raises:
-        Nothing.
     """
     fixes.install()
     return _REORDER_PASSES[bool(forward), False]
@@ -167,9 +164,6 @@ def post_grad_passes(slot) -> tuple:
 
     Returns:
         A tuple of passes (empty for None).
-
-    Raises:
-        Nothing.
     """
     return tuple(slot) if isinstance(slot, (list, tuple)) else (() if slot is None else (slot,))
 
@@ -206,9 +200,6 @@ def inductor_placement(enabled: bool = True) -> Iterator[None]:
 
     Returns:
         A context manager (yielding nothing).
-
-    Raises:
-        Nothing.
     """
     if not enabled:
         yield

@@ -64,9 +64,6 @@ def keep_input_layout(graph: torch.fx.Graph) -> list[str]:
     Returns:
         The names of the placeholders newly marked user-visible (empty when the
         graph returns no input, or inductor's output metadata is missing).
-
-    Raises:
-        Nothing.
     """
     output = graph.output_node()
     if _VISIBLE not in output.meta or _STRIDES not in output.meta:
@@ -102,9 +99,6 @@ def restore_input_layout(graph: torch.fx.Graph) -> list[str]:
     Returns:
         The names of the placeholders given a copy (empty outside a compile, or
         when the forward kept none).
-
-    Raises:
-        Nothing.
     """
     names = recorded_weights()
     if not names or any(n.target is _CONVOLUTION for n in graph.nodes):
@@ -129,14 +123,8 @@ def restore_input_layout(graph: torch.fx.Graph) -> list[str]:
 def recorded_weights() -> frozenset[str]:
     """The weights :func:`keep_input_layout` recorded for the forward of the compile in progress.
 
-    Args:
-        None.
-
     Returns:
         Their names; empty outside a compile or when none was recorded.
-
-    Raises:
-        Nothing.
     """
     context = tracing_context()
     fw_metadata = getattr(context, "fw_metadata", None)

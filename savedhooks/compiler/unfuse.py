@@ -36,9 +36,6 @@ def split_late_addmm(graph: torch.fx.Graph) -> list[torch.fx.Node]:
 
     Returns:
         The new ``mm`` nodes (each with one user, its ``add``).
-
-    Raises:
-        Nothing.
     """
     position = {node: i for i, node in enumerate(graph.nodes)}
     made = []
@@ -74,9 +71,6 @@ def join_adjacent(graph: torch.fx.Graph, mms: list[torch.fx.Node]) -> int:
 
     Returns:
         How many pairs were fused again.
-
-    Raises:
-        Nothing.
     """
     joined = 0
     for mm in mms:

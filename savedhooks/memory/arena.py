@@ -360,9 +360,6 @@ def validate_arena(plan: ArenaPlan) -> None:
     Args:
         plan: the plan.
 
-    Returns:
-        None.
-
     Raises:
         ValueError: a count mismatch, an offset that is negative, not aligned or
             past the arena, or two buffers alive at the same position whose byte

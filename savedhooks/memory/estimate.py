@@ -72,9 +72,6 @@ def simulate(memory: GraphMemory, device: torch.device) -> tuple[list[int], list
 
     Returns:
         ``(live_during, live_after, live_sets_during)`` per node.
-
-    Raises:
-        Nothing.
     """
     live, current = 0, set()
     during, after, sets = [], [], []
@@ -140,9 +137,6 @@ def lower_bound(memory: GraphMemory, device: torch.device) -> int:
 
     Returns:
         The bound (0 for an empty graph).
-
-    Raises:
-        Nothing.
     """
     n = len(memory.node_names)
     if n == 0:
@@ -290,9 +284,6 @@ def saved_activations(backward: torch.fx.GraphModule) -> tuple[str, ...]:
 
     Returns:
         Placeholder names.
-
-    Raises:
-        Nothing.
     """
     return tuple(
         n.name for n in backward.graph.nodes if n.op == "placeholder" and not n.name.startswith(("primals", "tangents"))
@@ -319,9 +310,6 @@ def freed_inputs(backward: torch.fx.GraphModule) -> tuple[str, ...]:
 
     Returns:
         Placeholder names.
-
-    Raises:
-        Nothing.
     """
     return tuple(n.name for n in backward.graph.nodes if n.op == "placeholder" and not n.name.startswith("primals"))
 

@@ -137,9 +137,6 @@ def traced_bytes(records: list[Allocation], thread: int | None = None) -> list[t
 
     Returns:
         ``(start_ns, live bytes relative to the first record)`` per counted record.
-
-    Raises:
-        Nothing.
     """
     owner: dict[int, int] = {}  # ptr -> thread, for blocks allocated during the records
     live, timeline = 0, []
@@ -170,9 +167,6 @@ def cpu_allocations(nodes: list[Any]) -> list[Allocation]:
 
     Returns:
         One :class:`Allocation` per CPU allocation or free, in the nodes' order.
-
-    Raises:
-        Nothing.
     """
     allocations = []
     for node in nodes:

@@ -108,9 +108,6 @@ def plan_key(x: torch.Tensor) -> str:
 
     Returns:
         ``"node|op|shape|dtype"`` under compile, ``"eager|op|shape|dtype"`` in eager mode.
-
-    Raises:
-        Nothing.
     """
     ctx = hook_context()
     shape = _shape(concrete_size(s) for s in x.shape)
@@ -164,9 +161,6 @@ def key_of_saved(saved: SavedTensor) -> str:
 
     Returns:
         The same string :func:`plan_key` computes for it.
-
-    Raises:
-        Nothing.
     """
     where, _, name = saved.key.partition(":")
     head = "eager" if where == "eager" else name

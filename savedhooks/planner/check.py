@@ -78,9 +78,6 @@ def choices_of(plan: Plan) -> tuple[tuple[str, str], ...]:
 
     Returns:
         ``(key, choice)`` per planned tensor, in the plan's order.
-
-    Raises:
-        Nothing.
     """
     return tuple((t.key, t.choice) for t in plan.tensors)
 
@@ -93,9 +90,6 @@ def packs_nothing(plan: Plan) -> bool:
 
     Returns:
         True if every choice is ``"keep"``.
-
-    Raises:
-        Nothing.
     """
     return all(t.choice == "keep" for t in plan.tensors)
 
@@ -250,9 +244,6 @@ def warn_unchecked(log: list[str], name: str, error: Exception, then: str) -> No
         name: the recompute setting, as the log names it.
         error: what the check raised.
         then: what the planner does instead (in the warning).
-
-    Returns:
-        None.
 
     Raises:
         Nothing (the warning may be turned into an error by a warnings filter).

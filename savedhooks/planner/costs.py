@@ -63,15 +63,9 @@ _ENV = "SAVEDHOOKS_CACHE_DIR"
 def cache_file() -> pathlib.Path | None:
     """Where measured costs (codecs, block recomputes) are kept between processes.
 
-    Args:
-        None.
-
     Returns:
         ``costs.json`` in ``$SAVEDHOOKS_CACHE_DIR`` (default ``~/.cache/savedhooks``),
         or None when the variable is set and empty (no file).
-
-    Raises:
-        Nothing.
     """
     folder = os.environ.get(_ENV)
     if folder == "":

@@ -63,14 +63,8 @@ _OK, _FAILED, _ABORTED = 0, 1, 2
 def several() -> bool:
     """Whether ``torch.distributed`` runs several processes in its default group.
 
-    Args:
-        None.
-
     Returns:
         True with an initialized default group of more than one process.
-
-    Raises:
-        Nothing.
     """
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -79,14 +73,8 @@ def several() -> bool:
 def is_leader() -> bool:
     """Whether this process decides (rank 0, or the only process).
 
-    Args:
-        None.
-
     Returns:
         True on rank 0 or without several processes.
-
-    Raises:
-        Nothing.
     """
     return not several() or torch.distributed.get_rank() == 0
 

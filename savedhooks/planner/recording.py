@@ -96,14 +96,8 @@ class GraphRecorder(CustomGraphPass):
         inputs whose buffers it may write in place in ``meta["savedhooks_donated"]``
         (:data:`DONATED`); a compile nested in the graph's run (a codec's eager path) is not recorded.
 
-        Args:
-            None.
-
         Returns:
             A context manager.
-
-        Raises:
-            Nothing.
         """
         inductor_memory = inductor.memory
 
@@ -312,9 +306,6 @@ def kernel_calls(gm: torch.fx.GraphModule) -> list[KernelCall]:
 
     Returns:
         One :class:`KernelCall` per call; empty if none were kept.
-
-    Raises:
-        Nothing.
     """
     return list(gm.meta.get(_CALLS, ()))
 
@@ -333,9 +324,6 @@ def run_in_kernel_order(gm: torch.fx.GraphModule) -> bool:
 
     Returns:
         Whether the graph was reordered.
-
-    Raises:
-        Nothing.
     """
     kernels = gm.meta.get(_KERNEL_ORDER)
     if not kernels:

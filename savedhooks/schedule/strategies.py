@@ -175,9 +175,6 @@ def place(problem: Problem, order: list[int]) -> list[int]:
 
     Returns:
         The new order.
-
-    Raises:
-        Nothing.
     """
     descendants, chains = problem.descendants, problem.chains
 
@@ -225,9 +222,6 @@ def sink_free(problem: Problem, order: list[int]) -> list[int]:
     Returns:
         The new order: the other nodes in their relative order, each preceded by
         the nodes that allocate nothing and that it is the first to need.
-
-    Raises:
-        Nothing.
     """
     fixed = set(problem.fixed)
     free = {v for v in order if problem.peak_alloc[v] == 0 and v not in fixed}
