@@ -289,7 +289,17 @@ def _member_doc(cls: type, name: str, member: Any) -> str | None:
 
 
 def _bases(cls: type, documented: dict[int, str]) -> list[str]:
-    return [documented[id(b)] for b in cls.__mro__[1:] if id(b) in documented]
+    """The direct bases: a link where the page documents them, else the qualified name."""
+    out = []
+    for base in cls.__bases__:
+        if base is object:
+            continue
+        if id(base) in documented:
+            out.append(f"[`{documented[id(base)]}`](#{_link(documented[id(base)])})")
+        else:
+            module = "" if base.__module__ == "builtins" else base.__module__ + "."
+            out.append(f"`{module}{base.__qualname__}`")
+    return out
 
 
 def render() -> tuple[str, list[str]]:
@@ -331,7 +341,7 @@ def render() -> tuple[str, list[str]]:
             if isinstance(entry.obj, type):
                 bases = _bases(entry.obj, documented_classes)
                 if bases:
-                    out.append("Bases: " + ", ".join(f"[`{b}`](#{_link(b)})" for b in bases) + "\n")
+                    out.append("Bases: " + ", ".join(bases) + "\n")
             if doc is not None:
                 out.append(_block(doc))
             if isinstance(entry.obj, type):
