@@ -306,7 +306,6 @@ def render() -> tuple[str, list[str]]:
     """The page, and the public names (and class members) that have no docstring."""
     sections, modules = collect()
     documented = {id(e.obj): e.qualname for entries in sections.values() for e in entries if e.home is None}
-    documented_classes = {k: v for k, v in documented.items()}
     missing: list[str] = []
     out = [HEADER]
     out.append("## Modules\n")
@@ -339,13 +338,13 @@ def render() -> tuple[str, list[str]]:
                 elif kind:
                     out.append(_code(f"class {short}", "python"))
             if isinstance(entry.obj, type):
-                bases = _bases(entry.obj, documented_classes)
+                bases = _bases(entry.obj, documented)
                 if bases:
                     out.append("Bases: " + ", ".join(bases) + "\n")
             if doc is not None:
                 out.append(_block(doc))
             if isinstance(entry.obj, type):
-                for name, member in _members(entry.obj, set(documented_classes)):
+                for name, member in _members(entry.obj, set(documented)):
                     member_qualname = f"{entry.qualname}.{name}"
                     member_doc = _member_doc(entry.obj, name, member)
                     if member_doc is None:
