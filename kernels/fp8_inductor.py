@@ -31,7 +31,7 @@ Design notes
   (dtype, granularity, block size, rounding, a last short block) are guarded, each
   a variant (:class:`_Variants`), checked in order with the variant's own guards.
   Why precompiled: a compiled function's entries live in dynamo's per-code cache,
-  which ``torch._dynamo.reset()`` empties; tracing the codec again then cost 2 to
+  which ``torch.compiler.reset()`` empties; tracing the codec again then cost 2 to
   3 s per variant on 2 cores, and test suites and benchmarks reset between cases.
   The precompiled variants are ours and survive the reset. With
   ``torch._inductor.config.force_disable_caches`` set, ``aot_compile`` refuses,

@@ -41,7 +41,7 @@ def plan(
     the plan's predicted gradient SQNR meets it. Offload (to pinned host
     memory) is a choice on a GPU only (not yet run on one). To plan several
     budgets, keep a :class:`Planner`. Each survey ends with
-    ``torch._dynamo.reset()``: plan before compiling anything else.
+    ``torch.compiler.reset()``: plan before compiling anything else.
 
     Args:
         model: the module to train (not compiled: the plan compiles it). A

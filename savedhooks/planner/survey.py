@@ -21,7 +21,7 @@ Design notes
   (:mod:`savedhooks.planner.recompute`): the census and the graphs are those of
   the model as the plan will run it (block inputs saved, the blocks' forwards
   recomputed in the backward graph).
-* Each survey ends with ``torch._dynamo.reset()``: its compiles leave cache
+* Each survey ends with ``torch.compiler.reset()``: its compiles leave cache
   entries for the model's frames under backends used once, and a planner
   surveys up to nine settings; past dynamo's recompile limit (8 per frame) the
   user's own ``torch.compile`` of the model ran eagerly, without placement
