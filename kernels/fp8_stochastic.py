@@ -6,7 +6,7 @@ Design notes
   below it or up to the one above, up with probability (distance to the lower
   point) / (grid spacing). Then ``E[q] = y`` for every finite y in the format's
   range: the quantization error is zero-mean per element, at the cost of a larger
-  variance than round to nearest (about 3 dB of SQNR, see the README). Scales,
+  variance than round to nearest (about 3 dB of SQNR: the error's variance doubles). Scales,
   saturation (finite values never round past fmax, in e5m2 too) and non-finite
   values are as with round to nearest.
 * The random bits are a counter-based hash, not a random tensor: ``bits(i) =

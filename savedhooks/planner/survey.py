@@ -24,8 +24,8 @@ Design notes
 * Each survey ends with ``torch._dynamo.reset()``: its compiles leave cache
   entries for the model's frames under backends used once, and a planner
   surveys up to nine settings; past dynamo's recompile limit (8 per frame) the
-  user's own ``torch.compile`` of the model ran eagerly, without placement
-  (seen: a plan measured 22 % above its prediction). The reset drops every
+  user's own ``torch.compile`` of the model would run eagerly, without
+  placement, and peak above the plan's prediction. The reset drops every
   compiled frame of the process: plan before compiling.
 * Units: the census entries of one plan key, or of several whose tensors are
   views of one storage (they free it together, so they get one choice).

@@ -83,10 +83,10 @@ def test_inductor_with_the_pass_is_never_above_inductors_own_order():
     With the opaque fp8 op inductor's own order dequantizes everything at the start
     of the backward; the decomposed form (sh.fp8()'s default under inductor) is
     fused into each consumer, which already lowers inductor's own backward peak.
-    On this 4-layer MLP the pass once measured 2.8x inductor's own backward peak
-    with the decomposed form (13.7 vs 5.0 MiB): its order left GELU-derivative
-    factors that cost nothing in the model at the start, and inductor stored them
-    there (``sink_free`` moves them to their consumers).
+    On this 4-layer MLP an order that leaves GELU-derivative factors (which cost
+    nothing in the model) at the start of the backward has inductor store them
+    there, well above its own backward peak (``sink_free`` moves them to their
+    consumers).
     """
     make, shape = INDUCTOR_MODELS["4-layer MLP"]
     x = torch.randn(*shape)
