@@ -37,7 +37,7 @@ initial weights and another training stream; the held-out batches stay the
 same) and compares each run with no hooks at the same seed; a second table
 gives each configuration's comparison as the mean over seeds, with the lowest
 and highest. One seed's final loss averages only 5 batches, so it moves by
-more than a codec does (README, "Training evidence").
+more than a codec does.
 """
 
 from __future__ import annotations
