@@ -347,8 +347,8 @@ class Model:
     cuda_only: bool = False
 
 
-# gpt2-big: a step takes seconds and a compile up to two and a half minutes on 2 CPU cores (these 3 rows:
-# about 4 minutes); enough to compare the codec with recompute at scale ("sh + checkpoint" with --configs)
+# gpt2-big: a step takes seconds and a compile minutes on a CPU, so only these 3 rows;
+# enough to compare the codec with recompute at scale ("sh + checkpoint" with --configs)
 BIG_MODEL_CONFIGS = ("compiled", "sh", "checkpoint")
 
 # gpt2-medium (CUDA): offload against torch's save_on_cpu and checkpointing, all under bf16 autocast
