@@ -508,8 +508,8 @@ def policy(
 ):
     """Hooks that pick a codec for each saved tensor, and keep the ones that lossy packing hurts.
 
-    Kept as they are (the rules, from ``sh.fidelity.sensitivity`` on the benchmark models;
-    ``python -m benchmarks.sensitivity`` runs it): tensors under ``min_bytes``; normalization and
+    Kept as they are (the rules, from ``sh.fidelity.sensitivity`` on the benchmark
+    models, which ``python -m benchmarks.sensitivity`` runs): tensors under ``min_bytes``; normalization and
     attention statistics (``keep_ops``); a (log-)softmax over at most
     ``narrow_softmax`` classes (a classifier's loss head); under compile, tensors
     smaller than ``relative_bytes`` of the largest one the same graph saves (a

@@ -24,8 +24,8 @@ input, SDPA's CPU backward and layer norm's backward less; a matrix product
 nothing. The vit's step under inductor with the codec peaks in its patch
 convolution's backward, after every other gradient is made: without its
 scratch the model would predict that step well under the measured peak
-(``python -m benchmarks.tools.inductor_prediction`` compares them). These are measured the same
-way, once per op, shapes, strides, dtypes and arguments: the op runs on zeros
+(``python -m benchmarks.tools.inductor_prediction`` compares them). These are
+measured the same way, once per op, shapes, strides, dtypes and arguments: the op runs on zeros
 under the CPU memory profiler, and its peak above its outputs is the scratch.
 Measured in the layout of the arguments: under inductor (``fused``) the
 strides it passed the op where the compile was recorded (:data:`EXTERN_STRIDES`),

@@ -35,8 +35,8 @@ Design notes
 * Under inductor the graphs are modelled as inductor runs them: in the order
   its scheduler chose for its kernels (kept by wrapping inductor's
   ``reorder_for_peak_memory`` while the survey compiles; the FX order is not
-  the order the kernels run in, and can over-predict a backward), with its fusion and its in-place reuse, and
-  call by call: on the CPU inductor's generated code runs consecutive kernels
+  the order the kernels run in, and can over-predict a backward), with its
+  fusion and its in-place reuse, and call by call: on the CPU inductor's generated code runs consecutive kernels
   between extern kernels as one C++ function, allocating all their buffers
   before it and deleting what dies in it after it (modelled node by node,
   such a run's buffers would be counted as allocated later and freed earlier:

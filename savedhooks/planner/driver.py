@@ -422,8 +422,8 @@ class Planner:
         """A budget below every modelled floor, checked: the smallest-payload plans of the settings near the floor.
 
         With every candidate packed, the hooked graphs can peak below the
-        floor modelled on the graphs surveyed without hooks. Each setting whose modelled floor
-        is within :data:`FLOOR_MARGIN` of the least is checked so; of those
+        floor modelled on the graphs surveyed without hooks. Each setting
+        whose modelled floor is within :data:`FLOOR_MARGIN` of the least is checked so; of those
         and the plans checked before that meet the budget, the least modelled time wins.
 
         Raises:
