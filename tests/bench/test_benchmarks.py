@@ -603,7 +603,7 @@ def test_the_torch_2_11_shim_refuses_any_other_torch_and_needs_its_confirmation(
     ids=["gpt2, compiled loss", "gpt2, eager loss", "mlp, compiled loss"],
 )
 def test_inductor_prediction_models_inductor_graphs_of_a_benchmark_model(model, compiled_loss):
-    # the mlp's step was 7 % under while the model freed a C++ function's dying inputs node by node
+    # the mlp's step checks that a C++ function's dying inputs are freed after the function, not node by node
     from benchmarks.tools.inductor_prediction import predicted_and_measured
 
     predicted, measured = predicted_and_measured(model, 1.0, "sh", compiled_loss=compiled_loss)
