@@ -12,7 +12,7 @@ every step (the same data for every configuration):
 * cnn, vit: 10 classes of images, each a fixed smooth prototype (random 4 x 4
   per channel, upsampled, unit std) at 1/32 of the amplitude of unit Gaussian
   noise. (A linear teacher on 3072 or 150528 pixels is not learnable in a few
-  hundred steps: both models stayed at or above ln 10.)
+  hundred steps: both models' losses stay at or above ln 10.)
 
 The recipe is the usual one for transformers: AdamW, the learning rate warmed up
 linearly over the first ``warmup`` steps, the gradient norm clipped to ``clip``;
