@@ -1,7 +1,7 @@
 """``python -m benchmarks --quick`` on one small model: every configuration gives a row, in one schema.
 
 No timing assertions: the machine is shared. The saved bytes are checked against
-the analytic count (what the old demo test checked), since they do not depend on
+the analytic count, since they do not depend on
 timing. The big model is only built, never run (a step takes seconds).
 """
 
@@ -388,8 +388,7 @@ def test_compiled_loss_puts_the_loss_in_the_compiled_graph():
 def test_reorder_inductor_predicts_the_forward_that_inductor_runs_in_fx_order():
     """With inductor's reorder off the model's forward prediction is checked against the measurement (CPU, deterministic).
 
-    README ("Inductor"): 0.93x on this 4-layer MLP with the pass's forward order,
-    0.80x to 0.96x on torch's order of the three models.
+    ``python -m benchmarks.reorder_inductor`` prints the prediction next to the measurement for each order.
     """
     from benchmarks.reorder_inductor import CONFIGS as INDUCTOR_CONFIGS
     from benchmarks.reorder_inductor import MODELS as INDUCTOR_MODELS
@@ -607,7 +606,7 @@ def test_the_torch_2_11_shim_refuses_any_other_torch_and_needs_its_confirmation(
     ids=["gpt2, compiled loss", "gpt2, eager loss", "mlp, compiled loss"],
 )
 def test_inductor_prediction_models_inductor_graphs_of_a_benchmark_model(model, compiled_loss):
-    # the mlp's step was 7 % under while the model freed a C++ function's dying inputs node by node
+    # the mlp's step checks that a C++ function's dying inputs are freed after the function, not node by node
     from benchmarks.tools.inductor_prediction import predicted_and_measured
 
     predicted, measured = predicted_and_measured(model, 1.0, "sh", compiled_loss=compiled_loss)
