@@ -131,7 +131,7 @@ class Config:
         build: ``build(workload, backend) -> Step``.
         compiled: runs under ``torch.compile`` (once per backend), else eagerly.
         cuda_only: only measured with ``--device cuda``.
-        description: one line for the README.
+        description: one line saying what the configuration runs (printed with the results).
         baseline: the configuration whose row (same model and backend) the
             ratio columns compare with; None: "compiled" (eager rows: "no hooks").
         in_default: run when ``--configs`` is not given (the bf16 rows are asked for).

@@ -36,8 +36,8 @@ from savedhooks.compiler.passes import is_backward_graph
 
 __all__ = ["CONFIGS", "MODELS", "ForwardPrediction", "measured_peaks"]
 
-# The 4-layer MLP is where an order that left zero-byte nodes at the start of the
-# backward measured 2.8x inductor's own peak (savedhooks.schedule.sink_free).
+# On the 4-layer MLP an order that leaves zero-byte nodes at the start of the
+# backward peaks well above inductor's own (savedhooks.schedule.sink_free moves them).
 MODELS = {**ACCEPTANCE, "4-layer MLP": (functools.partial(mlp, 4), ACCEPTANCE["8-layer MLP"][1])}
 
 

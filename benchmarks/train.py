@@ -12,7 +12,7 @@ every step (the same data for every configuration):
 * cnn, vit: 10 classes of images, each a fixed smooth prototype (random 4 x 4
   per channel, upsampled, unit std) at 1/32 of the amplitude of unit Gaussian
   noise. (A linear teacher on 3072 or 150528 pixels is not learnable in a few
-  hundred steps: both models stayed at or above ln 10.)
+  hundred steps: both models' losses stay at or above ln 10.)
 
 The recipe is the usual one for transformers: AdamW, the learning rate warmed up
 linearly over the first ``warmup`` steps, the gradient norm clipped to ``clip``;
@@ -37,7 +37,7 @@ initial weights and another training stream; the held-out batches stay the
 same) and compares each run with no hooks at the same seed; a second table
 gives each configuration's comparison as the mean over seeds, with the lowest
 and highest. One seed's final loss averages only 5 batches, so it moves by
-more than a codec does (README, "Training evidence").
+more than a codec does.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Design notes
   below it or up to the one above, up with probability (distance to the lower
   point) / (grid spacing). Then ``E[q] = y`` for every finite y in the format's
   range: the quantization error is zero-mean per element, at the cost of a larger
-  variance than round to nearest (about 3 dB of SQNR, see the README). Scales,
+  variance than round to nearest (about 3 dB of SQNR: the error's variance doubles). Scales,
   saturation (finite values never round past fmax, in e5m2 too) and non-finite
   values are as with round to nearest.
 * The random bits are a counter-based hash, not a random tensor: ``bits(i) =
@@ -27,9 +27,8 @@ Design notes
   (``mix32``, the scramble and ``^ k0`` are bijections); the codec draws the seed in
   ``[0, 2**32)`` from torch's generator. One round of ``mix32`` per element, not
   two: a round is ten int64 operations per element (two AVX2 vectors each in
-  inductor's C++, which compiles slowly). The first (compiling) training step of
-  a one-block transformer (dim 128, caches off, 2 cores) took 154 s with two
-  rounds, 85 s with one, 58 s with round to nearest.
+  inductor's C++, which compiles slowly): a second round would add to the compile
+  time of every kernel that quantizes, the first training step's above all.
 * aten has no uint32 arithmetic: the hash runs in int64 on values in ``[0, 2**32)``,
   masked to 32 bits after each multiply. All multipliers are below 2**31, so no
   product reaches 2**63 (no signed overflow anywhere, in eager kernels or in

@@ -99,12 +99,11 @@ def inductor_traces() -> bool:
 def materializes_better(x: torch.Tensor) -> bool:
     """A 16-bit floating tensor on the CPU: its opaque decode (a materialized bf16/fp16 tensor) measured lower.
 
-    Under bf16 autocast, inductor fused the decomposed decode of the benchmark
+    Under bf16 autocast, inductor fuses the decomposed decode of the benchmark
     cnn's conv outputs into the kernels that recompute batch norm in the backward
-    and held float32 intermediates of the full shape there: step peak 1.46x of no
-    hooks at size 1 (17.8 against 12.2 MiB) and 1.50x at size 8; with the ops,
-    1.02x and 0.86x. The mlp, gpt2 and llama measured the same either way, the vit
-    0.05 MiB higher (README, "Codec ops that inductor fuses"). Not measured on CUDA.
+    and holds float32 intermediates of the full shape there, which puts the step
+    peak above no hooks; with the opaque ops it stays close to no hooks. The mlp,
+    gpt2, llama and vit peak about the same either way. Not measured on CUDA.
 
     Args:
         x: the tensor to encode (only its dtype and device are read).

@@ -12,7 +12,7 @@ Design notes
   packs each saved value on its own and each is decoded into a buffer of its
   own, all at the start of the backward. The vit's attention output (saved by
   SDPA) and its reshape (saved by the output projection) were decoded twice:
-  its plain aot_eager step peaked at 31.1 MiB against 29.5 without hooks. The
+  its plain aot_eager step peaked above the step without hooks. The
   driver stores such values as they are (:func:`decodes_twice`).
 * In eager mode nothing is placed, and a pack frees nothing while the forward
   still holds the tensor. A loss computed eagerly on a compiled model's output
@@ -106,9 +106,8 @@ def saved_for_an_eager_loss(x: torch.Tensor, ctx: HookContext | None) -> bool:
     trip to the host that frees nothing). A model compiled with a log-softmax
     at its end returns a graph output, which this does not match (its autograd
     node is the compiled function's). An eager loss is where a compiled
-    model's step with its loss outside peaks (gpt2 at ``--size 8`` under
-    inductor with ``sh.fp8()``: 140.8 MiB with the log-softmax packed, 132.5
-    stored as is, against 236.5 without hooks).
+    model's step with its loss outside peaks (gpt2 under inductor with
+    ``sh.fp8()``, for one: packing the log-softmax there raises the peak).
 
     Args:
         x: the saved tensor.

@@ -53,17 +53,17 @@ class ReorderPass(inductor.CustomGraphPass):
     """The reorder pass as inductor's ``post_grad_custom_post_pass`` (a CustomGraphPass).
 
     By default it reorders backward graphs only: there inductor leaves the
-    unpacks at the start and ours measured 3x lower (README, "Inductor"). In
-    forward graphs inductor's fusion decides more than the order does, and an
-    FX-level order can lose (``benchmarks.reorder_inductor``):
+    unpacks at the start, and moving each to its first user lowers the
+    backward's peak. In forward graphs inductor's fusion decides more than the
+    order does, and an FX-level order can lose (``python -m
+    benchmarks.reorder_inductor`` measures both):
 
-    * with inductor's ``reorder_for_peak_memory`` on, ours measured 1.05x to
-      1.15x of its order on all three models; its fused kernels write outputs
-      in place into dying inputs, which depends on what each kernel fuses;
-    * with it off, ours measured 0.30x and 0.40x of torch's order on the MLPs
-      but 1.15x on the transformer: inductor fused the placed pack kernels with
-      one another into one kernel at the end of the graph, so the full-size
-      activations lived to the end again (the model predicted 0.47x).
+    * with inductor's ``reorder_for_peak_memory`` on, its fused kernels write
+      outputs in place into dying inputs, which depends on what each kernel
+      fuses, so an FX-level order can peak above inductor's own;
+    * with it off, inductor can fuse the placed pack kernels with one another
+      into one kernel at the end of the graph, so the full-size activations
+      live to the end again, whatever the modelled order predicts.
 
     With ``hooked_only`` it leaves graphs without inlined hooks untouched (the
     pass that entering :func:`savedhooks.saved_tensors_hooks` installs).
@@ -79,12 +79,11 @@ class ReorderPass(inductor.CustomGraphPass):
     that models higher) when it offloads or computes on CUDA: torch
     inlines every pack at the end of the forward, and inductor runs every
     copy to the host, and on CUDA every pack kernel that it fuses with
-    nothing, where the graph has it. On an H200 that held llama's float32
-    activations to the end of the forward (README, "On a GPU"). On the CPU
-    inductor fuses most packs into their producers, and its own order
-    measured lower than the placed one (``tests/compile/test_passes.py``'s 4-layer
-    MLP with the decomposed codec: forward 7.47 MB against 8.01 MB placed),
-    so CPU graphs keep it.
+    nothing, where the graph has it: without placement, the float32
+    activations stay alive to the end of the forward. On the CPU inductor
+    fuses most packs into their producers, and its own forward order is as low
+    as the placed one or lower (``tests/compile/test_passes.py``'s 4-layer MLP
+    with the decomposed codec), so CPU graphs keep it.
 
     In every graph it runs, copies between an accelerator and the host made by
     ``sh.offload`` become torch's asynchronous copy ops, placed to overlap
@@ -189,9 +188,9 @@ def inductor_placement(enabled: bool = True) -> Iterator[None]:
     first ``backward()``, after the block has exited. It also turns off
     inductor's buffer-reuse pool (``allow_buffer_reuse``): that pool keeps a freed
     buffer allocated until a later buffer of the same size takes it over, so a
-    dequantized activation, freed right after its matmul, stayed allocated
-    through the next layer's backward (ViT at batch 32: 24.6 MiB across the
-    attention backward, 0.92x the step peak with it off). Freeing at the last use
+    dequantized activation, freed right after its matmul, would stay allocated
+    through the next layer's backward (across a ViT's attention backward, for
+    one). Freeing at the last use
     never holds more bytes; in-place reuse (``inplace_buffers``) is kept. Entered
     by :class:`savedhooks.saved_tensors_hooks`; all settings are restored on exit.
 

@@ -7,9 +7,8 @@ included. A forward graph returns the inputs the backward needs (the image a
 first convolution read, its weight); under the optimization inductor returns a
 channels_last *copy* in their place. AOTAutograd hands only intermediates to
 saved-tensor hooks, so no codec reaches the copy, and it lives from the forward
-to the backward next to the input it copies: 3.05 MiB of the ViT's 29.3 MiB of
-saved bytes at the benchmark's size 1, the image being 2.30 of them (README,
-"Under inductor").
+to the backward next to the input it copies (on the benchmark's ViT, more bytes
+than the image itself).
 
 * :func:`keep_input_layout` (forward graphs) marks the forward outputs that are
   graph inputs as user-visible in inductor's own output metadata
@@ -22,8 +21,8 @@ saved bytes at the benchmark's size 1, the image being 2.30 of them (README,
   no ``aten.convolution``, so inductor does not optimize its layout; it follows
   its inputs' strides, and a channels_last weight makes ``convolution_backward``
   return channels_last gradients. With contiguous weights the benchmark's CNN
-  ran its whole backward contiguous: a lower step peak, a slower step on CPU
-  (README). So a weight (the second argument of a convolution) is returned as
+  runs its whole backward contiguous: a lower step peak, a slower step on CPU.
+  So a weight (the second argument of a convolution) is returned as
   itself only when inductor optimizes the forward's layout, and the backward
   gets a channels_last copy of it right before its ``convolution_backward``: the
   backward runs in the layout it had. The forward records those weights' names

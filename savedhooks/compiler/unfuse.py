@@ -4,8 +4,8 @@ Inductor's post-grad patterns rewrite ``add(mm(a, b), c)`` into ``addmm(c, a, b)
 at the place of the add. When ``c`` is made long after ``a`` and ``b``, the
 matmul now waits for it, and so do its operands. The case that matters: a tied
 weight (GPT-2's embedding and output head). Its two gradient contributions are
-added at the end of the backward, so the head's weight-gradient matmul ran
-last and the logits' gradient, ``(tokens, vocab)`` floats, stayed alive through
+added at the end of the backward, so the head's weight-gradient matmul runs
+last and the logits' gradient, ``(tokens, vocab)`` floats, stays alive through
 the whole backward.
 
 :func:`split_late_addmm` turns each such ``addmm`` back into the ``mm`` and ``add``

@@ -5,7 +5,7 @@ Design notes
 * Why: allocating pinned host memory per saved tensor costs milliseconds and
   synchronizes (``cudaHostAlloc``), which kills the overlap of copies with
   compute; torch's own host allocator rounds every request up to a power of two
-  (up to ~1.9x the bytes). See ``../shared/PRIOR_ART.md``, "Offload".
+  (up to ~1.9x the bytes).
 * Exact sizes: a slab serves only requests of its byte size. A training step
   saves the same shapes every step, so the first step allocates what the step
   needs and every later step finds its slabs free again: no rounding, no

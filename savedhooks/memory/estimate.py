@@ -297,11 +297,11 @@ def freed_inputs(backward: torch.fx.GraphModule) -> tuple[str, ...]:
     (``tangents_*``): torch 2.13 hands a compiled backward its gradients as one
     list that it empties ("to allow freeing individual grads mid-backward", in
     its runtime wrapper), and both aot_eager's generated code and inductor's
-    (``del tangents_1``) drop each input at its last use. Measured: GPT-2 with
-    checkpointed blocks, whose logits gradient (4 MiB at ``--size 1``) is
-    read first by the default order and late by a placed one, under aot_eager:
-    23.0 and 24.7 MiB, predicted 23.0 and 24.7 with the gradients freed, 27.0 and
-    24.7 with them held (``tests/memory/test_memory.py``). Parameters are held by their
+    (``del tangents_1``) drop each input at its last use. GPT-2 with
+    checkpointed blocks, whose logits gradient is read first by the default
+    order and late by a placed one, measures under aot_eager what is predicted
+    with the gradients freed, not with them held (``tests/memory/test_memory.py``).
+    Parameters are held by their
     owners. A gradient that something else keeps (``retain_grad`` on the model's
     output, a hook storing it) lives longer than predicted.
 

@@ -7,7 +7,7 @@ Design notes
   is (nothing recomputed), under the plan's backend: ``2 + 2 * groups``
   training steps, each a compile (the ``individually`` largest tensors alone,
   the rest grouped by producing op). Like a survey, it ends with
-  ``torch._dynamo.reset()``, so the order of the two does not matter.
+  ``torch.compiler.reset()``, so the order of the two does not matter.
 * A survey's saved tensor is matched to the report by its producing op, shape
   and dtype, not by its node name: a recompute setting renames the graphs'
   nodes, not these. Tensors alike (every layer's output of one op and shape)

@@ -6,8 +6,8 @@ Design notes
   training step. Under FSDP2 or DDP that step runs collectives, so every rank
   must run the same checks in the same order. Each rank's own search would not
   do that: which plans a rank checks depends on its peaks and on the codec and
-  recompute times it measured (seen before this module: gloo's "collective
-  mismatch" abort under FSDP2).
+  recompute times it measured (ranks that diverge abort: gloo's "collective
+  mismatch" under FSDP2).
 * So rank 0 leads: before each check it broadcasts the plan (JSON) and the
   recompute setting; every rank checks that plan on its own step; the checked
   peak is the highest over the ranks (all-reduce max), so a plan that meets

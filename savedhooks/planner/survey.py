@@ -21,11 +21,11 @@ Design notes
   (:mod:`savedhooks.planner.recompute`): the census and the graphs are those of
   the model as the plan will run it (block inputs saved, the blocks' forwards
   recomputed in the backward graph).
-* Each survey ends with ``torch._dynamo.reset()``: its compiles leave cache
+* Each survey ends with ``torch.compiler.reset()``: its compiles leave cache
   entries for the model's frames under backends used once, and a planner
   surveys up to nine settings; past dynamo's recompile limit (8 per frame) the
-  user's own ``torch.compile`` of the model ran eagerly, without placement
-  (seen: a plan measured 22 % above its prediction). The reset drops every
+  user's own ``torch.compile`` of the model would run eagerly, without
+  placement, and peak above the plan's prediction. The reset drops every
   compiled frame of the process: plan before compiling.
 * Units: the census entries of one plan key, or of several whose tensors are
   views of one storage (they free it together, so they get one choice).
@@ -44,12 +44,9 @@ Design notes
   the model's own eager saves, outside its compiled graphs, stay candidates).
   The loss point of the timeline is the loss's own peak, and a loss peaks in
   its backward, where each saved tensor is unpacked to its full size while its
-  payload is still held: packing it adds the payload there and frees nothing.
-  Measured on the tests' MLP under inductor (``square_mean_loss``, the
-  model's 128 KiB output saved by ``pow``): with the output packed in fp8 the
-  step peaked 30,716 bytes higher than with it kept, where the model had
-  credited the packing with 96,256 bytes less, and the floor plan was 2 %
-  under its prediction.
+  payload is still held: packing it adds the payload there and frees nothing
+  (the tests' MLP under inductor, whose ``square_mean_loss`` saves the model's
+  output with ``pow``, peaks higher with that output packed in fp8 than kept).
 * What the prediction covers: the compiled graphs and the tensors an eager loss
   saves, with placement (the reorder pass, which plain ``torch.compile`` gets
   inside :class:`savedhooks.saved_tensors_hooks`, ``sh.backend("aot_eager")``

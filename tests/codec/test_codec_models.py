@@ -308,12 +308,12 @@ def test_offload_on_cuda_gradients(inner):
             if inner is not None:
                 assert sh.fidelity.sqnr(p, q) >= 25.0
             elif backend == "inductor":  # the copies split inductor's fusions: float32 sums in another order
-                assert sh.fidelity.sqnr(p, q) >= 100.0  # an H100 (torch 2.11) showed 6e-8 on one bias gradient
+                assert sh.fidelity.sqnr(p, q) >= 100.0  # rounding only: not always bit-equal
             else:
                 assert torch.equal(p, q)
 
 
-# --- regressions from review ----------------------------------------------------------------
+# --- in-place changes, parameters, scales and odd saved tensors --------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""keep_input_layout / restore_input_layout: saved inputs as themselves under inductor (README "Under inductor")."""
+"""keep_input_layout / restore_input_layout: saved inputs as themselves under inductor."""
 
 import types
 

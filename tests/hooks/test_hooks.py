@@ -95,8 +95,8 @@ class _StoreAsIs(sh.codecs.Codec):
 
 def test_eager_view_of_a_base_stored_as_is_unpacks_with_its_own_shape():
     # (x @ w).view(4, 16, 16) reads all of the (64, 16) matmul output: its pack shares
-    # the base's payload. With the base stored as is, unpack once returned the
-    # (64, 16) base for the (4, 16, 16) view (seen as DDP's output under the planner).
+    # the base's payload. With the base stored as is, unpack must still return the
+    # (4, 16, 16) view, not the (64, 16) base (DDP's output under the planner is such a view).
     x, w = torch.randn(64, 8), torch.randn(8, 16, requires_grad=True)
 
     def step() -> torch.Tensor:

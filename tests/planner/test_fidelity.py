@@ -315,7 +315,7 @@ def test_pool_plane_reads_the_input_plane_of_the_indices_only():
 @pytest.mark.slow
 @pytest.mark.parametrize("placement", [True, False], ids=["placement", "opt-out"])
 def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_sees(placement, monkeypatch):
-    """Why the policy's saved bytes under inductor were above 0.30x on the cnn and the vit (README "Under inductor").
+    """Under inductor, channels_last copies of a convolution's inputs are saved bytes that no hook sees.
 
     On CPU inductor runs convolutions channels_last and its forward returns
     channels_last copies of the convolutions' input and weights for the backward.
