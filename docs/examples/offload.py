@@ -52,7 +52,6 @@ def main(argv: list[str] | None = None) -> float | None:
     step(False)  # compiles the step without hooks before it is measured
     offloaded = sh.memory.measure_peak(step, True, device="cuda")
     plain = sh.memory.measure_peak(step, False, device="cuda")
-    model.zero_grad()
     mib = 2**20
     print(f"peak of one step on {torch.cuda.get_device_name()}: {offloaded / mib:.2f} MiB with "
           f"sh.offload(), {plain / mib:.2f} MiB without hooks ({offloaded / plain:.2f}x); "
