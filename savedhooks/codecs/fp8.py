@@ -161,7 +161,9 @@ def fp8(
             ``"triton"`` or ``"aten"`` (always that op); the bytes are identical.
         rounding: ``"nearest"`` (round to nearest even) or ``"stochastic"``: round
             up or down with probability proportional to the distance, so the
-            dequantized value is unbiased (``E[x'] = x``) at about 3 dB less SQNR.
+            dequantized value is unbiased (``E[x'] = x``); the price is a larger
+            error (for values spread evenly within a spacing, twice the mean
+            square of round to nearest's).
             Each pack draws a seed with ``torch.randint`` on the tensor's device,
             so it advances torch's generator (reproducible under
             ``torch.manual_seed``).

@@ -146,7 +146,7 @@ def reorder_pass(forward: bool = False) -> ReorderPass:
 
     Args:
         forward: reorder forward graphs too (default: backward graphs only, where
-            it measured lower than inductor's own scheduling; see :class:`ReorderPass`).
+            inductor leaves the unpacks at the start; see :class:`ReorderPass`).
 
     Returns:
         A :class:`ReorderPass` (one shared instance per option: equal passes, equal cache keys).
