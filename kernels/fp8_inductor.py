@@ -40,8 +40,8 @@ Design notes
   ``cat``, which copies them. Rows then go in chunks of at most
   :data:`CHUNK_ELEMS` elements, each chunk's codes copied into the output and
   freed before the next. (Codes computed in one pass over all columns, each
-  reading its block's scale, were bit-exact under dynamic shapes but miscompiled
-  the last block under static ones in torch 2.13.) Stochastic rounding draws its
+  reading its block's scale, are bit-exact under dynamic shapes, but torch 2.13's
+  inductor miscompiles the last block under static ones.) Stochastic rounding draws its
   bits from the flat index of the whole tensor, so it keeps the reference there.
 * Scratch, measured with the CPU profiler (``tests/codec/test_inductor_codec.py``):
   nothing beyond the outputs but the quantize's per-group amax when a row has

@@ -15,8 +15,8 @@ Design notes
   position in memory order for the codecs' views), ``lo`` / ``hi`` its low and high
   32 bits, ``k1`` the high 32 bits of the int64 ``seed`` and ``k0`` its low 32 bits
   scrambled, ``((low ^ 0x1B873593) * 0x61C88647) mod 2**32`` (a bijection; with the
-  raw low bits, as ``mix32(0) = 0``, element ``i = seed`` of a small seed always
-  got zero bits, so it always rounded down).
+  raw low bits, as ``mix32(0) = 0``, element ``i = seed`` of a small seed would
+  always get zero bits, and so always round down).
   ``mix32`` is a lowbias32-style finalizer (xorshift 16, multiply, xorshift 15,
   multiply, xorshift 15) with the multipliers ``0x21F0AAAD`` and ``0x735A2D97``
   from Chris Wellons' hash prospector (both below 2**31). Each element's bits

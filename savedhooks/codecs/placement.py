@@ -11,9 +11,9 @@ Design notes
 * Without placement, overlapping views of one storage cost memory: AOTAutograd
   packs each saved value on its own and each is decoded into a buffer of its
   own, all at the start of the backward. The vit's attention output (saved by
-  SDPA) and its reshape (saved by the output projection) were decoded twice:
-  its plain aot_eager step peaked above the step without hooks. The
-  driver stores such values as they are (:func:`decodes_twice`).
+  SDPA) and its reshape (saved by the output projection) are such a pair:
+  decoded twice, they would put its plain aot_eager step above the step without
+  hooks. The driver stores such values as they are (:func:`decodes_twice`).
 * In eager mode nothing is placed, and a pack frees nothing while the forward
   still holds the tensor. A loss computed eagerly on a compiled model's output
   (``cross_entropy(compiled(x), y)``) saves its log-softmax, still held until
