@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import GraphRecorder, mlp, train_step, train_step_grads, transformer
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
-from models import GraphRecorder, mlp, train_step, train_step_grads, transformer
 from savedhooks.memory import build_graph_memory, simulate_order
 
 CPU = torch.device("cpu")
