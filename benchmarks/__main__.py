@@ -2,7 +2,8 @@
 
 Prints a markdown table and writes, under ``--out`` (default
 ``benchmarks/results/``): ``benchmarks.csv`` (one row per model, configuration
-and backend), ``activation_memory.png`` (bar chart) and ``timeline_<model>.png``
+and backend), ``results.md`` (the command, its setting, the headline ratios and
+every row), ``activation_memory.png`` (bar chart) and ``timeline_<model>.png``
 (the memory model's live bytes over one aot_eager training step).
 """
 
@@ -79,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the suite, print the table, write the CSV and the plots.
+    """Run the suite, print the table, write the CSV, the results file and the plots.
 
     Args:
         argv: the arguments (default ``sys.argv[1:]``).
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         SystemExit: bad flags.
     """
     args = parse_args(argv)
+    args.command = " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)])
     previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     with tempfile.TemporaryDirectory(prefix="savedhooks-bench-") as cache:
         if not args.keep_cache:  # read by inductor whenever it looks for its cache
@@ -109,9 +111,10 @@ def _run(args: argparse.Namespace) -> int:
     import torch._inductor.config
 
     from benchmarks import report
+    from benchmarks.configs import CONFIGS
     from benchmarks.run import run
 
-    command = "python -m benchmarks " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("__main__.py") else "run()"
+    command = args.command
     machine = f"{os.cpu_count()} CPU cores, {platform.machine()}"
     if args.device == "cuda":
         machine += f", {torch.cuda.get_device_name()}"
@@ -132,7 +135,9 @@ def _run(args: argparse.Namespace) -> int:
     print(report.table(result.rows))
     csv_path = report.write_csv(result.rows, args.out / "benchmarks.csv")
     chart = report.plot_activation_memory(result.rows, args.out / "activation_memory.png", f"{command}\n{heading}")
-    written = [csv_path, chart]
+    configs = {name: config.description for name, config in CONFIGS.items()}
+    results = report.write_markdown(result.rows, args.out / "results.md", command, heading, result.descriptions, configs)
+    written = [csv_path, results, chart]
     timeline_model = args.timeline_model or ("llama" if "llama" in args.models else args.models[0])
     timelines = {config: t for (model, config), t in result.timelines.items() if model == timeline_model}
     if timelines:

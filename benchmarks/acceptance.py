@@ -1,4 +1,4 @@
-"""The models issue #5's acceptance names, shared by the reorder benchmarks and tests.
+"""The models the reorder benchmarks and tests share.
 
 An 8-layer MLP and a 4-layer transformer (fp32), with the input shapes used, and
 the tests' small CNN. The transformer and CNN come from ``tests/models.py``.

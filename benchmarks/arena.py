@@ -4,8 +4,8 @@ For each benchmark model (:mod:`benchmarks.models`) under the ``sh``
 configuration (``sh.fp8()`` inlined, :mod:`benchmarks.configs`), one aot_eager
 training step records the forward and backward graphs. For each graph, in
 torch's order and in the order the reorder pass chooses
-(:func:`savedhooks.schedule.schedule` on :func:`savedhooks.passes.graph_problem`,
-as :func:`savedhooks.passes.reorder_graph` runs it), it prints per arena strategy
+(:func:`savedhooks.schedule.schedule` on :func:`savedhooks.compiler.passes.graph_problem`,
+as :func:`savedhooks.compiler.passes.reorder_graph` runs it), it prints per arena strategy
 the arena bytes over the liveness peak of the same buffers (what the graph
 allocates: inputs are the caller's), and the best strategy at the CUDA
 allocator's 512 B rounding. A second table says whether scoring orders by arena
@@ -28,8 +28,8 @@ from benchmarks.configs import CONFIGS
 from benchmarks.memory_scale import random_graph
 from benchmarks.models import MODELS, make_workload
 from benchmarks.tools.schedule_gap import _best_time, random_problem
+from savedhooks.compiler.passes import graph_problem
 from savedhooks.memory import ARENA_STRATEGIES, ArenaPlan, build_graph_memory, plan_arena, plan_lifetimes
-from savedhooks.passes import graph_problem
 from savedhooks.schedule import arena_of, problem_lifetimes, schedule
 
 __all__ = ["ARENA_HEADER", "SCORE_HEADER", "arena_row", "model_graphs", "score_row"]

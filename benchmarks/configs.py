@@ -41,7 +41,7 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
 import savedhooks as sh
 from benchmarks.models import Workload
-from savedhooks.compilers import placed_aot_eager
+from savedhooks.compiler.api import placed_aot_eager
 
 __all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FIDELITY_STEP", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "lowest_budget", "plan_at", "plan_or_lowest", "planner_for", "torch_fp8_hooks"]
 
@@ -131,7 +131,7 @@ class Config:
         build: ``build(workload, backend) -> Step``.
         compiled: runs under ``torch.compile`` (once per backend), else eagerly.
         cuda_only: only measured with ``--device cuda``.
-        description: one line for the README.
+        description: one line saying what the configuration runs (printed with the results).
         baseline: the configuration whose row (same model and backend) the
             ratio columns compare with; None: "compiled" (eager rows: "no hooks").
         in_default: run when ``--configs`` is not given (the bf16 rows are asked for).

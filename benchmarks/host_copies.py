@@ -87,13 +87,13 @@ def pinned_alloc_ms(nbytes: int = 64 << 20, repeats: int = 20) -> tuple[float, f
 
 @contextlib.contextmanager
 def _variant(name: str):
-    from savedhooks import compilers, overlap
+    from savedhooks.compiler import api, overlap
 
     if name == "async, not placed":
         with mock.patch.object(overlap, "_place", lambda *args, **kwargs: None):
             yield
     elif name == "synchronous":
-        with mock.patch.object(compilers, "overlap_transfers", lambda gm, is_backward: 0):
+        with mock.patch.object(api, "overlap_transfers", lambda gm, is_backward: 0):
             yield
     else:
         yield

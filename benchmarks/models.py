@@ -28,7 +28,7 @@ The language models run with ``use_cache=False``, as training does (nothing
 reads the KV cache; transformers turns it off itself under checkpointing). With
 it on, each layer's K and V are forward outputs as well as saved tensors, and
 torch's hook inlining packs only intermediates, never outputs: they would stay
-in float32 in every configuration with hooks (README, "Same tensors in eager and compiled").
+in float32 in every configuration with hooks.
 """
 
 from __future__ import annotations
@@ -347,11 +347,11 @@ class Model:
     cuda_only: bool = False
 
 
-# gpt2-big: a step takes seconds and a compile up to two and a half minutes on 2 CPU cores (these 3 rows:
-# about 4 minutes); enough to compare the codec with recompute at scale ("sh + checkpoint" with --configs)
+# gpt2-big: a step takes seconds and a compile minutes on a CPU, so only these 3 rows;
+# enough to compare the codec with recompute at scale ("sh + checkpoint" with --configs)
 BIG_MODEL_CONFIGS = ("compiled", "sh", "checkpoint")
 
-# gpt2-medium (CUDA): offload against torch's save_on_cpu and checkpointing, all under bf16 autocast (issue 14)
+# gpt2-medium (CUDA): offload against torch's save_on_cpu and checkpointing, all under bf16 autocast
 OFFLOAD_CONFIGS = ("bf16", "bf16 checkpoint", "bf16 save_on_cpu", "bf16 offload", "bf16 sh offload")
 
 # name -> Model; make_workload is the entry point

@@ -9,7 +9,7 @@ under inductor (plain ``torch.compile``), with the loss compiled with the model
 * ``sh``: fp8 for every saved floating tensor (``sh.fp8()``);
 * ``budget <f>``: torch's min-cut partitioner under ``activation_memory_budget=f``;
 * ``plan checkpoint``: ``sh.plan`` with ``budget_bytes`` = the checkpoint row's
-  measured activation peak (the issue's acceptance budget); a plan recomputes
+  measured activation peak (a plan must fit what checkpointing reaches); a plan recomputes
   the blocks it chose (``plan.apply``) and packs with ``plan.hooks``;
 * ``plan <f>``: ``sh.plan`` at ``f`` of its modelled no-hook peak, and
   ``plan floor`` at the lowest peak it can reach: the modelled floor, or the

@@ -10,7 +10,7 @@ one profiling session (``sh.memory.measure_peaks``; each above what was live bef
   which adds the pass itself);
 * ``sh.backend("inductor")``: the same pass given as a backend;
 * both again with inductor's own reordering off;
-* the pass applied to forward graphs as well (``sh.compilers.reorder_pass(forward=True)``),
+* the pass applied to forward graphs as well (``sh.compiler.reorder_pass(forward=True)``),
   with inductor's reordering on and off.
 
 Where inductor's own reordering is off, the forward graph runs in the order the
@@ -32,12 +32,12 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import savedhooks as sh
 from benchmarks.acceptance import MODELS as ACCEPTANCE
 from benchmarks.acceptance import mlp
-from savedhooks.passes import is_backward_graph
+from savedhooks.compiler.passes import is_backward_graph
 
 __all__ = ["CONFIGS", "MODELS", "ForwardPrediction", "measured_peaks"]
 
-# The 4-layer MLP is where an order that left zero-byte nodes at the start of the
-# backward measured 2.8x inductor's own peak (savedhooks.schedule.sink_free).
+# On the 4-layer MLP an order that leaves zero-byte nodes at the start of the
+# backward peaks well above inductor's own (savedhooks.schedule.sink_free moves them).
 MODELS = {**ACCEPTANCE, "4-layer MLP": (functools.partial(mlp, 4), ACCEPTANCE["8-layer MLP"][1])}
 
 
@@ -67,10 +67,10 @@ CONFIGS = {
     "plain torch.compile in sh.saved_tensors_hooks": lambda: ("inductor", None, True, None),
     "inductor + savedhooks pass": lambda: (sh.backend("inductor"), None, False, None),
     "inductor, its reorder off": lambda: _predicting(()),
-    "inductor, its reorder off + savedhooks pass": lambda: _predicting((sh.compilers.reorder_pass(),)),
+    "inductor, its reorder off + savedhooks pass": lambda: _predicting((sh.compiler.reorder_pass(),)),
     "inductor + savedhooks pass, forward too": lambda: (
-        "inductor", {"post_grad_custom_post_pass": sh.compilers.reorder_pass(forward=True)}, False, None),
-    "inductor, its reorder off + savedhooks pass, forward too": lambda: _predicting((sh.compilers.reorder_pass(forward=True),)),
+        "inductor", {"post_grad_custom_post_pass": sh.compiler.reorder_pass(forward=True)}, False, None),
+    "inductor, its reorder off + savedhooks pass, forward too": lambda: _predicting((sh.compiler.reorder_pass(forward=True),)),
 }
 
 

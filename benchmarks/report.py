@@ -9,7 +9,18 @@ import pathlib
 
 from benchmarks.run import Row
 
-__all__ = ["COLUMNS", "plot_activation_memory", "plot_pareto", "plot_timeline", "read_csv", "table", "write_csv"]
+__all__ = [
+    "COLUMNS",
+    "HEADLINE_CONFIGS",
+    "headline",
+    "plot_activation_memory",
+    "plot_pareto",
+    "plot_timeline",
+    "read_csv",
+    "table",
+    "write_csv",
+    "write_markdown",
+]
 
 ABOVE = "▲"  # the table's marker for a peak above its no-hook baseline (Row.above_baseline)
 
@@ -67,6 +78,107 @@ def table(rows: list[Row], drop: tuple[str, ...] = ("device",)) -> str:
     for r in rows:
         lines.append("| " + " | ".join(_cell(getattr(r, c[0]), c[2]) for c in columns) + " |")
     return "\n".join(lines)
+
+
+# The headline's configurations, in its order: what a user would otherwise pick beside savedhooks' own.
+HEADLINE_CONFIGS: tuple[str, ...] = (
+    "sh",
+    "sh policy",
+    "sh + reorder",
+    "sh plan",
+    "sh + checkpoint",
+    "checkpoint",
+    "budget 0.5",
+)
+
+
+def headline(rows: list[Row]) -> str:
+    """The headline table: each configuration's activation peak and step time over the compiled step without hooks.
+
+    One line per (model, backend, configuration) of :data:`HEADLINE_CONFIGS` that
+    has a "compiled" row of the same model and backend to compare with; ratios
+    are taken within the rows given (one run).
+
+    Args:
+        rows: the rows of one run.
+
+    Returns:
+        A markdown table: model, backend, configuration, activation peak over
+        compiled, step time over compiled, worst gradient SQNR (or the error).
+    """
+    compiled = {(r.model, r.backend): r for r in rows if r.config == "compiled" and not r.error}
+    lines = [
+        "| model | backend | config | activation / compiled | step / compiled | grad SQNR dB |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    order = {name: i for i, name in enumerate(HEADLINE_CONFIGS)}
+    chosen = [r for r in rows if r.config in order and (r.model, r.backend) in compiled]
+    for r in sorted(chosen, key=lambda r: (r.model, r.backend, order[r.config])):
+        base = compiled[(r.model, r.backend)]
+        if r.error:
+            cells = ["", "", f"✗ {r.error}"]
+        else:
+            ratio = None if r.activation_mib is None or not base.activation_mib else r.activation_mib / base.activation_mib
+            cells = [_cell(ratio, "{:.2f}"), _cell(r.step_ratio, "{:.2f}"), _cell(r.grad_sqnr_db, "{:.1f}")]
+        lines.append("| " + " | ".join([r.model, r.backend, r.config, *cells]) + " |")
+    return "\n".join(lines)
+
+
+def write_markdown(
+    rows: list[Row],
+    path: str | pathlib.Path,
+    command: str,
+    heading: str,
+    models: dict[str, str],
+    configs: dict[str, str],
+) -> pathlib.Path:
+    """Write a run's results file: the command and setting that made it, the headline, what ran, every row.
+
+    Args:
+        rows: the rows of one run.
+        path: the file to write (its folder is created).
+        command: the command line that made the rows.
+        heading: the setting (torch version, device, sizes), as the run printed it.
+        models: model name -> its one-line description.
+        configs: configuration name -> what it runs (those without rows are left out).
+
+    Returns:
+        The path written.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    used = {r.config for r in rows}
+    text = "\n".join(
+        [
+            "# Benchmark results",
+            "",
+            f"`{command}`; {heading}. Written by the command: run it again to update this file.",
+            "",
+            "Activation peak: one training step's peak above the memory live before it. Ratios are within this run.",
+            "",
+            "## Against the compiled step without hooks",
+            "",
+            headline(rows),
+            "",
+            "## Models",
+            "",
+            *[f"- {name}: {text}" for name, text in models.items()],
+            "",
+            "## Configurations",
+            "",
+            *[f"- {name}: {text}" for name, text in configs.items() if name in used],
+            "",
+            "## Every row",
+            "",
+            table(rows),
+            "",
+        ]
+    )
+    path.write_text(text)
+    return path
 
 
 def write_csv(rows: list[Row], path: str | pathlib.Path) -> pathlib.Path:

@@ -2,9 +2,8 @@
 
 The main job (``python -m benchmarks``) times each configuration right after
 building it, one configuration after the other. When the machine slows down or
-speeds up between two rows (2 shared CPU cores do, by 10 % and more), their
-ratio moves with it: ``sh`` on llama at ``--size 8`` read 0.96x to 1.12x of
-``compiled`` across the runs the README lists.
+speeds up between two rows (shared CPU cores do, by 10 % and more), their
+ratio moves with it from one run to the next.
 
 Here every configuration of a model is built first, each on its own copy of the
 workload (same seed, so the same weights and inputs), and then each is warmed up

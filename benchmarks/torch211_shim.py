@@ -1,9 +1,9 @@
-"""For the lent GPU machine only: give its torch 2.11 the three torch 2.13 pieces that the offload path reads.
+"""For a throwaway CUDA machine with torch 2.11: give it the three torch 2.13 pieces that the offload path reads.
 
-The device machines lent to this project run an image with torch 2.11 (CUDA), and a
-CUDA build of the torch 2.13 we pin is too large to carry there. This script edits
-that machine's installed torch, which is thrown away with the machine; never run it
-on a torch you keep. ``python -m benchmarks.torch211_shim --modify-installed-torch``:
+Where only torch 2.11 (CUDA) can be installed and the pinned torch 2.13 cannot,
+this script edits that installed torch so that the offload path runs there. Run
+it only on an installation that is thrown away afterwards, never on a torch you
+keep. ``python -m benchmarks.torch211_shim --modify-installed-torch``:
 
 1. ``torch/_functorch/_activation_offloading/offload_ops.py``: torch 2.13's file
    (``ao::offload``, ``ao::reload``, ``ao::wait_tensor``), from ``--offload-ops``,

@@ -12,14 +12,14 @@ every step (the same data for every configuration):
 * cnn, vit: 10 classes of images, each a fixed smooth prototype (random 4 x 4
   per channel, upsampled, unit std) at 1/32 of the amplitude of unit Gaussian
   noise. (A linear teacher on 3072 or 150528 pixels is not learnable in a few
-  hundred steps: both models stayed at or above ln 10.)
+  hundred steps: both models' losses stay at or above ln 10.)
 
 The recipe is the usual one for transformers: AdamW, the learning rate warmed up
 linearly over the first ``warmup`` steps, the gradient norm clipped to ``clip``;
 learning rate 1e-3, 3e-4 for the vit (:data:`LR`). Without warmup and clipping,
-at 3e-3, the runs were chaotic: llama's final loss without hooks moved 9 % from
-eager to aot_eager (the same model, data and initialization, a different
-rounding order), so no codec comparison meant anything.
+at 3e-3, a run is chaotic: a different rounding order alone (eager against
+aot_eager, the same model, data and initialization) moves the final loss without
+hooks by more than a codec does, and a codec comparison means nothing.
 
 Configurations (``CONFIGS``): no hooks, ``sh.policy()``, ``sh.fp8()`` and
 ``sh.fp8(rounding="stochastic")`` (and, when named, ``sh.policy(centered=None)``,
@@ -37,7 +37,7 @@ initial weights and another training stream; the held-out batches stay the
 same) and compares each run with no hooks at the same seed; a second table
 gives each configuration's comparison as the mean over seeds, with the lowest
 and highest. One seed's final loss averages only 5 batches, so it moves by
-more than a codec does (README, "Training evidence").
+more than a codec does.
 """
 
 from __future__ import annotations

@@ -44,14 +44,8 @@ def triton_available() -> bool:
     under ``torch.compile``: traced through, a ``functools`` cache warns and
     its ``importlib`` call is a graph break.
 
-    Args:
-        None.
-
     Returns:
         True when ``import triton`` succeeds.
-
-    Raises:
-        Nothing.
     """
     if not _TRITON_FOUND:
         try:

@@ -50,8 +50,8 @@ def _pow2_ceil(v: torch.Tensor) -> torch.Tensor:
 
 # Elements per step of the reference: its float32 temporaries stay under 256 KiB
 # per call (about 145 KiB quantizing, 210 KiB dequantizing), whatever the tensor
-# size (groups never span rows, so chunking changes no bits). 1 << 18 held up to
-# 3.3 MiB and was no faster on CPU.
+# size (groups never span rows, so chunking changes no bits). Chunks of 1 << 18 elements
+# would hold a few MiB.
 _CHUNK_ELEMS = 1 << 14
 # Stochastic rounding adds int64 temporaries (the random bits): a quarter of the elements per step.
 _STOCHASTIC_CHUNK_SHIFT = 2

@@ -202,9 +202,8 @@ def fp8_value(code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     # Few ops on purpose: the decode is inlined into every backward kernel that reads the value, and
     # inductor realizes a pointwise node of over 50 ops (CPU) that has several readers. The cnn's
-    # ReLU masks (decode, batch norm, compare) sat just under it, so two ops more computed them all
-    # up front in separate kernels (the centered policy at --size 8: 116.4 against 108.4 MiB, 2.10x
-    # against 1.23x compiled's step; README "Under inductor").
+    # ReLU masks (decode, batch norm, compare) sit just under it: two ops more would have inductor
+    # compute them all up front in separate kernels, a higher step peak and a slower step.
     mantissa_bits, bias = _FORMATS[dtype]
     code = code.int()
     low = code & 0x7F  # exponent and mantissa fields
@@ -224,8 +223,8 @@ def _apply_sign(magnitude: torch.Tensor, code: torch.Tensor, bitwise: bool | Non
 
     On CPU a negation (few ops: see :func:`fp8_value`). Off the CPU (``bitwise``
     None and the code not on the CPU, or ``bitwise`` True) the sign is set as a
-    bit: Triton 3.6 compiles a float negation to ``0 - x``, which decoded code
-    0x80 (-0.0) to +0.0 under inductor on an H200 (README "On a GPU").
+    bit: Triton 3.6 compiles a float negation to ``0 - x``, which would decode
+    code 0x80 (-0.0) to +0.0 under inductor.
     """
     if bitwise is None:
         bitwise = code.device.type != "cpu"

@@ -7,12 +7,11 @@ Design notes
 ------------
 * Why: the aten reference (``savedhooks.kernels.fp8``) walks a tensor in chunks of
   16384 elements, so that its float32 temporaries stay under 256 KiB, and each
-  chunk costs about ten aten calls. On CPU the calls' overhead dominates: 32 MB
-  of float32 (a language model's log-softmax, 4096 x 2048) took 36.4 ms to
-  quantize and 70.7 ms to dequantize on 2 cores. The decomposed form
-  (``savedhooks.kernels.fp8_fused``), compiled by inductor's C++ backend, is one
-  vectorized pass that writes the outputs and allocates almost nothing else: 6.5
-  and 17.2 ms (``python -m benchmarks.kernels --cpu``). It is bit-exact with the
+  chunk costs about ten aten calls. On CPU the calls' overhead dominates on
+  large tensors (a language model's log-softmax, 4096 x 2048 float32). The
+  decomposed form (``savedhooks.kernels.fp8_fused``), compiled by inductor's C++
+  backend, is one vectorized pass that writes the outputs and allocates almost
+  nothing else (``python -m benchmarks.kernels --cpu`` times both). It is bit-exact with the
   reference, which stays the spec.
 * When (:func:`uses_inductor`): CPU tensors of at least
   :data:`INDUCTOR_MIN_ELEMS` elements, outside any compile (inside one the op is
@@ -31,18 +30,18 @@ Design notes
   (dtype, granularity, block size, rounding, a last short block) are guarded, each
   a variant (:class:`_Variants`), checked in order with the variant's own guards.
   Why precompiled: a compiled function's entries live in dynamo's per-code cache,
-  which ``torch._dynamo.reset()`` empties; tracing the codec again then cost 2 to
-  3 s per variant on 2 cores, and test suites and benchmarks reset between cases.
+  which ``torch.compiler.reset()`` empties; tracing the codec again then costs
+  seconds per variant on a CPU, and test suites and benchmarks reset between cases.
   The precompiled variants are ours and survive the reset. With
   ``torch._inductor.config.force_disable_caches`` set, ``aot_compile`` refuses,
-  and the plain compiled function serves (dynamo's cache, reset as before).
+  and the plain compiled function serves (dynamo's cache, emptied by each reset).
 * A last short block (block scales, columns not a multiple of the block size):
   under dynamic shapes inductor joins the two column segments' codes with an aten
   ``cat``, which copies them. Rows then go in chunks of at most
   :data:`CHUNK_ELEMS` elements, each chunk's codes copied into the output and
   freed before the next. (Codes computed in one pass over all columns, each
-  reading its block's scale, were bit-exact under dynamic shapes but miscompiled
-  the last block under static ones in torch 2.13.) Stochastic rounding draws its
+  reading its block's scale, are bit-exact under dynamic shapes, but torch 2.13's
+  inductor miscompiles the last block under static ones.) Stochastic rounding draws its
   bits from the flat index of the whole tensor, so it keeps the reference there.
 * Scratch, measured with the CPU profiler (``tests/codec/test_inductor_codec.py``):
   nothing beyond the outputs but the quantize's per-group amax when a row has
@@ -112,9 +111,6 @@ def uses_inductor(x: torch.Tensor) -> bool:
     Returns:
         True for a real CPU tensor of at least :data:`INDUCTOR_MIN_ELEMS` elements,
         outside compiles and dispatch modes, while the path is on.
-
-    Raises:
-        Nothing.
     """
     if x.dim() != 2 or not inductor_serves(tuple(x.shape), x.device):
         return False
@@ -136,9 +132,6 @@ def inductor_serves(shape: tuple[int, int], device: torch.device | str) -> bool:
 
     Returns:
         True on CPU from :data:`INDUCTOR_MIN_ELEMS` elements while the path is on.
-
-    Raises:
-        Nothing.
     """
     return _state["enabled"] and torch.device(device).type == "cpu" and shape[0] * shape[1] >= INDUCTOR_MIN_ELEMS
 
@@ -168,9 +161,6 @@ def inductor_scratch_bytes(
         scales, when a row has several groups; with a last short block that of one
         chunk of rows plus two chunks of codes (the segments and their join), or
         None with a seed, where the reference runs instead.
-
-    Raises:
-        Nothing.
     """
     rows, groups = scale_shape
     if not quantize or groups <= 1:

@@ -6,7 +6,7 @@ Design notes
   below it or up to the one above, up with probability (distance to the lower
   point) / (grid spacing). Then ``E[q] = y`` for every finite y in the format's
   range: the quantization error is zero-mean per element, at the cost of a larger
-  variance than round to nearest (about 3 dB of SQNR, see the README). Scales,
+  variance than round to nearest (about 3 dB of SQNR: the error's variance doubles). Scales,
   saturation (finite values never round past fmax, in e5m2 too) and non-finite
   values are as with round to nearest.
 * The random bits are a counter-based hash, not a random tensor: ``bits(i) =
@@ -15,8 +15,8 @@ Design notes
   position in memory order for the codecs' views), ``lo`` / ``hi`` its low and high
   32 bits, ``k1`` the high 32 bits of the int64 ``seed`` and ``k0`` its low 32 bits
   scrambled, ``((low ^ 0x1B873593) * 0x61C88647) mod 2**32`` (a bijection; with the
-  raw low bits, as ``mix32(0) = 0``, element ``i = seed`` of a small seed always
-  got zero bits, so it always rounded down).
+  raw low bits, as ``mix32(0) = 0``, element ``i = seed`` of a small seed would
+  always get zero bits, and so always round down).
   ``mix32`` is a lowbias32-style finalizer (xorshift 16, multiply, xorshift 15,
   multiply, xorshift 15) with the multipliers ``0x21F0AAAD`` and ``0x735A2D97``
   from Chris Wellons' hash prospector (both below 2**31). Each element's bits
@@ -27,9 +27,8 @@ Design notes
   (``mix32``, the scramble and ``^ k0`` are bijections); the codec draws the seed in
   ``[0, 2**32)`` from torch's generator. One round of ``mix32`` per element, not
   two: a round is ten int64 operations per element (two AVX2 vectors each in
-  inductor's C++, which compiles slowly). The first (compiling) training step of
-  a one-block transformer (dim 128, caches off, 2 cores) took 154 s with two
-  rounds, 85 s with one, 58 s with round to nearest.
+  inductor's C++, which compiles slowly): a second round would add to the compile
+  time of every kernel that quantizes, the first training step's above all.
 * aten has no uint32 arithmetic: the hash runs in int64 on values in ``[0, 2**32)``,
   masked to 32 bits after each multiply. All multipliers are below 2**31, so no
   product reaches 2**63 (no signed overflow anywhere, in eager kernels or in
@@ -111,9 +110,6 @@ def seed_keys(seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns:
         ``(k0, k1)``: int64 tensors of seed's shape.
-
-    Raises:
-        Nothing.
     """
     k0 = (((seed & _M32) ^ KEY_XOR) * KEY_MULTIPLIER) & _M32
     return k0, torch.div(seed, 1 << 32, rounding_mode="floor") & _M32
@@ -130,9 +126,6 @@ def random_bits(index: torch.Tensor, seed: torch.Tensor, below_2_32: bool = Fals
 
     Returns:
         int64 tensor of index's shape, values in ``[0, 2**32)``.
-
-    Raises:
-        Nothing.
     """
     k0, k1 = seed_keys(seed)
     if below_2_32:

@@ -149,7 +149,7 @@ def _fp8_code_stochastic(y, r, IS_E4M3: tl.constexpr):
 @triton.jit
 def _fp8_value(code, IS_E4M3: tl.constexpr):
     """fp8 code -> float32, exact; the sign is set as a bit (``-0.0`` stays negative: compiled Triton writes
-    ``-x`` as ``0 - x``, which is ``+0.0`` for ``x = 0``, as seen on an H100)."""
+    ``-x`` as ``0 - x``, which is ``+0.0`` for ``x = 0``)."""
     sign = (code & 0x80) << 24
     if IS_E4M3:
         e = (code >> 3) & 0xF

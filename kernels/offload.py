@@ -11,7 +11,7 @@ Design notes
   memory is freed after the copy on that same stream, so the caching allocator
   orders its reuse after the copy. A D2H copy into pinned memory does not block
   the host.
-* Overlap is added after tracing, by :mod:`savedhooks.overlap`. Each op is
+* Overlap is added after tracing, by :mod:`savedhooks.compiler.overlap`. Each op is
   rewritten there into an asynchronous start and torch's ``ao::wait_tensor``
   (torch's transfer stream, and an event per copy): ``ao::reload`` for the
   copy back, and for the copy out ``savedhooks::offload_async``, which is
@@ -185,7 +185,7 @@ def _(x, device, pin_memory):
 def offload_async(x: torch.Tensor) -> torch.Tensor:
     """``torch.ops.savedhooks.offload_async``: :func:`torch_offload_async` as one graph node.
 
-    Only :mod:`savedhooks.overlap` puts it in graphs, followed by
+    Only :mod:`savedhooks.compiler.overlap` puts it in graphs, followed by
     ``ao::wait_tensor(result, None, x)``.
 
     Args:

@@ -40,9 +40,6 @@ def is_interpreted(kernel: Any) -> bool:
 
     Returns:
         True for an ``InterpretedFunction``.
-
-    Raises:
-        Nothing.
     """
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -58,9 +55,6 @@ def runs_triton(kernel: Any, t: torch.Tensor) -> bool:
 
     Returns:
         True on a GPU, and on CPU under the Triton interpreter.
-
-    Raises:
-        Nothing.
     """
     return t.device.type != "cpu" or is_interpreted(kernel)
 
@@ -81,9 +75,6 @@ def launch(kernel: Any, grid: tuple[Any, ...], *args: Any, **kwargs: Any) -> Non
         grid: the launch grid.
         *args: kernel arguments.
         **kwargs: kernel arguments (constexprs, ``num_warps``).
-
-    Returns:
-        None.
 
     Raises:
         Whatever Triton raises for a bad launch.

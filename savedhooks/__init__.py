@@ -6,13 +6,13 @@ the planner, the ``torch.compile`` backend and the errors. Their configuration
 classes and the tools live in submodules: :mod:`savedhooks.codecs` (``Float8``,
 ``Policy``, ...), :mod:`savedhooks.memory` (predicting and measuring peaks),
 :mod:`savedhooks.fidelity` (SQNR, sensitivity), :mod:`savedhooks.schedule`,
-:mod:`savedhooks.compilers` (``reorder_pass``), :mod:`savedhooks.hooks`,
-:mod:`savedhooks.identity`.
+:mod:`savedhooks.compiler` (``reorder_pass``), :mod:`savedhooks.hooks` (the hook
+core and its fingerprints).
 """
 
-from savedhooks import codecs, compilers, fidelity, hooks, identity, memory, schedule  # noqa: F401  (submodules: sh.memory, ...)
+from savedhooks import codecs, compiler, fidelity, hooks, memory, schedule  # noqa: F401  (submodules: sh.memory, ...)
 from savedhooks.codecs import bitmask, downcast, fp8, offload, policy
-from savedhooks.compilers import backend, saved_tensors_hooks
+from savedhooks.compiler import backend, saved_tensors_hooks
 from savedhooks.hooks import (
     HookContext,
     HookError,
@@ -20,10 +20,10 @@ from savedhooks.hooks import (
     HookMutationError,
     HookPair,
     HookTypeError,
+    UnfingerprintableError,
     hook,
     hook_context,
 )
-from savedhooks.identity import UnfingerprintableError
 from savedhooks.planner import InfeasibleBudgetError, InfeasibleFidelityError, Plan, plan
 
 __version__ = "0.1.0"

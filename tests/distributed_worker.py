@@ -192,8 +192,8 @@ def run(rank: int, world: int, port: int, how: str, out: str, configs: tuple[str
         Whatever the step raises (the parent sees a non-zero exit).
     """
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # one intra-op thread per rank: the ranks share the machine's cores (2 in CI) with the other test
-    # workers, and oversubscribed threads made a 16 s test pass its 60 s bound under load
+    # one intra-op thread per rank: the ranks share the machine's cores with the other test workers,
+    # and oversubscribed threads can slow a test past its time bound under load
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

@@ -1,7 +1,7 @@
 """Compare the decomposed fp8 encode with the reference cast on every float32 bit pattern (a script, not a test).
 
 ``python tests/exhaustive_fp8_code.py`` checks all 2**32 patterns in both fp8
-formats (about 25 minutes on 2 CPU cores, eager mode); ``--chunks A B`` checks
+formats (tens of minutes on a small CPU, eager mode); ``--chunks A B`` checks
 chunks A to B - 1 of 2**26 patterns each (64 in all). The reference is
 ``savedhooks.kernels.fp8``'s cast (the spec): codes must be equal, except that
 where the reference gives a NaN, any NaN code of the format passes (NaN payloads

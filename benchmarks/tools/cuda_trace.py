@@ -13,9 +13,9 @@ after it name the model's source. ``--out`` keeps the snapshot (gzip pickle) for
 ``torch.cuda.memory._snapshot`` viewers.
 
 The CPU counterpart is ``python -m benchmarks.tools.peak_ops`` (the profiler's memory
-events). Written after the twentieth session read two such traces with ad-hoc
-scripts on an H200: a CUDA reduction's staging buffer, and llama's floor plan
-peaking in the memory-efficient attention's backward.
+events). What it shows on CUDA that the CPU counterpart cannot: a CUDA
+reduction's staging buffer, or a plan peaking inside the memory-efficient
+attention's backward.
 """
 
 from __future__ import annotations

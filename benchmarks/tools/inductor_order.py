@@ -16,8 +16,8 @@ inductor compiles, prints:
 ``--order given|lpmf|bfs|dfs`` makes inductor keep that order for backward
 graphs instead of its lowest estimate: a diagnostic that patches torch's
 ``torch._inductor.memory.reorder_for_peak_memory`` for the run (never done by
-the library). It showed why gpt2-big's ``sh`` row rose to 138.5 MiB at size 1
-(README, "Results", the size-1 paragraph).
+the library). Comparing the orders shows how much of a step's peak comes from
+the order inductor picks for its backward (gpt2-big's ``sh`` row at size 1, for one).
 """
 
 from __future__ import annotations

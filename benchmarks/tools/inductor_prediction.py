@@ -29,7 +29,7 @@ from torch._inductor import config as inductor_config
 
 import savedhooks as sh
 from benchmarks.models import MODELS, make_workload
-from savedhooks.compilers import post_grad_passes
+from savedhooks.compiler.api import post_grad_passes
 from savedhooks.planner.census import step_timeline
 from savedhooks.planner.recording import GraphRecorder
 from savedhooks.planner.step import graph_timelines, loss_peak

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from unittest import mock
 
-from savedhooks import passes
+from savedhooks.compiler import passes
 from savedhooks.schedule import Problem
 
 __all__ = ["load_problems", "record_problems", "save_problems"]

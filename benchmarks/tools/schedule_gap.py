@@ -19,7 +19,7 @@ import torch
 
 import savedhooks as sh
 from benchmarks.memory_scale import random_graph
-from savedhooks.passes import reorder_graph
+from savedhooks.compiler.passes import reorder_graph
 from savedhooks.schedule import Problem, schedule
 
 __all__ = ["random_problem"]
@@ -106,8 +106,8 @@ def _gaps(problems, budget: int) -> tuple[list[float], list[float], int]:
 def _model_problems():
     """Problems of the aot_eager forward/backward graphs of the acceptance models under fp8."""
     from benchmarks.acceptance import MODELS, test_models
+    from savedhooks.compiler.passes import graph_problem
     from savedhooks.memory import freed_inputs
-    from savedhooks.passes import graph_problem
 
     models = test_models()
     out = []

@@ -125,7 +125,7 @@ def install() -> None:
     """Install the work-arounds that patch torch (idempotent; each checks the release it is for).
 
     Called when savedhooks' hooks are entered (:class:`savedhooks.saved_tensors_hooks`)
-    and when its compiler pieces are built (``sh.backend``, ``sh.compilers.reorder_pass``).
+    and when its compiler pieces are built (``sh.backend``, ``sh.compiler.reorder_pass``).
     The checkpointed-random-ops fix patches nothing: it runs inside the hooks.
     """
     set_up_dtype_propagation_once()

@@ -46,9 +46,11 @@ class Codec:
         return x.is_floating_point() and x.numel() > 0
 
     def encode(self, x: torch.Tensor) -> Any:  # pragma: no cover - abstract
+        """The payload kept for backward in place of ``x``: a pytree of tensors and Python values."""
         raise NotImplementedError
 
     def decode(self, payload: Any) -> torch.Tensor:  # pragma: no cover - abstract
+        """The tensor :meth:`encode` packed into ``payload``, with the saved tensor's dtype, shape and strides."""
         raise NotImplementedError
 
     def choose(self, x: torch.Tensor) -> int:
@@ -113,14 +115,8 @@ def sign_only_in_backward() -> bool:
     through ``detach``) is ``threshold_backward(grad, value, 0)``: ReLU's saved
     output. Then 1 bit per element restores the gradient exactly.
 
-    Args:
-        None.
-
     Returns:
         False in eager mode, where there is no backward graph to look at.
-
-    Raises:
-        Nothing.
     """
     ctx = hook_context()
     if ctx is None:

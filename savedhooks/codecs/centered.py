@@ -5,9 +5,8 @@ subtracts each channel's mean in the backward (and under inductor, which
 recomputes batch norm and ReLU from the saved convolution output, also the
 forward's normalized values and the ReLU mask). When a channel's mean is large
 against its spread, fp8's error on ``x`` becomes a large error on ``x - mean``:
-the benchmark's cnn under inductor lost 9 dB of gradient SQNR this way (README,
-"Under inductor"). Packing ``x - mean`` instead keeps the error relative to the
-spread; the mean (one float32 per channel) is stored as it is and added back.
+the benchmark's cnn under inductor loses gradient SQNR this way. Packing
+``x - mean`` instead keeps the error relative to the spread; the mean (one float32 per channel) is stored as it is and added back.
 
 Non-finite values and overflow: a channel is not centered (its mean is stored
 as 0, so the inner codec sees its values unchanged and keeps infinities where it

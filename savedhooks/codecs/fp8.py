@@ -117,13 +117,13 @@ class Float8(Codec):
             rows = rows.reshape(1, -1)
         # A row wider than a block but not a multiple of it would end in a short block, which
         # the decomposed dequantize joins to the rest with a cat: inductor then stores the whole
-        # dequantized tensor instead of fusing it into its consumer (Llama's 688-wide MLP: two
-        # 10.8 MiB buffers at its backward peak, --size 8). Where the tensor's size allows, blocks
+        # dequantized tensor instead of fusing it into its consumer (Llama's 688-wide MLP: full-size
+        # buffers at its backward peak). Where the tensor's size allows, blocks
         # run on across the row ends instead (a block spans at most two rows).
         if rows.shape[1] % self.block_size == 0:  # one block per row: the reference chunks by rows
             # through (rows, blocks, block_size): inductor indexes the two views of a value it computes
             # affinely, but the one view through ``(block * b + i) % cols``, which it leaves unsimplified
-            # (gpt2's GELU + quantize kernel loaded its input one lane at a time: README, "Kernels")
+            # (a fused GELU + quantize kernel would then load its input one lane at a time)
             blocks = rows.shape[1] // self.block_size
             rows = rows.view(rows.shape[0], blocks, self.block_size).view(-1, self.block_size)
         elif rows.shape[1] > self.block_size and rows.numel() % self.block_size == 0:
@@ -161,7 +161,9 @@ def fp8(
             ``"triton"`` or ``"aten"`` (always that op); the bytes are identical.
         rounding: ``"nearest"`` (round to nearest even) or ``"stochastic"``: round
             up or down with probability proportional to the distance, so the
-            dequantized value is unbiased (``E[x'] = x``) at about 3 dB less SQNR.
+            dequantized value is unbiased (``E[x'] = x``); the price is a larger
+            error (for values spread evenly within a spacing, twice the mean
+            square of round to nearest's).
             Each pack draws a seed with ``torch.randint`` on the tensor's device,
             so it advances torch's generator (reproducible under
             ``torch.manual_seed``).

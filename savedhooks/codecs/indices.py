@@ -55,9 +55,6 @@ def pool_plane(node: torch.fx.Node) -> int | None:
         The number of elements of one pooled input plane (``H * W`` in 2-D), or
         None when ``node`` is not the indices output of a max pool with a static
         input shape.
-
-    Raises:
-        Nothing.
     """
     if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 1:
         return None
@@ -80,9 +77,6 @@ def offset_bits(node: torch.fx.Node) -> int | None:
         1, 2 or 4: the fewest of those that hold every offset below the pooling
         window's size; None when ``node`` is not the offsets output of
         ``_low_memory_max_pool_with_offsets`` with a static window of at most 16.
-
-    Raises:
-        Nothing.
     """
     if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 1:
         return None

@@ -53,9 +53,6 @@ def to_rows(x: torch.Tensor) -> tuple[torch.Tensor, Layout]:
 
     Returns:
         ``(x2d, layout)``: x2d is contiguous; :func:`from_rows` inverts it.
-
-    Raises:
-        Nothing.
     """
     if x.dim() == 0:
         return x.reshape(1, 1), Layout((), ())
@@ -78,9 +75,6 @@ def is_broadcast(x: torch.Tensor) -> bool:
 
     Returns:
         True when some elements of ``x`` share memory.
-
-    Raises:
-        Nothing.
     """
     return any(stride == 0 and size != 1 for size, stride in zip(x.shape, x.stride()))
 
@@ -93,9 +87,6 @@ def narrow_broadcast(x: torch.Tensor) -> torch.Tensor:
 
     Returns:
         A view of ``x``; ``.expand(x.shape)`` gives ``x`` back.
-
-    Raises:
-        Nothing.
     """
     for dim, stride in enumerate(x.stride()):
         if stride == 0:  # narrow, not indexing: indexing sets a device guard (no CUDA on fake tensors)
@@ -111,9 +102,6 @@ def memory_order(x: torch.Tensor) -> tuple[int, ...]:
 
     Returns:
         A permutation of ``range(x.dim())``.
-
-    Raises:
-        Nothing.
     """
     if x.is_contiguous() or not is_non_overlapping_and_dense_or_false(x):
         return tuple(range(x.dim()))
@@ -129,9 +117,6 @@ def innermost_size(x: torch.Tensor) -> int:
 
     Returns:
         The number of elements a row of :func:`to_rows` holds.
-
-    Raises:
-        Nothing.
     """
     return x.shape[memory_order(x)[-1]] if x.dim() else 1
 
@@ -146,9 +131,6 @@ def from_rows(y: torch.Tensor, layout: Layout) -> torch.Tensor:
 
     Returns:
         A view of ``y`` with the original shape (and strides, for dense tensors).
-
-    Raises:
-        Nothing.
     """
     if not layout.dims:
         return y.reshape(())

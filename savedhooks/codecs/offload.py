@@ -4,7 +4,7 @@ With an inner codec the payload is packed first and then moved: fp8 then offload
 moves 4x fewer bytes than fp32 offload. Each move is one ``savedhooks::offload``
 or ``savedhooks::reload`` node (:mod:`savedhooks.kernels.offload`): a copy on the
 current stream, correct wherever it runs. In CUDA graphs that the reorder pass
-sees, :mod:`savedhooks.overlap` turns them into asynchronous copies on a
+sees, :mod:`savedhooks.compiler.overlap` turns them into asynchronous copies on a
 transfer stream, the pack's wait sunk and the reload started early.
 """
 
@@ -19,7 +19,7 @@ import savedhooks.kernels.offload  # noqa: F401  (registers savedhooks::offload 
 from savedhooks._torch import pytree
 from savedhooks.codecs.base import Codec, as_codec
 from savedhooks.codecs.layout import is_broadcast, narrow_broadcast
-from savedhooks.contract import hook_context
+from savedhooks.hooks.contract import hook_context
 from savedhooks.memory.sizes import tensor_nbytes
 from savedhooks.memory.timing import TransferModel, backward_seconds_before_use
 

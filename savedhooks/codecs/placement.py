@@ -6,14 +6,14 @@ Design notes
   backward runs in that order unless something moves them: inductor (the reorder
   pass that entering the hooks installs, and its scheduler, which fuses decodes
   into their readers) or a savedhooks backend
-  (:func:`savedhooks.contract.placed_compile`). Neither has run when the hooks
+  (:func:`savedhooks.hooks.contract.placed_compile`). Neither has run when the hooks
   are traced, so the codecs ask :func:`unpacks_placed`.
 * Without placement, overlapping views of one storage cost memory: AOTAutograd
   packs each saved value on its own and each is decoded into a buffer of its
   own, all at the start of the backward. The vit's attention output (saved by
-  SDPA) and its reshape (saved by the output projection) were decoded twice:
-  its plain aot_eager step peaked at 31.1 MiB against 29.5 without hooks. The
-  driver stores such values as they are (:func:`decodes_twice`).
+  SDPA) and its reshape (saved by the output projection) are such a pair:
+  decoded twice, they would put its plain aot_eager step above the step without
+  hooks. The driver stores such values as they are (:func:`decodes_twice`).
 * In eager mode nothing is placed, and a pack frees nothing while the forward
   still holds the tensor. A loss computed eagerly on a compiled model's output
   (``cross_entropy(compiled(x), y)``) saves its log-softmax, still held until
@@ -31,7 +31,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from savedhooks._torch import inductor
-from savedhooks.contract import HookContext, placing_requested
+from savedhooks.hooks.contract import HookContext, placing_requested
 from savedhooks.memory.sizes import storage_key
 
 __all__ = ["decodes_twice", "inductor_compiling", "saved_for_an_eager_loss", "unpacks_placed"]
@@ -40,14 +40,8 @@ __all__ = ["decodes_twice", "inductor_compiling", "saved_for_an_eager_loss", "un
 def inductor_compiling() -> bool:
     """Whether the caller runs inside inductor's ``compile_fx`` (AOTAutograd called by inductor).
 
-    Args:
-        None.
-
     Returns:
         True when inductor's ``_compile_fx_main`` is on the call stack.
-
-    Raises:
-        Nothing.
     """
     return inductor.compiling()
 
@@ -55,17 +49,11 @@ def inductor_compiling() -> bool:
 def unpacks_placed() -> bool:
     """Whether the graphs being traced will have their unpacks moved to their uses.
 
-    Args:
-        None.
-
     Returns:
         True under inductor (the reorder pass that entering the hooks installs,
         and its scheduler, which fuses decodes into their readers) and inside
-        :func:`savedhooks.contract.placed_compile` (``sh.backend("aot_eager")``);
+        :func:`savedhooks.hooks.contract.placed_compile` (``sh.backend("aot_eager")``);
         False elsewhere, for example under plain ``torch.compile(backend="aot_eager")``.
-
-    Raises:
-        Nothing.
     """
     return placing_requested() or inductor_compiling()
 
@@ -95,9 +83,6 @@ def decodes_twice(ctx: HookContext) -> bool:
         True when the outputs sharing the storage are known to hold more
         elements' bytes than the storage (False when the sizes are symbolic
         and not known to).
-
-    Raises:
-        Nothing.
     """
     val = _tensor(ctx.node)
     mine = None if val is None else storage_key(val)
@@ -121,9 +106,8 @@ def saved_for_an_eager_loss(x: torch.Tensor, ctx: HookContext | None) -> bool:
     trip to the host that frees nothing). A model compiled with a log-softmax
     at its end returns a graph output, which this does not match (its autograd
     node is the compiled function's). An eager loss is where a compiled
-    model's step with its loss outside peaks (gpt2 at ``--size 8`` under
-    inductor with ``sh.fp8()``: 140.8 MiB with the log-softmax packed, 132.5
-    stored as is, against 236.5 without hooks).
+    model's step with its loss outside peaks (gpt2 under inductor with
+    ``sh.fp8()``, for one: packing the log-softmax there raises the peak).
 
     Args:
         x: the saved tensor.
@@ -133,8 +117,5 @@ def saved_for_an_eager_loss(x: torch.Tensor, ctx: HookContext | None) -> bool:
         True in eager mode for the output of a log-softmax (autograd node
         ``LogSoftmaxBackward0``); False under compile, where the loss's
         tensors are graph values that placement and fusion handle.
-
-    Raises:
-        Nothing.
     """
     return ctx is None and type(x.grad_fn).__name__ == "LogSoftmaxBackward0"

@@ -23,9 +23,9 @@ from savedhooks.codecs.downcast import Downcast
 from savedhooks.codecs.fp8 import Float8
 from savedhooks.codecs.indices import PoolIndices
 from savedhooks.codecs.placement import decodes_twice, saved_for_an_eager_loss
-from savedhooks.contract import HookContext
-from savedhooks.eager import VIEW_NODES
 from savedhooks.hooks import eager_readers, hook_context
+from savedhooks.hooks.contract import HookContext
+from savedhooks.hooks.eager import VIEW_NODES
 from savedhooks.memory.graph import backward_uses, op_name, producing_op, through_aliases, uses_through_aliases
 
 __all__ = [
@@ -124,9 +124,6 @@ def is_statistic_of(node: torch.fx.Node, ops: tuple[str, ...]) -> bool:
 
     Returns:
         True when the value should be kept as it is.
-
-    Raises:
-        Nothing.
     """
     node = through_aliases(node)
     if producing_op(node) in ops:
@@ -154,9 +151,6 @@ def is_batch_norm_input(node: torch.fx.Node) -> bool:
     Returns:
         True when a batch norm (one op, or the nodes inductor decomposed it into)
         reads the value as its input and the value is not itself made inside one.
-
-    Raises:
-        Nothing.
     """
     node = through_aliases(node)
     if op_name(node.meta.get("original_aten")) in BATCH_NORM_OPS or producing_op(node) in BATCH_NORM_OPS:
@@ -178,9 +172,9 @@ def is_attention_operand(x: torch.Tensor, node: torch.fx.Node | None) -> bool:
     row of the probabilities' gradient ``rowsum(grad_out * out)`` computed from
     the saved output. fp8's relative error of up to 2**-4 in these operands
     puts the recomputed probabilities and the saved statistics out of step,
-    and the query's and key's gradients take the whole error (a Qwen2
-    decoder's output alone packed in fp8: 16 dB worst gradient; its query,
-    key, value and output in bf16, the rest in fp8: 28 dB under inductor).
+    and the query's and key's gradients take the whole error (bf16 for the
+    four operands keeps them in step; ``sh.fidelity.sensitivity`` measures
+    what each costs on a given model).
 
     Args:
         x: the saved tensor.
@@ -278,9 +272,9 @@ def is_periodic_argument(name: str, bw_graph: torch.fx.Graph) -> bool:
     Rounding keeps a relative error (up to 2**-4 for fp8 e4m3), so an angle of
     200 radians moves by up to 12 and the recomputed sine and cosine are noise.
     Llama's rotary angles (positions times frequencies, up to the sequence length),
-    saved by the partitioner, which recomputes cos and sin in the backward: the
-    benchmark's llama under aot_eager and bf16 autocast reached 9.3 dB with them
-    packed, 22.3 dB with them kept (``sh.fidelity.sensitivity``).
+    saved by the partitioner, which recomputes cos and sin in the backward, are
+    such values (``sh.fidelity.sensitivity`` on the benchmark's llama shows
+    what packing them costs).
 
     Args:
         name: the saved value's name (a placeholder of ``bw_graph``).
@@ -289,9 +283,6 @@ def is_periodic_argument(name: str, bw_graph: torch.fx.Graph) -> bool:
     Returns:
         True when a backward user of the value (looking through ``detach``) is
         ``sin``, ``cos`` or ``tan``.
-
-    Raises:
-        Nothing.
     """
     return any(op_name(user.target) in _PERIODIC_OPS for user, _ in backward_uses(name, bw_graph))
 
@@ -301,8 +292,8 @@ def is_narrow_softmax(x: torch.Tensor, node: torch.fx.Node | None, classes: int)
 
     A classifier's loss head saves its log-softmax (``(batch, 10)`` after 10
     classes); the values of a row sit in a few binades, so fp8's rounding errors
-    share a sign and add up over the batch in every gradient (sh.fidelity.sensitivity on a
-    10-class MLP: 3.5 dB with it packed, 30 dB with it kept).
+    share a sign and add up over the batch in every gradient (on a 10-class classifier,
+    ``sh.fidelity.sensitivity`` finds that keeping it recovers more than 20 dB).
 
     Args:
         x: the saved tensor (its last dim is the softmax dim).
@@ -312,9 +303,6 @@ def is_narrow_softmax(x: torch.Tensor, node: torch.fx.Node | None, classes: int)
 
     Returns:
         True when ``x`` should be kept as it is.
-
-    Raises:
-        Nothing.
     """
     if x.dim() == 0 or not isinstance(x.shape[-1], int) or x.shape[-1] > classes:
         return False
@@ -417,7 +405,7 @@ class Policy(Codec):
         """In eager mode, how many saved tensors are held before packing, until the op reading them is known.
 
         Fused attention saves its query, key and value before it runs, and then
-        its output (:mod:`savedhooks.eager`): three; none without an ``attention``
+        its output (:mod:`savedhooks.hooks.eager`): three; none without an ``attention``
         codec. Only tensors bound for ``floating`` are held (:meth:`eager_holds`).
         """
         return 3 if self.attention is not None and self.floating is not None else 0
@@ -459,8 +447,8 @@ class Policy(Codec):
         """Whether ``x`` goes to ``centered``: a batch norm's input, while the codec's decomposed form is traced.
 
         Inductor then fuses the subtraction into the quantize kernel. Elsewhere it
-        would be a full-size temporary in the forward (measured: the cnn's step
-        peak under aot_eager 20.6 -> 23.3 MiB, above no hooks), for 0.4 dB there,
+        would be a full-size temporary in the forward (the cnn's step under
+        aot_eager would peak above no hooks), for little fidelity there,
         where the graph saves ReLU's output and batch norm is not recomputed.
         """
         return (
@@ -508,8 +496,8 @@ def policy(
 ):
     """Hooks that pick a codec for each saved tensor, and keep the ones that lossy packing hurts.
 
-    Kept as they are (the rules, from ``sh.fidelity.sensitivity`` on the benchmark models;
-    see the README's "Fidelity"): tensors under ``min_bytes``; normalization and
+    Kept as they are (the rules, from ``sh.fidelity.sensitivity`` on the benchmark
+    models, which ``python -m benchmarks.sensitivity`` runs): tensors under ``min_bytes``; normalization and
     attention statistics (``keep_ops``); a (log-)softmax over at most
     ``narrow_softmax`` classes (a classifier's loss head); under compile, tensors
     smaller than ``relative_bytes`` of the largest one the same graph saves (a
@@ -553,8 +541,8 @@ def policy(
             fuses the subtraction into the quantize kernel and recomputes batch
             norm from the saved input): a :class:`~savedhooks.codecs.Centered`, by
             default fp8 of ``x`` minus each channel's mean, the means kept in
-            float32 (the benchmark's cnn under inductor: 27.9 dB against 18.0
-            uncentered, README "Under inductor"). None: ``floating``. Unused when
+            float32 (fp8's error then scales with each channel's spread, not
+            its mean). None: ``floating``. Unused when
             ``floating`` is None.
         attention: the codec for the query, key, value and output of a
             fused attention op (:func:`is_attention_operand`), instead of

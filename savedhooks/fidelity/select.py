@@ -72,9 +72,6 @@ _RUN: _Run | None = None
 def keyed_run() -> Iterator[_Run]:
     """Number saved tensors from the start: one forward (and its compiles) per run.
 
-    Args:
-        None.
-
     Returns:
         A context manager yielding the run's state; ``census`` lists what a
         :class:`Census` codec saw.
@@ -94,15 +91,6 @@ def keyed_run() -> Iterator[_Run]:
 
 def mark_loss() -> None:
     """Mark that the loss starts: the eager saves from here on are the loss's (no-op outside a keyed run).
-
-    Args:
-        None.
-
-    Returns:
-        None.
-
-    Raises:
-        Nothing.
     """
     if _RUN is not None:
         _RUN.loss_from = _RUN.eager_calls
@@ -131,9 +119,6 @@ def concrete_size(s: object) -> int | str:
 
     Returns:
         The int, the hint's int, or the expression as a string.
-
-    Raises:
-        Nothing.
     """
     if isinstance(s, int):
         return s

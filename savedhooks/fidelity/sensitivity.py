@@ -33,7 +33,7 @@ from savedhooks._torch import dynamo, pytree
 from savedhooks._torch.nn import own_buffers
 from savedhooks.codecs import fp8
 from savedhooks.codecs.base import Codec, as_codec
-from savedhooks.compilers import saved_tensors_hooks
+from savedhooks.compiler.api import saved_tensors_hooks
 from savedhooks.fidelity.select import Census, SavedTensor, Selected, keyed_run
 from savedhooks.metrics import worst_sqnr
 

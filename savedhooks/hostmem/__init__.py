@@ -1,9 +1,9 @@
 """Host memory for offload.
 
 :mod:`savedhooks.hostmem.pool`: a pool of exact-size host buffers reused across
-steps. ``sh.offload``'s pinned copies write into its :func:`default_pool`; the
-overlapped form of compiled CUDA graphs (``ao::offload``, placed by
-:mod:`savedhooks.overlap`) allocates through torch's host allocator.
+steps. ``sh.offload``'s pinned copies write into its :func:`default_pool`, and
+so do the overlapped copies of compiled CUDA graphs (``savedhooks::offload``,
+placed by :mod:`savedhooks.compiler.overlap`).
 """
 
 from savedhooks.hostmem.pool import HostPool, HostPoolExhaustedError, PoolStats, default_pool, pinned_bytes

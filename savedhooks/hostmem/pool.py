@@ -5,7 +5,7 @@ Design notes
 * Why: allocating pinned host memory per saved tensor costs milliseconds and
   synchronizes (``cudaHostAlloc``), which kills the overlap of copies with
   compute; torch's own host allocator rounds every request up to a power of two
-  (up to ~1.9x the bytes). See ``../shared/PRIOR_ART.md``, "Offload".
+  (up to ~1.9x the bytes).
 * Exact sizes: a slab serves only requests of its byte size. A training step
   saves the same shapes every step, so the first step allocates what the step
   needs and every later step finds its slabs free again: no rounding, no
@@ -211,12 +211,6 @@ class HostPool:
             tensor: the tensor the copy read or wrote.
             event: an object with ``query() -> bool`` (a ``torch.cuda.Event``
                 recorded after the copy, on the copy's stream).
-
-        Returns:
-            None.
-
-        Raises:
-            Nothing.
         """
         with self._lock:
             slab = self._by_ptr.get(tensor.untyped_storage().data_ptr())
@@ -263,9 +257,6 @@ class HostPool:
             event: an object with ``query() -> bool`` (a ``torch.cuda.Event`` recorded
                 after the copy that reads the slab), or None.
 
-        Returns:
-            None.
-
         Raises:
             ValueError: ``slab`` is not lent by this pool (given back twice, or another tensor).
         """
@@ -299,15 +290,6 @@ class HostPool:
 
     def clear(self) -> None:
         """Drop the free slabs (lent and waiting ones stay).
-
-        Args:
-            None.
-
-        Returns:
-            None.
-
-        Raises:
-            Nothing.
         """
         with self._lock:
             self._reclaim()
@@ -374,14 +356,8 @@ def default_pool() -> HostPool:
     tensor's host copy is freed, after the event of its last copy
     (:meth:`HostPool.note_copy`) and one recorded then on the current stream.
 
-    Args:
-        None.
-
     Returns:
         The pool (made on the first call).
-
-    Raises:
-        Nothing.
     """
     global _DEFAULT
     with _DEFAULT_LOCK:

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import transformers
 
-from savedhooks.compilers import saved_tensors_hooks
+from savedhooks.compiler.api import saved_tensors_hooks
 from savedhooks.hooks import HookPair
 from savedhooks.planner import Plan
 from savedhooks.planner.driver import Planner

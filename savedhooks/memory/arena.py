@@ -43,9 +43,9 @@ Design notes
     size it reaches the liveness peak (interval partitioning).
   - ``iterated_greedy``: TorchScript's greedy by longest lifetime (then size),
     then a few rounds that put the buffers reaching the top of the last plan
-    first and place again, keeping the smallest. Not in the issue's list; added
-    because on the reorder pass's orders none of the three above stays within
-    10 % of the liveness peak on every benchmark graph (GPT-2's forward: 12 %).
+    first and place again, keeping the smallest. On the reorder pass's orders
+    none of the three above stays within 10 % of the liveness peak on every
+    benchmark graph (GPT-2's forward is one).
 
   ``strategy="best"`` runs all of them and keeps the smallest arena (the first
   listed on ties), logging every figure. They live in
@@ -359,9 +359,6 @@ def validate_arena(plan: ArenaPlan) -> None:
 
     Args:
         plan: the plan.
-
-    Returns:
-        None.
 
     Raises:
         ValueError: a count mismatch, an offset that is negative, not aligned or

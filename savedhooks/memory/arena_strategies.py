@@ -90,9 +90,6 @@ def greedy_by_size(sizes: Sequence[int], starts: Sequence[int], ends: Sequence[i
 
     Returns:
         Per buffer, its offset.
-
-    Raises:
-        Nothing.
     """
     priority = sorted(range(len(sizes)), key=lambda i: (-sizes[i], starts[i] - ends[i], starts[i], i))
     return _best_fit(sizes, starts, ends, priority)
@@ -113,9 +110,6 @@ def greedy_by_breadth(sizes: Sequence[int], starts: Sequence[int], ends: Sequenc
 
     Returns:
         Per buffer, its offset.
-
-    Raises:
-        Nothing.
     """
     if not sizes:
         return []
@@ -154,9 +148,6 @@ def linear_scan(sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int]
 
     Returns:
         Per buffer, its offset.
-
-    Raises:
-        Nothing.
     """
     offsets = [0] * len(sizes)
     free_at: list[int] = []  # free blocks below the top, by offset
@@ -217,9 +208,6 @@ def iterated_greedy(sizes: Sequence[int], starts: Sequence[int], ends: Sequence[
 
     Returns:
         Per buffer, its offset.
-
-    Raises:
-        Nothing.
     """
     priority = sorted(range(len(sizes)), key=lambda i: (starts[i] - ends[i], -sizes[i], starts[i], i))
     best: tuple[int, list[int]] | None = None
@@ -233,6 +221,7 @@ def iterated_greedy(sizes: Sequence[int], starts: Sequence[int], ends: Sequence[
     return best[1]
 
 
+# The offset assignments plan_arena(strategy=...) runs, by name ("best" runs them all).
 ARENA_STRATEGIES: dict[str, Callable[[Sequence[int], Sequence[int], Sequence[int]], list[int]]] = {
     "greedy_by_size": greedy_by_size,
     "greedy_by_breadth": greedy_by_breadth,

@@ -72,9 +72,6 @@ def simulate(memory: GraphMemory, device: torch.device) -> tuple[list[int], list
 
     Returns:
         ``(live_during, live_after, live_sets_during)`` per node.
-
-    Raises:
-        Nothing.
     """
     live, current = 0, set()
     during, after, sets = [], [], []
@@ -140,9 +137,6 @@ def lower_bound(memory: GraphMemory, device: torch.device) -> int:
 
     Returns:
         The bound (0 for an empty graph).
-
-    Raises:
-        Nothing.
     """
     n = len(memory.node_names)
     if n == 0:
@@ -290,9 +284,6 @@ def saved_activations(backward: torch.fx.GraphModule) -> tuple[str, ...]:
 
     Returns:
         Placeholder names.
-
-    Raises:
-        Nothing.
     """
     return tuple(
         n.name for n in backward.graph.nodes if n.op == "placeholder" and not n.name.startswith(("primals", "tangents"))
@@ -306,11 +297,11 @@ def freed_inputs(backward: torch.fx.GraphModule) -> tuple[str, ...]:
     (``tangents_*``): torch 2.13 hands a compiled backward its gradients as one
     list that it empties ("to allow freeing individual grads mid-backward", in
     its runtime wrapper), and both aot_eager's generated code and inductor's
-    (``del tangents_1``) drop each input at its last use. Measured: GPT-2 with
-    checkpointed blocks, whose logits gradient (4 MiB at ``--size 1``) is
-    read first by the default order and late by a placed one, under aot_eager:
-    23.0 and 24.7 MiB, predicted 23.0 and 24.7 with the gradients freed, 27.0 and
-    24.7 with them held (``tests/memory/test_memory.py``). Parameters are held by their
+    (``del tangents_1``) drop each input at its last use. GPT-2 with
+    checkpointed blocks, whose logits gradient is read first by the default
+    order and late by a placed one, measures under aot_eager what is predicted
+    with the gradients freed, not with them held (``tests/memory/test_memory.py``).
+    Parameters are held by their
     owners. A gradient that something else keeps (``retain_grad`` on the model's
     output, a hook storing it) lives longer than predicted.
 
@@ -319,9 +310,6 @@ def freed_inputs(backward: torch.fx.GraphModule) -> tuple[str, ...]:
 
     Returns:
         Placeholder names.
-
-    Raises:
-        Nothing.
     """
     return tuple(n.name for n in backward.graph.nodes if n.op == "placeholder" and not n.name.startswith("primals"))
 

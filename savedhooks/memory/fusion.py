@@ -61,9 +61,6 @@ def is_constant_fill(node: torch.fx.Node) -> bool:
         True for ``full``, ``zeros``, ``ones`` (and their ``_like`` forms),
         ``scalar_tensor`` and ``iota``: they carry no ``pointwise`` tag, but
         inductor computes them inside the kernels that read them.
-
-    Raises:
-        Nothing.
     """
     return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in _CONSTANT_FILLS
 
@@ -76,9 +73,6 @@ def is_view(node: torch.fx.Node) -> bool:
 
     Returns:
         True when both values are tensors on the same storage.
-
-    Raises:
-        Nothing.
     """
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return False
@@ -97,9 +91,6 @@ def is_alias(node: torch.fx.Node) -> bool:
 
     Returns:
         True for a view or a ``getitem``.
-
-    Raises:
-        Nothing.
     """
     return node.target is operator.getitem or is_view(node)
 
@@ -135,9 +126,6 @@ def inlined_nodes(graph: torch.fx.Graph, realized: Collection[str] = ()) -> set[
         consumers, looking through views, are all pointwise ops or reductions
         (never an output, an extern kernel or a custom op), and the views of
         such nodes.
-
-    Raises:
-        Nothing.
     """
     inlined: set[torch.fx.Node] = set()
     for node in reversed(graph.nodes):  # consumers first: a view of an inlined node is inlined too

@@ -278,9 +278,6 @@ def producing_op(node: torch.fx.Node) -> str | None:
     Returns:
         The op's overload-packet name (``"native_layer_norm"``), or None when the
         node is not an op call.
-
-    Raises:
-        Nothing.
     """
     node = through_aliases(node)
     while node.op == "call_function" and node.target is operator.getitem:

@@ -6,8 +6,8 @@ the call allocates, until they are freed. A free of a block from before the
 call is left out: torch's CPU memory reporter keeps a block's size only while
 a profiler records (``ProfiledCPUMemoryReporter`` in c10), so such a free is
 dropped or, where the address held a block recorded in an earlier session and
-freed since, reported with that old block's size; which one happens changed
-from process to process (a test measured 0.59x to 0.90x of one same peak).
+freed since, reported with that old block's size; which one happens varies
+from process to process.
 Only a block allocated in an earlier session and still alive is freed with its
 own size; :func:`measure_peaks` measures calls in turn in one session for that.
 
@@ -55,8 +55,9 @@ def cpu_memory_trace(fn: Callable[[], Any], *, calling_thread_only: bool = False
 
     Counts the blocks ``fn`` allocates, until they are freed. A block allocated
     before the call and freed during it is not counted: torch's CPU memory
-    reporter sizes such a free only by chance (README, "torch 2.13 hazards"),
-    so counting it made one call measure differently from process to process.
+    reporter sizes such a free only by chance (it keeps a block's size only
+    while a profiler records), so counting it would make one call measure
+    differently from process to process.
 
     Args:
         fn: the call to trace.
@@ -137,9 +138,6 @@ def traced_bytes(records: list[Allocation], thread: int | None = None) -> list[t
 
     Returns:
         ``(start_ns, live bytes relative to the first record)`` per counted record.
-
-    Raises:
-        Nothing.
     """
     owner: dict[int, int] = {}  # ptr -> thread, for blocks allocated during the records
     live, timeline = 0, []
@@ -170,9 +168,6 @@ def cpu_allocations(nodes: list[Any]) -> list[Allocation]:
 
     Returns:
         One :class:`Allocation` per CPU allocation or free, in the nodes' order.
-
-    Raises:
-        Nothing.
     """
     allocations = []
     for node in nodes:

@@ -9,8 +9,8 @@ once per shape class and cached: the reference runs on one chunk of rows of
 zeros under the CPU memory profiler (:func:`savedhooks.memory.measure_peak`),
 and its peak above the op's own outputs is the scratch. One chunk is enough:
 the chunk loop frees everything between chunks. A dispatch mode counting the
-tensors the reference creates was tried first and saw only half of it (aten
-kernels allocate inside, e.g. in copies between layouts).
+tensors the reference creates would see only part of it (aten kernels allocate
+inside, e.g. in copies between layouts).
 
 From one chunk of elements on, the ops run the inductor-compiled decomposed form
 on CPU instead (``savedhooks.kernels.fp8_inductor``), which allocates little
@@ -23,9 +23,9 @@ convolution's forward and backward hold temporaries of the order of their
 input, SDPA's CPU backward and layer norm's backward less; a matrix product
 nothing. The vit's step under inductor with the codec peaks in its patch
 convolution's backward, after every other gradient is made: without its
-scratch the model put that step at 0.65x of the measured peak
-(``python -m benchmarks.tools.inductor_prediction``). These are measured the same
-way, once per op, shapes, strides, dtypes and arguments: the op runs on zeros
+scratch the model would predict that step well under the measured peak
+(``python -m benchmarks.tools.inductor_prediction`` compares them). These are
+measured the same way, once per op, shapes, strides, dtypes and arguments: the op runs on zeros
 under the CPU memory profiler, and its peak above its outputs is the scratch.
 Measured in the layout of the arguments: under inductor (``fused``) the
 strides it passed the op where the compile was recorded (:data:`EXTERN_STRIDES`),
@@ -37,13 +37,12 @@ layout inductor gives the input it computes.
 On CUDA the same holds for other ops (:data:`MEASURED_CUDA_ATEN`): a reduction
 that aten splits across thread blocks (``sum(x, [0])`` of a tall tensor, a
 Linear's bias gradient in the backward graphs that aot_eager runs) stages
-partial results in a buffer from torch's allocator. A Linear-GELU-Linear step
-(2048 x 1024 -> 4096) on an H200 held 64 MiB of it, twice the summed tensor, and
-the model without it was 14 % under (``test_measured_cuda_training_step_matches_the_prediction``).
-cuDNN's convolutions take their workspace from the same allocator, and
-SDPA's CUDA kernels some of theirs: on llama's floor plan on an H200, the
-memory-efficient attention's backward allocated and freed 4 MiB inside the call
-at the step's peak (not measured since it was added). These are
+partial results in a buffer from torch's allocator, up to twice the summed
+tensor (``test_measured_cuda_training_step_matches_the_prediction`` checks a
+Linear-GELU-Linear step against the prediction). cuDNN's convolutions take
+their workspace from the same allocator, and SDPA's CUDA kernels some of
+theirs (the memory-efficient attention's backward allocates and frees a buffer
+inside the call). These are
 measured where a GPU is present, on zeros on that device, by the allocator's
 peak after one warm-up call (a first call may set up what later calls reuse).
 Where a graph is modelled as inductor runs it (``fused``), only the ops it

@@ -44,9 +44,6 @@ def size_hint(size: Any) -> int:
 
     Returns:
         The value, or the symbol's hint from its shape environment.
-
-    Raises:
-        Nothing.
     """
     return size if isinstance(size, int) else int(_hint(size))
 
@@ -59,9 +56,6 @@ def float_hint(value: Any) -> float:
 
     Returns:
         The value, or the symbolic value at its symbols' hints.
-
-    Raises:
-        Nothing.
     """
     return float(_hint(value) if isinstance(value, (torch.SymInt, torch.SymFloat)) else value)
 
@@ -74,9 +68,6 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 
     Returns:
         ``numel * element_size`` as an int.
-
-    Raises:
-        Nothing.
     """
     return size_hint(t.numel()) * t.element_size()
 
@@ -94,9 +85,6 @@ def storage_key(t: torch.Tensor) -> int | None:
         An int key (it does not keep the storage alive; a freed storage's key
         may be reused), or None for a tensor without a storage (sparse, some
         wrappers).
-
-    Raises:
-        Nothing.
     """
     try:
         return storage_cdata(t)
@@ -114,9 +102,6 @@ def allocated_bytes(nbytes: int, device: torch.device | str) -> int:
     Returns:
         On CUDA, ``nbytes`` rounded up to :data:`CUDA_BLOCK_BYTES`, as
         ``torch.cuda.memory_allocated()`` counts blocks; elsewhere ``nbytes``.
-
-    Raises:
-        Nothing.
     """
     if torch.device(device).type != "cuda":
         return nbytes
@@ -131,8 +116,5 @@ def tensor_storages(value: Any) -> list[torch.Tensor]:
 
     Returns:
         The tensor leaves, in pytree order.
-
-    Raises:
-        Nothing.
     """
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]

@@ -59,9 +59,6 @@ class TransferModel:
         Returns:
             Bytes per second: ``copy_bytes_per_s``, or torch's
             ``activation_offload_cpu_gpu_bw`` (GB/s) converted.
-
-        Raises:
-            Nothing.
         """
         if self.copy_bytes_per_s is not None:
             return float(self.copy_bytes_per_s)
@@ -100,9 +97,6 @@ def makes_cuda_tensor(node: torch.fx.Node) -> bool:
 
     Returns:
         True when some tensor of its value is on CUDA.
-
-    Raises:
-        Nothing.
     """
     return any(
         isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in pytree.tree_leaves(node.meta.get("val"))
@@ -117,9 +111,6 @@ def nominal_seconds(node: torch.fx.Node) -> float:
 
     Returns:
         Seconds; 0 for placeholders, outputs and nodes that make no new storage.
-
-    Raises:
-        Nothing.
     """
     if node.op != "call_function":
         return 0.0
@@ -151,9 +142,6 @@ def backward_seconds_before_use(saved: str, backward: torch.fx.Graph, model: Tra
     Returns:
         Seconds of the nodes before the first node that reads the value (through
         ``detach`` / ``alias``); every node's when nothing reads it.
-
-    Raises:
-        Nothing.
     """
     model = model or TransferModel()
     readers = {user for user, _ in backward_uses(saved, backward)}

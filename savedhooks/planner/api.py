@@ -41,7 +41,7 @@ def plan(
     the plan's predicted gradient SQNR meets it. Offload (to pinned host
     memory) is a choice on a GPU only (not yet run on one). To plan several
     budgets, keep a :class:`Planner`. Each survey ends with
-    ``torch._dynamo.reset()``: plan before compiling anything else.
+    ``torch.compiler.reset()``: plan before compiling anything else.
 
     Args:
         model: the module to train (not compiled: the plan compiles it). A
@@ -85,12 +85,11 @@ def plan(
         output_held: whether the training loop keeps the model's output to
             the end of the step (``out = model(x)``, then
             ``loss_fn(out).backward()``). ``False`` (default): the loop hands
-            it to the loss and drops it (``loss_fn(model(x)).backward()``, as
-            the README's example does), so it is freed once the loss no
-            longer needs it (after a cross-entropy's forward). A loop that
-            keeps it holds it next to its gradient in the backward: planned
-            with ``False``, it can peak above the prediction by up to the
-            output's bytes.
+            it to the loss and drops it (``loss_fn(model(x)).backward()``),
+            so it is freed once the loss no longer needs it (after a
+            cross-entropy's forward). A loop that keeps it holds it next to
+            its gradient in the backward: planned with ``False``, it can peak
+            above the prediction by up to the output's bytes.
 
     Returns:
         A :class:`Plan`: run it with ``plan.apply(model)`` (the recompute),

@@ -50,9 +50,6 @@ def cache_configs(model: torch.nn.Module) -> list[Any]:
     Returns:
         The config objects, each once, in module order; empty for a model
         without them.
-
-    Raises:
-        Nothing.
     """
     found: dict[int, Any] = {}
     for module in model.modules():
@@ -93,9 +90,6 @@ def turn_caches_off(model: torch.nn.Module) -> list[Any]:
 
     Returns:
         The configs changed by this call (empty where none had the cache on).
-
-    Raises:
-        Nothing.
     """
     configs = cache_configs(model)
     for config in configs:
@@ -110,12 +104,6 @@ def restore_caches(model: torch.nn.Module) -> None:
 
     Args:
         model: the module.
-
-    Returns:
-        None.
-
-    Raises:
-        Nothing.
     """
     for config in vars(model).pop(_TURNED_OFF, ()):
         config.use_cache = True
@@ -127,9 +115,6 @@ def check_no_cache_input(example_inputs: Any, what: str = "plan") -> None:
     Args:
         example_inputs: as for :func:`savedhooks.plan`.
         what: how the error names the caller.
-
-    Returns:
-        None.
 
     Raises:
         ValueError: ``example_inputs`` is a dict with ``use_cache`` true or a

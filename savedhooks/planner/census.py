@@ -34,13 +34,13 @@ Design notes
   kernel, and gets none.
 * Under inductor the graphs are modelled as inductor runs them: in the order
   its scheduler chose for its kernels (kept by wrapping inductor's
-  ``reorder_for_peak_memory`` while the survey compiles; measured exact on the
-  benchmark's MLP, gpt2 and llama at size 1, where the FX order over-predicted
-  the MLP's backward by 12 %), with its fusion and its in-place reuse, and
-  call by call: on the CPU inductor's generated code runs consecutive kernels
+  ``reorder_for_peak_memory`` while the survey compiles; the FX order is not
+  the order the kernels run in, and can over-predict a backward), with its
+  fusion and its in-place reuse, and call by call: on the CPU inductor's generated code runs consecutive kernels
   between extern kernels as one C++ function, allocating all their buffers
-  before it and deleting what dies in it after it (the vit's forward at
-  batch 32 was 10 % under when modelled node by node). The survey's calls are
+  before it and deleting what dies in it after it (modelled node by node,
+  such a run's buffers would be counted as allocated later and freed earlier:
+  the model would err low). The survey's calls are
   those of the graphs compiled without a plan's hooks; with them, a codec's
   opaque op (an extern kernel) may cut a run in two, freeing earlier than
   modelled: the model errs high there, and a plan's check, which records the
@@ -108,9 +108,6 @@ def plan_key(x: torch.Tensor) -> str:
 
     Returns:
         ``"node|op|shape|dtype"`` under compile, ``"eager|op|shape|dtype"`` in eager mode.
-
-    Raises:
-        Nothing.
     """
     ctx = hook_context()
     shape = _shape(concrete_size(s) for s in x.shape)
@@ -164,9 +161,6 @@ def key_of_saved(saved: SavedTensor) -> str:
 
     Returns:
         The same string :func:`plan_key` computes for it.
-
-    Raises:
-        Nothing.
     """
     where, _, name = saved.key.partition(":")
     head = "eager" if where == "eager" else name

@@ -6,10 +6,10 @@ Design notes
   holding only its payload over its span (:mod:`savedhooks.planner.census`).
   The step a plan runs is compiled with the plan's hooks: the reorder pass
   places each pack and unpack, and inductor fuses and orders the kernels of
-  those graphs, not of the graphs surveyed. Seen on ``gpt2-big`` at size 1
-  under inductor: the floor plan was modelled at 130.4 MiB and measured 143.0;
-  the same memory model on the graphs compiled with its hooks gave 141.5
-  (``python -m benchmarks.pareto``; README, "Fit a budget").
+  those graphs, not of the graphs surveyed. So a plan's step can peak above
+  its surveyed prediction, while the same memory model on the graphs compiled
+  with its hooks follows the step (``python -m benchmarks.pareto`` measures
+  both).
 * :func:`check_peak` compiles the model once more, with the plan's recompute
   and hooks, runs one step (:func:`savedhooks.planner.step.record_step`) and
   models it as the survey models its own step, the eager loss's point too
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from savedhooks.compilers import saved_tensors_hooks
+from savedhooks.compiler.api import saved_tensors_hooks
 from savedhooks.fidelity.sensitivity import default_loss
 from savedhooks.planner.census import step_timeline
 from savedhooks.planner.result import Plan
@@ -78,9 +78,6 @@ def choices_of(plan: Plan) -> tuple[tuple[str, str], ...]:
 
     Returns:
         ``(key, choice)`` per planned tensor, in the plan's order.
-
-    Raises:
-        Nothing.
     """
     return tuple((t.key, t.choice) for t in plan.tensors)
 
@@ -93,9 +90,6 @@ def packs_nothing(plan: Plan) -> bool:
 
     Returns:
         True if every choice is ``"keep"``.
-
-    Raises:
-        Nothing.
     """
     return all(t.choice == "keep" for t in plan.tensors)
 
@@ -142,8 +136,8 @@ def check_peak(
     # the eager loss's point as the survey models it: its peak measured without hooks, plus the payload
     # of each tensor the loss saves that the plan packs (a plan made by the planner packs none: the loss
     # peaks in its backward, where a packed tensor is unpacked while its payload is held; survey notes),
-    # less what packing the model's own eager saves frees. Measured alone under the hooks, on a copy of
-    # the output, it read gpt2's loss 2.3 MiB above the step's measured peak.
+    # less what packing the model's own eager saves frees. (Measured alone under the hooks, on a copy of
+    # the output, the loss reads above the step's measured peak.)
     eager = [t for t in plan.tensors if t.key.startswith("eager|")]
     packed = [t for t in eager if t.choice != "keep"]
     by_loss = [loss_saved is None or t.key in loss_saved for t in packed]
@@ -250,9 +244,6 @@ def warn_unchecked(log: list[str], name: str, error: Exception, then: str) -> No
         name: the recompute setting, as the log names it.
         error: what the check raised.
         then: what the planner does instead (in the warning).
-
-    Returns:
-        None.
 
     Raises:
         Nothing (the warning may be turned into an error by a warnings filter).

@@ -11,8 +11,8 @@ Design notes
   The round trip is one function for every codec, dtype and backend, so it is
   compiled with dynamo's recompile limit lifted (past it, dynamo would run it
   eagerly and time aten instead).
-  (Eager on CPU it would mislead: aten's float32 -> bfloat16 cast measured 6x
-  the compiled fp8 round trip on the project's machine.)
+  (Eager on CPU it would mislead: aten's float32 -> bfloat16 cast can take
+  several times the compiled fp8 round trip.)
 * The result is cached for the process, and on disk for later processes on
   the same machine (``costs.json`` in ``$SAVEDHOOKS_CACHE_DIR``, default
   ``~/.cache/savedhooks``; an empty value turns the file off): a calibration
@@ -63,15 +63,9 @@ _ENV = "SAVEDHOOKS_CACHE_DIR"
 def cache_file() -> pathlib.Path | None:
     """Where measured costs (codecs, block recomputes) are kept between processes.
 
-    Args:
-        None.
-
     Returns:
         ``costs.json`` in ``$SAVEDHOOKS_CACHE_DIR`` (default ``~/.cache/savedhooks``),
         or None when the variable is set and empty (no file).
-
-    Raises:
-        Nothing.
     """
     folder = os.environ.get(_ENV)
     if folder == "":

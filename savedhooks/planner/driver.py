@@ -93,7 +93,7 @@ __all__ = ["FLOOR_MARGIN", "MAX_STRATEGIES", "Planner"]
 _MiB = 1 << 20
 MAX_STRATEGIES = 5  # recompute settings tried at most (k = 0 .. L blocks, spread evenly)
 # below the modelled floor, the settings whose modelled floor is within this share of the least are checked
-# with every candidate packed: the model's error at the floors seen was 8.5 % (gpt2-big) and 9 % (llama)
+# with every candidate packed: the margin covers the model's error at the floor (under 10 % on the benchmark models)
 FLOOR_MARGIN = 0.10
 _CHECKED = "the first setting by modelled time whose checked plan meets the budget"
 _SMALLEST = "the least modelled time among the checked plans that meet it (every candidate packed, or checked before)"
@@ -422,9 +422,8 @@ class Planner:
         """A budget below every modelled floor, checked: the smallest-payload plans of the settings near the floor.
 
         With every candidate packed, the hooked graphs can peak below the
-        floor modelled on the graphs surveyed without hooks (llama at size 1:
-        modelled 13.93 MiB, measured 12.7). Each setting whose modelled floor
-        is within :data:`FLOOR_MARGIN` of the least is checked so; of those
+        floor modelled on the graphs surveyed without hooks. Each setting
+        whose modelled floor is within :data:`FLOOR_MARGIN` of the least is checked so; of those
         and the plans checked before that meet the budget, the least modelled time wins.
 
         Raises:

@@ -7,7 +7,7 @@ Design notes
   is (nothing recomputed), under the plan's backend: ``2 + 2 * groups``
   training steps, each a compile (the ``individually`` largest tensors alone,
   the rest grouped by producing op). Like a survey, it ends with
-  ``torch._dynamo.reset()``, so the order of the two does not matter.
+  ``torch.compiler.reset()``, so the order of the two does not matter.
 * A survey's saved tensor is matched to the report by its producing op, shape
   and dtype, not by its node name: a recompute setting renames the graphs'
   nodes, not these. Tensors alike (every layer's output of one op and shape)
@@ -118,9 +118,6 @@ class FidelityLimit:
             0 for lossless options; else the sum over the tensors of fp8's harm
             per byte (for a tensor the report did not list, the worst measured)
             times their bytes, less bf16's margin; ``inf`` where one's gradients were NaN.
-
-        Raises:
-            Nothing.
         """
         margin = _MARGINS.get(option)
         if margin is None:
@@ -137,9 +134,6 @@ class FidelityLimit:
 
         Returns:
             True for lossless options; for lossy ones, whether their harm is at most :attr:`max_harm`.
-
-        Raises:
-            Nothing.
         """
         return self.harm(option, tensors) <= self.max_harm
 
@@ -152,9 +146,6 @@ class FidelityLimit:
         Returns:
             ``(survey, units)``: the restricted survey (its ``max_harm`` this
             limit's) and how many units lost an option.
-
-        Raises:
-            Nothing.
         """
         units, limited = [], 0
         for unit in found.units:
@@ -174,9 +165,6 @@ def check_min_sqnr(min_sqnr_db: Any) -> None:
 
     Args:
         min_sqnr_db: None, or a finite real number of dB.
-
-    Returns:
-        None.
 
     Raises:
         TypeError: not None and not a real number (bools are refused).
@@ -249,9 +237,6 @@ def meets_limit(plan: Plan, min_sqnr_db: float | None) -> bool:
     Returns:
         True without a limit or a figure; else whether ``plan.checked_sqnr_db``
         (or, unchecked, ``plan.predicted_sqnr_db``) is at least ``min_sqnr_db``.
-
-    Raises:
-        Nothing.
     """
     db = plan.predicted_sqnr_db if plan.checked_sqnr_db is None else plan.checked_sqnr_db
     if min_sqnr_db is None or db is None:
@@ -267,9 +252,6 @@ def predicted_db(plan: Plan) -> str:
 
     Returns:
         ``", predicted 41.3 dB"``, or ``""`` where fidelity was not measured.
-
-    Raises:
-        Nothing.
     """
     return "" if plan.predicted_sqnr_db is None else f", predicted {plan.predicted_sqnr_db:.1f} dB"
 
@@ -284,9 +266,6 @@ def fidelity_line(plan: Plan, min_sqnr_db: float, lost: int) -> str:
 
     Returns:
         The line (``"fidelity: predicted ..."``).
-
-    Raises:
-        Nothing.
     """
     checked = "" if plan.checked_sqnr_db is None else f", checked {plan.checked_sqnr_db:.1f} dB"
     return (

@@ -6,8 +6,8 @@ Design notes
   training step. Under FSDP2 or DDP that step runs collectives, so every rank
   must run the same checks in the same order. Each rank's own search would not
   do that: which plans a rank checks depends on its peaks and on the codec and
-  recompute times it measured (seen before this module: gloo's "collective
-  mismatch" abort under FSDP2).
+  recompute times it measured (ranks that diverge abort: gloo's "collective
+  mismatch" under FSDP2).
 * So rank 0 leads: before each check it broadcasts the plan (JSON) and the
   recompute setting; every rank checks that plan on its own step; the checked
   peak is the highest over the ranks (all-reduce max), so a plan that meets
@@ -63,14 +63,8 @@ _OK, _FAILED, _ABORTED = 0, 1, 2
 def several() -> bool:
     """Whether ``torch.distributed`` runs several processes in its default group.
 
-    Args:
-        None.
-
     Returns:
         True with an initialized default group of more than one process.
-
-    Raises:
-        Nothing.
     """
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -79,14 +73,8 @@ def several() -> bool:
 def is_leader() -> bool:
     """Whether this process decides (rank 0, or the only process).
 
-    Args:
-        None.
-
     Returns:
         True on rank 0 or without several processes.
-
-    Raises:
-        Nothing.
     """
     return not several() or torch.distributed.get_rank() == 0
 

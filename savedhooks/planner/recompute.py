@@ -73,9 +73,6 @@ def save_products(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
 
     Returns:
         ``CheckpointPolicy.MUST_SAVE`` for a saved op, else ``PREFER_RECOMPUTE``.
-
-    Raises:
-        Nothing.
     """
     packet = getattr(op, "overloadpacket", None)
     return CheckpointPolicy.MUST_SAVE if packet in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
@@ -87,9 +84,6 @@ def check_mode(mode: Any, what: str = "recompute mode") -> None:
     Args:
         mode: the value to check.
         what: how the error names it.
-
-    Returns:
-        None.
 
     Raises:
         ValueError: ``mode`` is not ``"full"`` or ``"selective"``.
@@ -166,9 +160,6 @@ def checkpoint_blocks(model: torch.nn.Module, paths: Sequence[str], mode: str = 
         mode: ``"full"`` (the whole block) or ``"selective"`` (all but
             :data:`SAVED_OPS`, through torch's selective activation checkpointing).
 
-    Returns:
-        None.
-
     Raises:
         ValueError: a path names no submodule, or an unknown ``mode``.
     """
@@ -204,9 +195,6 @@ def checkpointed_blocks(model: torch.nn.Module) -> dict[str, str]:
 
     Returns:
         Module path -> ``"full"`` or ``"selective"``, in module order.
-
-    Raises:
-        Nothing.
     """
     found = {}
     for path, module in model.named_modules():
@@ -222,9 +210,6 @@ def restore_blocks(model: torch.nn.Module, paths: Sequence[str] | None = None) -
     Args:
         model: the module holding the blocks.
         paths: module paths relative to ``model``; ``None``: all submodules.
-
-    Returns:
-        None.
 
     Raises:
         ValueError: a path names no submodule.

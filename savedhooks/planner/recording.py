@@ -28,10 +28,10 @@ from savedhooks._torch import inductor, pytree
 from savedhooks._torch.dynamo import boxed_nop
 from savedhooks._torch.inductor import CustomGraphPass, V
 from savedhooks._torch.inductor import ir as inductor_ir
-from savedhooks.compilers import placed_aot_eager, reorder_pass
+from savedhooks.compiler.api import placed_aot_eager, reorder_pass
+from savedhooks.compiler.passes import is_backward_graph, reorder_for_memory, unhook_names
 from savedhooks.memory.fusion import is_alias
 from savedhooks.memory.scratch import EXTERN_STRIDES
-from savedhooks.passes import is_backward_graph, reorder_for_memory, unhook_names
 
 __all__ = [
     "COPIED_INPUTS",
@@ -53,7 +53,7 @@ class GraphRecorder(CustomGraphPass):
     ``before``, if given, is a post-grad pass run on each graph first (the reorder pass).
     With ``unhook``, graphs compiled under hooks whose pack returns its input (the
     planner's census) get their saved values' names back first
-    (:func:`savedhooks.passes.unhook_names`): they are then the graphs compiled
+    (:func:`savedhooks.compiler.passes.unhook_names`): they are then the graphs compiled
     without hooks, and ``before`` treats them as such.
 
     Inside :meth:`kernel_order` it also keeps the order inductor's scheduler
@@ -96,14 +96,8 @@ class GraphRecorder(CustomGraphPass):
         inputs whose buffers it may write in place in ``meta["savedhooks_donated"]``
         (:data:`DONATED`); a compile nested in the graph's run (a codec's eager path) is not recorded.
 
-        Args:
-            None.
-
         Returns:
             A context manager.
-
-        Raises:
-            Nothing.
         """
         inductor_memory = inductor.memory
 
@@ -312,9 +306,6 @@ def kernel_calls(gm: torch.fx.GraphModule) -> list[KernelCall]:
 
     Returns:
         One :class:`KernelCall` per call; empty if none were kept.
-
-    Raises:
-        Nothing.
     """
     return list(gm.meta.get(_CALLS, ()))
 
@@ -333,9 +324,6 @@ def run_in_kernel_order(gm: torch.fx.GraphModule) -> bool:
 
     Returns:
         Whether the graph was reordered.
-
-    Raises:
-        Nothing.
     """
     kernels = gm.meta.get(_KERNEL_ORDER)
     if not kernels:
@@ -387,7 +375,7 @@ def fresh_backend(backend: str, **keywords: Any) -> Callable[..., Any]:
 
     Returns:
         A ``torch.compile`` backend that compiles as ``backend`` does; aot_eager
-        inside :func:`savedhooks.contract.placed_compile`, as the plan runs it
+        inside :func:`savedhooks.hooks.contract.placed_compile`, as the plan runs it
         (``sh.backend("aot_eager")``), so that the codecs pack what they pack there.
 
     Raises:

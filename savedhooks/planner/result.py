@@ -433,9 +433,6 @@ def check_budget(budget_bytes: Any, floor_bytes: int | None = None, baseline_byt
         floor_bytes: the lowest modelled peak, if known.
         baseline_bytes: the modelled peak without hooks (for the error message).
 
-    Returns:
-        None.
-
     Raises:
         TypeError: not an int (or a bool).
         ValueError: not positive.
@@ -455,9 +452,6 @@ def check_output_held(output_held: Any, where: str) -> None:
     Args:
         output_held: the value to check.
         where: what takes it (for the message).
-
-    Returns:
-        None.
 
     Raises:
         TypeError: not a bool.

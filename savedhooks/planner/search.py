@@ -234,9 +234,6 @@ def floor_of(units: Sequence[Unit]) -> tuple[int, ...]:
 
     Returns:
         Per unit, an option index.
-
-    Raises:
-        Nothing.
     """
     return tuple(min(range(len(u.options)), key=lambda o, u=u: (u.options[o].payload, o)) for u in units)
 
@@ -253,9 +250,6 @@ def search(live: Sequence[int], units: Sequence[Unit], budget: int, price: float
 
     Returns:
         A :class:`SearchResult`; its peak is above ``budget`` only when the floor is.
-
-    Raises:
-        Nothing.
     """
     if not live:
         return SearchResult(tuple(0 for _ in units), 0, 0, 0.0, (), 0.0)

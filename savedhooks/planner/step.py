@@ -76,9 +76,6 @@ def device_of(example_inputs: Any) -> torch.device:
 
     Returns:
         A device.
-
-    Raises:
-        Nothing.
     """
     tensors = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
     return tensors[0].device if tensors else torch.device("cpu")
@@ -95,9 +92,6 @@ def check_call(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | 
         example_inputs: as for :func:`savedhooks.plan`.
         loss_fn: as for :func:`savedhooks.plan` (None: the default loss).
         what: how errors name the caller.
-
-    Returns:
-        None.
 
     Raises:
         ValueError: the model raised on ``example_inputs`` (the model's error
@@ -172,9 +166,6 @@ def gradient_bytes(output: Any, device: torch.device) -> int:
 
     Returns:
         Bytes.
-
-    Raises:
-        Nothing.
     """
     tensors = [t for t in tensor_storages(output) if t.device == device]
     return sum(tensor_nbytes(t) for t in tensors if t.is_floating_point() or t.is_complex())
@@ -209,9 +200,6 @@ def output_terms(step: RecordedStep, device: torch.device, output_held: bool) ->
         ``(outlives_loss, backward_bytes)``: pass the first to
         :func:`loss_peak` as ``output_held``, the second to
         :func:`~savedhooks.planner.census.step_timeline` as ``held_output``.
-
-    Raises:
-        Nothing.
     """
     saved = step.forwards[-1].saved_output if step.forwards else 0
     return output_held or saved > 0, gradient_bytes(step.output, device) if output_held else saved
@@ -397,9 +385,6 @@ def checkpoint_regions(gm: torch.fx.GraphModule) -> set[int]:
 
     Returns:
         The regions' ids.
-
-    Raises:
-        Nothing.
     """
     return {n.meta["ac_graph_id"] for n in gm.graph.nodes if "ac_graph_id" in n.meta}
 
@@ -413,9 +398,6 @@ def run_order(runs: Sequence[int], graphs: int) -> tuple[int, ...]:
 
     Returns:
         Graph indices, one per forward run.
-
-    Raises:
-        Nothing.
     """
     return tuple(runs) if set(runs) == set(range(graphs)) else tuple(range(graphs))
 

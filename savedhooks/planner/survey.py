@@ -12,7 +12,7 @@ Design notes
      by the memory model (:func:`~savedhooks.planner.census.step_timeline`). Hooks
      that pack nothing leave the graphs as they are without hooks but for the
      names of the saved values, which the recording gives back
-     (:func:`savedhooks.passes.unhook_names`): a second compile without hooks
+     (:func:`savedhooks.compiler.passes.unhook_names`): a second compile without hooks
      would cost as much again for the same graphs (``tests/planner/test_planner.py``
      compares them).
   Planning a budget is then the search alone (:mod:`savedhooks.planner.search`):
@@ -21,11 +21,11 @@ Design notes
   (:mod:`savedhooks.planner.recompute`): the census and the graphs are those of
   the model as the plan will run it (block inputs saved, the blocks' forwards
   recomputed in the backward graph).
-* Each survey ends with ``torch._dynamo.reset()``: its compiles leave cache
+* Each survey ends with ``torch.compiler.reset()``: its compiles leave cache
   entries for the model's frames under backends used once, and a planner
   surveys up to nine settings; past dynamo's recompile limit (8 per frame) the
-  user's own ``torch.compile`` of the model ran eagerly, without placement
-  (seen: a plan measured 22 % above its prediction). The reset drops every
+  user's own ``torch.compile`` of the model would run eagerly, without
+  placement, and peak above the plan's prediction. The reset drops every
   compiled frame of the process: plan before compiling.
 * Units: the census entries of one plan key, or of several whose tensors are
   views of one storage (they free it together, so they get one choice).
@@ -44,12 +44,9 @@ Design notes
   the model's own eager saves, outside its compiled graphs, stay candidates).
   The loss point of the timeline is the loss's own peak, and a loss peaks in
   its backward, where each saved tensor is unpacked to its full size while its
-  payload is still held: packing it adds the payload there and frees nothing.
-  Measured on the tests' MLP under inductor (``square_mean_loss``, the
-  model's 128 KiB output saved by ``pow``): with the output packed in fp8 the
-  step peaked 30,716 bytes higher than with it kept, where the model had
-  credited the packing with 96,256 bytes less, and the floor plan was 2 %
-  under its prediction.
+  payload is still held: packing it adds the payload there and frees nothing
+  (the tests' MLP under inductor, whose ``square_mean_loss`` saves the model's
+  output with ``pow``, peaks higher with that output packed in fp8 than kept).
 * What the prediction covers: the compiled graphs and the tensors an eager loss
   saves, with placement (the reorder pass, which plain ``torch.compile`` gets
   inside :class:`savedhooks.saved_tensors_hooks`, ``sh.backend("aot_eager")``
@@ -70,7 +67,7 @@ from savedhooks._torch import pytree
 from savedhooks._torch.tensors import FakeTensorMode
 from savedhooks.codecs import Downcast, Policy
 from savedhooks.codecs.backends import materializes_better
-from savedhooks.compilers import saved_tensors_hooks
+from savedhooks.compiler.api import saved_tensors_hooks
 from savedhooks.fidelity.select import Census, SavedTensor, keyed_run
 from savedhooks.fidelity.sensitivity import default_loss
 from savedhooks.memory.sizes import tensor_nbytes

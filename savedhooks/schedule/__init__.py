@@ -84,6 +84,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+# The orders schedule(strategies=...) tries, by name; each maps a Problem to a node order.
 STRATEGIES: dict[str, Callable[[Problem], list[int]]] = {
     "input": input_order,
     "lpmf": lpmf,

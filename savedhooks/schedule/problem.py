@@ -235,9 +235,6 @@ def stretch_profile(
 
     Returns:
         The live bytes while each node of ``segment`` runs, as :func:`live_profile` gives them.
-
-    Raises:
-        Nothing.
     """
     new = {u: start + k for k, u in enumerate(segment)}
     frees = [0] * len(segment)
@@ -263,9 +260,6 @@ def check_order(problem: Problem, order: list[int]) -> None:
     Args:
         problem: the problem.
         order: the order to check.
-
-    Returns:
-        None.
 
     Raises:
         ValueError: ``order`` is not a permutation, does not start with the fixed

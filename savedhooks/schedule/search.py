@@ -100,9 +100,6 @@ def exact_search(problem: Problem, incumbent: int, budget: int = 20_000) -> Sear
         A :class:`SearchResult`: ``order`` is a better order or None; ``optimal``
         whether the search finished (then ``peak`` is the optimum); otherwise
         ``lower_bound`` is the lowest peak still open.
-
-    Raises:
-        Nothing.
     """
     moves = _Moves(problem)
     best = {moves.start: moves.peak0}
@@ -138,9 +135,6 @@ def beam(problem: Problem, width: int | None = None) -> list[int]:
 
     Returns:
         A topological order starting with ``problem.fixed``.
-
-    Raises:
-        Nothing.
     """
     width = width or max(4, min(64, 40_000 // max(problem.size, 1)))
     moves = _Moves(problem)

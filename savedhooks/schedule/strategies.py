@@ -130,10 +130,9 @@ def dfs_smallest(problem: Problem) -> list[int]:
     them. A node's size is the bytes of the buffers it reads plus twice those it
     makes: what it makes stays alive after it, what it reads may die there.
     Inductor's own sort counts what it makes once; on gpt2-big's backward at
-    batch 1 (``tests/memory/test_schedule.py``) the modelled peaks were 237.2 MiB with
-    this weight and 243.2 with inductor's (measured activation peaks 123.2 and
-    129.2 MiB), where the portfolio's choice before, :func:`dfs`, modelled 262.6
-    (measured 138.5; README, "Results at ``--size 1``").
+    batch 1 this weight models a lower peak than inductor's and than every
+    other strategy, :func:`dfs` included (``tests/memory/test_schedule.py``
+    checks it on the recorded problem).
 """
     size = [made + sum(problem.sizes[b] for b in touched) for made, touched in zip(problem.alloc, problem.touched)]
 
@@ -175,9 +174,6 @@ def place(problem: Problem, order: list[int]) -> list[int]:
 
     Returns:
         The new order.
-
-    Raises:
-        Nothing.
     """
     descendants, chains = problem.descendants, problem.chains
 
@@ -212,8 +208,8 @@ def sink_free(problem: Problem, order: list[int]) -> list[int]:
     large (``realize_opcount_threshold``) or that several nodes read, and a
     fused kernel runs at the place of its earliest node. Four GELU-derivative
     factors of dequantized activations, left at the start of a 4-layer MLP's
-    backward, were each stored there (a full-size buffer until their use): 2.5x
-    inductor's own peak. Sunk to their consumers, they cost nothing where
+    backward, are each stored there (a full-size buffer until their use), well
+    above inductor's own peak. Sunk to their consumers, they cost nothing where
     stored. Views and ``getitem`` nodes move too. Placeholders stay; order
     constraints (``problem.preds``, which hold in-place writes and side
     effects) are kept, so the result is topological when ``order`` is.
@@ -225,9 +221,6 @@ def sink_free(problem: Problem, order: list[int]) -> list[int]:
     Returns:
         The new order: the other nodes in their relative order, each preceded by
         the nodes that allocate nothing and that it is the first to need.
-
-    Raises:
-        Nothing.
     """
     fixed = set(problem.fixed)
     free = {v for v in order if problem.peak_alloc[v] == 0 and v not in fixed}
@@ -251,20 +244,19 @@ def hoist_frees(problem: Problem, order: list[int], min_gain: float = 0.0) -> li
 
     A search judged by the peak alone leaves the rest of the profile as it comes:
     in GPT-2's backward (loss compiled with the model, tied embeddings) the
-    output head's weight gradient, a matmul reading the 32 MiB logits gradient,
-    ran last, so that gradient stayed alive through every layer's backward,
-    though the modelled peak sat elsewhere. The model is not exact, and the
-    measured peak moved to where that waste was. So, after the search: for each
+    output head's weight gradient, a matmul reading the logits gradient, can
+    run last, so that gradient stays alive through every layer's backward,
+    though the modelled peak sits elsewhere. The model is not exact, and the
+    measured peak can move to where that waste is. So, after the search: for each
     node, in order, that is the last to touch buffers larger than what it
     allocates, it moves with those of its ancestors that run after the largest
     such buffer's last other user (ancestors excluded) to right after that user.
     A move is kept when the modelled peak does not rise and the sum of the live
     bytes over the order (the profile's area) falls: only frees come sooner.
     Every node that frees more than it allocates may move (``min_gain`` 0).
-    A threshold of 1/16 of the modelled peak, kept for a while, refused moves
-    that gpt2-big needs at batch 8 with its loss compiled (532.6 against 503.5
-    MiB measured); the case it was for (gpt2-big at batch 1, 129.1 against
-    123.2 MiB) no longer arises since ``dfs_smallest`` orders that backward.
+    A threshold (``min_gain=1/16`` of the modelled peak) refuses moves that
+    gpt2-big needs at batch 8 with its loss compiled, and raises its measured
+    peak there.
 
     Args:
         problem: the problem.

@@ -1,7 +1,7 @@
 """``python -m benchmarks --quick`` on one small model: every configuration gives a row, in one schema.
 
 No timing assertions: the machine is shared. The saved bytes are checked against
-the analytic count (what the old demo test checked), since they do not depend on
+the analytic count, since they do not depend on
 timing. The big model is only built, never run (a step takes seconds).
 """
 
@@ -16,10 +16,10 @@ from filelock import FileLock
 
 from benchmarks.__main__ import main, parse_args
 from benchmarks.configs import CONFIGS
-from benchmarks.tools.inductor_order import replay
 from benchmarks.models import BIG_MODEL_CONFIGS, MODELS, make_workload
-from benchmarks.report import ABOVE, COLUMNS, read_csv, table, write_csv
+from benchmarks.report import ABOVE, COLUMNS, headline, read_csv, table, write_csv, write_markdown
 from benchmarks.run import ABOVE_TOLERANCE_MIB, Row, jobs, with_baselines
+from benchmarks.tools.inductor_order import replay
 
 MIB = 2.0**20
 # the default configurations and the two hook paths without savedhooks (out of the default run)
@@ -57,6 +57,9 @@ def test_quick_run_writes_one_row_per_configuration(quick_run, capsys):
             assert r.above_baseline is False
     assert (quick_run / "activation_memory.png").stat().st_size > 0
     assert (quick_run / "timeline_mlp.png").stat().st_size > 0
+    results = (quick_run / "results.md").read_text()
+    assert results.startswith("# Benchmark results\n\n`python -m benchmarks --quick --models mlp --backends aot_eager")
+    assert headline(rows) in results and "| mlp | aot_eager | sh policy |" in results
 
 
 @pytest.mark.slow
@@ -385,8 +388,7 @@ def test_compiled_loss_puts_the_loss_in_the_compiled_graph():
 def test_reorder_inductor_predicts_the_forward_that_inductor_runs_in_fx_order():
     """With inductor's reorder off the model's forward prediction is checked against the measurement (CPU, deterministic).
 
-    README ("Inductor"): 0.93x on this 4-layer MLP with the pass's forward order,
-    0.80x to 0.96x on torch's order of the three models.
+    ``python -m benchmarks.reorder_inductor`` prints the prediction next to the measurement for each order.
     """
     from benchmarks.reorder_inductor import CONFIGS as INDUCTOR_CONFIGS
     from benchmarks.reorder_inductor import MODELS as INDUCTOR_MODELS
@@ -604,7 +606,7 @@ def test_the_torch_2_11_shim_refuses_any_other_torch_and_needs_its_confirmation(
     ids=["gpt2, compiled loss", "gpt2, eager loss", "mlp, compiled loss"],
 )
 def test_inductor_prediction_models_inductor_graphs_of_a_benchmark_model(model, compiled_loss):
-    # the mlp's step was 7 % under while the model freed a C++ function's dying inputs node by node
+    # the mlp's step checks that a C++ function's dying inputs are freed after the function, not node by node
     from benchmarks.tools.inductor_prediction import predicted_and_measured
 
     predicted, measured = predicted_and_measured(model, 1.0, "sh", compiled_loss=compiled_loss)
@@ -784,3 +786,21 @@ def test_long_run_compares_the_smoothed_loss_with_no_hooks_after_warm_up(tmp_pat
     assert len((tmp_path / "long.csv").read_text().splitlines()) == 1 + 2 * 6
     with pytest.raises(SystemExit):
         long_run.main(["--configs", "sh.policy()"])
+
+
+def test_results_file_names_its_command_and_gives_ratios_within_the_run(tmp_path):
+    rows = [
+        Row("m", "compiled", "inductor", "cpu", activation_mib=40.0, step_ratio=1.0, grad_sqnr_db=float("inf")),
+        Row("m", "sh", "inductor", "cpu", activation_mib=10.0, step_ratio=1.25, grad_sqnr_db=30.04),
+        Row("m", "checkpoint", "inductor", "cpu", error="boom"),
+        Row("m", "sh", "aot_eager", "cpu", activation_mib=5.0),  # no compiled row of its backend: not in the headline
+        Row("m", "no hooks", "eager", "cpu", activation_mib=50.0),  # not a headline configuration
+    ]
+    lines = headline(rows).splitlines()
+    assert lines[2:] == ["| m | inductor | sh | 0.25 | 1.25 | 30.0 |", "| m | inductor | checkpoint |  |  | ✗ boom |"]
+    path = write_markdown(rows, tmp_path / "r" / "results.md", "python -m benchmarks --x", "torch 9, cpu",
+                          {"m": "a model"}, {"sh": "fp8", "checkpoint": "per block", "unused": "never ran"})  # fmt: skip
+    text = path.read_text()
+    assert "`python -m benchmarks --x`; torch 9, cpu." in text
+    assert "- sh: fp8" in text and "- m: a model" in text and "unused" not in text
+    assert table(rows) in text and headline(rows) in text

@@ -136,7 +136,7 @@ def test_the_policy_centers_batch_norm_inputs_under_inductor_and_recovers_the_gr
 
 @pytest.mark.slow
 def test_policy_does_not_center_without_the_decomposed_codec(monkeypatch):
-    """Under aot_eager the subtraction would be a full-size temporary in the forward: fp8 as before."""
+    """Under aot_eager the subtraction would be a full-size temporary in the forward: plain fp8 there."""
     model, x = _bn_net(), torch.randn(4, 3, 32, 32)
     calls = []
     monkeypatch.setattr(Centered, "encode", lambda self, t: calls.append(t) or pytest.fail("centered under aot_eager"))

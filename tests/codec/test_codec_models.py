@@ -19,7 +19,7 @@ import savedhooks as sh
 from savedhooks.codecs.base import pack_saved, unpack_saved
 from savedhooks.codecs.fp8 import Float8
 from savedhooks.codecs.layout import narrow_broadcast
-from savedhooks.compilers import placed_compile
+from savedhooks.compiler.api import placed_compile
 
 
 def _mlp4() -> torch.nn.Module:
@@ -227,7 +227,7 @@ def test_eager_packs_each_activation_once_and_never_parameters():
 
 @pytest.mark.parametrize("codec", ["fp8", "policy"])  # the policy holds the last saved tensors (eager_window)
 def test_eager_pack_cache_does_not_keep_tensors_alive(codec):
-    from savedhooks import hooks as hooks_module
+    from savedhooks.hooks import eager as hooks_module
 
     model = mlp(width=16)
     with sh.saved_tensors_hooks(getattr(sh, codec)()):
@@ -308,12 +308,12 @@ def test_offload_on_cuda_gradients(inner):
             if inner is not None:
                 assert sh.fidelity.sqnr(p, q) >= 25.0
             elif backend == "inductor":  # the copies split inductor's fusions: float32 sums in another order
-                assert sh.fidelity.sqnr(p, q) >= 100.0  # an H100 (torch 2.11) showed 6e-8 on one bias gradient
+                assert sh.fidelity.sqnr(p, q) >= 100.0  # rounding only: not always bit-equal
             else:
                 assert torch.equal(p, q)
 
 
-# --- regressions from review ----------------------------------------------------------------
+# --- in-place changes, parameters, scales and odd saved tensors --------------------------------
 
 
 @pytest.mark.parametrize(

@@ -13,15 +13,15 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import savedhooks as sh
-import savedhooks.compilers
-import savedhooks.passes
+import savedhooks.compiler.api
+import savedhooks.compiler.passes
 from benchmarks.reorder_inductor import measured_peaks
 from savedhooks.codecs.downcast import Downcast
 from savedhooks.codecs.fp8 import Float8
 from savedhooks.codecs.policy import Policy
-from savedhooks.compilers import ReorderPass
+from savedhooks.compiler.api import ReorderPass
+from savedhooks.compiler.passes import has_hook_chains, is_backward_graph
 from savedhooks.memory.fusion import inlined_nodes, is_view
-from savedhooks.passes import has_hook_chains, is_backward_graph
 from savedhooks.planner.census import plan_key
 from savedhooks.planner.result import Planned
 
@@ -30,7 +30,7 @@ from savedhooks.planner.result import Planned
 def _results_cache(shared_tmp_dir):
     """One inductor cache for the tests that only read what the compiled step computes or allocates.
 
-    The graphs they have in common compile once (about 40 s of CI on 2 cores); a test
+    The graphs they have in common compile once (the slowest part of these tests); a test
     opts in with ``@pytest.mark.usefixtures("_results_cache")``. The directory is shared
     by all pytest-xdist workers (inductor writes its cache entries atomically).
     """
@@ -90,7 +90,7 @@ def misplaced_unpacks(nodes: list[torch.fx.Node]) -> list[str]:
     for node in nodes:
         inputs = node.all_input_nodes
         if node.op == "placeholder":
-            if savedhooks.passes._HOOK_VALUE.search(node.name):
+            if savedhooks.compiler.passes._HOOK_VALUE.search(node.name):
                 chain.add(node)
         elif node.op == "call_function" and inputs and all(i in chain for i in inputs):
             chain.add(node)
@@ -169,8 +169,8 @@ def test_the_opt_out_leaves_inductor_alone():
 @pytest.mark.slow
 def test_graphs_without_hook_chains_are_untouched(monkeypatch):
     reordered = []
-    original = savedhooks.compilers.reorder_for_memory
-    monkeypatch.setattr(savedhooks.compilers, "reorder_for_memory",
+    original = savedhooks.compiler.api.reorder_for_memory
+    monkeypatch.setattr(savedhooks.compiler.api, "reorder_for_memory",
                         lambda gm, is_backward, **kw: reordered.append(is_backward) or original(gm, is_backward, **kw))
     linear = torch.nn.Linear(16, 16)  # saves only its input and weight: graph inputs, never hooked
     train_step(linear, torch.compile(linear), torch.randn(4, 16), sh.fp8())
@@ -215,10 +215,9 @@ def test_inductor_graph_cache_hits_with_the_default_pass(monkeypatch, tmp_path):
 def test_plain_compile_gets_the_measured_backward_peak_of_the_pass():
     """Measured on CPU (deterministic): the default usage as low as sh.backend("inductor"), below torch's order.
 
-    With the opaque op torch's order dequantized everything at the start (the
-    pass halved the backward peak); the decomposed form fuses each dequantize
-    into its consumer, so torch's own order is already lower and the gain smaller
-    (0.91x here, 0.70x on the 8-layer MLP: README, "Inductor").
+    With the opaque op torch's order dequantizes everything at the start (there
+    the pass halves the backward peak); the decomposed form fuses each dequantize
+    into its consumer, so torch's own order is already lower and the gain smaller.
     """
     x = torch.randn(4096, 64)  # activations dominate
     fw_torch, bw_torch = measured_peaks(gelu_mlp(), "inductor", None, x, reorder=False)
@@ -236,13 +235,13 @@ def test_no_freed_dequantized_buffer_is_held_for_reuse():
 
     With the pool, a dequantized activation freed after its matmul stays
     allocated until a later buffer of the same size takes it over (the next
-    layer's); freed at its last use, the backward peak is 0.74x with the opaque
-    op (0.90x at batch 16), which makes each dequantized activation a buffer of its own. The
-    decomposed decode is fused into the kernels that read it; since it has fewer
-    ops (kernels/fp8_fused.py) inductor no longer computes it into a buffer of
-    its own here, and the pool costs nothing (it cost 1.76x before).
+    layer's); freed at its last use, the backward peak is lower with the opaque
+    op, which makes each dequantized activation a buffer of its own. The
+    decomposed decode is fused into the kernels that read it; with its few ops
+    (kernels/fp8_fused.py) inductor does not compute it into a buffer of its own
+    here, and the pool costs nothing.
     """
-    x = torch.randn(4, 64, 64)  # the smallest batch where the pool costs the opaque op (0.74x; at 2, 0.99x)
+    x = torch.randn(4, 64, 64)  # the smallest batch where the pool costs the opaque op (at 2 it costs about nothing)
     peaks = {}
     for backend in ("aten", "fused"):
         hooks = sh.fp8(backend=backend)
@@ -272,7 +271,7 @@ def test_an_eager_loss_keeps_its_log_softmax_and_peaks_no_higher_than_without_ho
 
     The forward holds the log-softmax until the NLL has read it and the backward
     reads it right after, so a packed copy would only be added at the loss's
-    peak (8 MiB more on gpt2 at --size 8). The compiled part saves nothing
+    peak. The compiled part saves nothing
     (a product with a constant), so the gradient is bit-exact exactly when the
     loss packed nothing.
     """
@@ -342,18 +341,18 @@ def _hooked_forward_graph(device: str) -> torch.fx.GraphModule:
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_a_hooked_forward_on_cuda_gets_its_packs_placed_and_a_cpu_one_keeps_inductors_order(device):
-    """On CUDA inductor ran each pack kernel it fused with nothing where torch inlined it, at the end of the
-    forward (llama on an H200: every float32 activation alive at the forward's end, 0.87x of compiled;
-    placed 0.48x). The fp8 pack's links read the tensor side by side (a bitcast view and ``abs``): each
-    held the others back until placement stopped treating them as anchors (``Problem.chains``)."""
+    """On CUDA inductor runs each pack kernel it fuses with nothing where torch inlined it, at the end of the
+    forward: unplaced, every float32 activation is alive at the forward's end. The fp8 pack's links read the
+    tensor side by side (a bitcast view and ``abs``): placement does not treat them as anchors
+    (``Problem.chains``), which would have each hold the others back."""
     from savedhooks.schedule import peak_of
 
     def modelled_peak(gm) -> int:  # as inductor runs the graph: a pack's links fused
-        problem, _ = savedhooks.passes.graph_problem(gm, fused=True)
+        problem, _ = savedhooks.compiler.passes.graph_problem(gm, fused=True)
         return peak_of(problem, list(range(problem.size)))
 
     gm = _hooked_forward_graph(device)
-    chains = savedhooks.passes.pack_chain_nodes(gm.graph)
+    chains = savedhooks.compiler.passes.pack_chain_nodes(gm.graph)
     mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
     relus = [n for n in gm.graph.nodes if n.target is torch.ops.aten.relu.default]
     assert len(mms) == 4 and len(relus) == 3 and not chains & {*mms, *relus}

@@ -1,4 +1,4 @@
-"""keep_input_layout / restore_input_layout: saved inputs as themselves under inductor (README "Under inductor")."""
+"""keep_input_layout / restore_input_layout: saved inputs as themselves under inductor."""
 
 import types
 
@@ -7,7 +7,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from savedhooks.input_layout import keep_input_layout, recorded_weights, restore_input_layout
+from savedhooks.compiler.input_layout import keep_input_layout, recorded_weights, restore_input_layout
 
 _CONV_ARGS = ([1, 1], [0, 0], [1, 1], False, [0, 0], 1)
 

@@ -10,8 +10,8 @@ import savedhooks as sh
 from benchmarks.acceptance import MODELS
 from benchmarks.reorder_inductor import MODELS as INDUCTOR_MODELS
 from benchmarks.reorder_inductor import measured_peaks
-from savedhooks.compilers import ReorderPass, placed_compile, reorder_pass
-from savedhooks.passes import is_backward_graph, place_hooks
+from savedhooks.compiler.api import ReorderPass, placed_compile, reorder_pass
+from savedhooks.compiler.passes import is_backward_graph, place_hooks
 
 CASES = {name.replace(" ", "_"): case for name, case in MODELS.items()}
 
@@ -83,10 +83,10 @@ def test_inductor_with_the_pass_is_never_above_inductors_own_order():
     With the opaque fp8 op inductor's own order dequantizes everything at the start
     of the backward; the decomposed form (sh.fp8()'s default under inductor) is
     fused into each consumer, which already lowers inductor's own backward peak.
-    On this 4-layer MLP the pass once measured 2.8x inductor's own backward peak
-    with the decomposed form (13.7 vs 5.0 MiB): its order left GELU-derivative
-    factors that cost nothing in the model at the start, and inductor stored them
-    there (``sink_free`` moves them to their consumers).
+    On this 4-layer MLP an order that leaves GELU-derivative factors (which cost
+    nothing in the model) at the start of the backward has inductor store them
+    there, well above its own backward peak (``sink_free`` moves them to their
+    consumers).
     """
     make, shape = INDUCTOR_MODELS["4-layer MLP"]
     x = torch.randn(*shape)
@@ -105,6 +105,6 @@ def test_inductor_with_the_pass_is_never_above_inductors_own_order():
 @pytest.mark.slow
 def test_inductor_gradients_are_identical_with_the_pass():
     # 1 block of the acceptance transformer (attention, norms, GELU): a cold inductor compile of the
-    # fused codec takes about 85 s on 2 cores here, 130 s with 2 blocks
+    # fused codec is slow on a CPU, and slower with each block
     _assert_same_gradients(lambda: transformer(layers=1, dim=64), MODELS["4-layer transformer"][1], "inductor",
                            sh.backend("inductor"))  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from savedhooks import UnfingerprintableError
-from savedhooks.identity import fingerprint
+from savedhooks.hooks.identity import fingerprint
 
 
 def _compile_fn(src: str, name: str = "f", leading_lines: int = 0, **globals_):
@@ -127,7 +127,7 @@ def test_module_attributes_the_code_reads_are_part_of_the_fingerprint():
 
 
 def test_globals_defined_later_are_reported():
-    from savedhooks.identity import fingerprint_details
+    from savedhooks.hooks.identity import fingerprint_details
 
     f = _compile_fn("def f(x):\n    return x.to(LOW)\n")
     early = fingerprint_details(f)
@@ -177,7 +177,7 @@ def test_set_constants_are_stable_across_hash_seeds(tmp_path):
 
     script = tmp_path / "digest.py"
     script.write_text(
-        "from savedhooks.identity import fingerprint\n"
+        "from savedhooks.hooks.identity import fingerprint\n"
         "def f(x):\n    return x.device.type in {'cpu', 'cuda', 'xpu', 'mps'}\n"
         "print(fingerprint(f))\n"
     )

@@ -9,10 +9,10 @@ import weakref
 
 import pytest
 import torch
+from models import bf16, cast_hook, mlp, train_step_grads
 from torch._dynamo.exc import BackendCompilerFailed
 
 import savedhooks as sh
-from models import bf16, cast_hook, mlp, train_step_grads
 
 
 def _counting_hook(calls: list[str], tag: str) -> sh.HookPair:
@@ -95,8 +95,8 @@ class _StoreAsIs(sh.codecs.Codec):
 
 def test_eager_view_of_a_base_stored_as_is_unpacks_with_its_own_shape():
     # (x @ w).view(4, 16, 16) reads all of the (64, 16) matmul output: its pack shares
-    # the base's payload. With the base stored as is, unpack once returned the
-    # (64, 16) base for the (4, 16, 16) view (seen as DDP's output under the planner).
+    # the base's payload. With the base stored as is, unpack must still return the
+    # (4, 16, 16) view, not the (64, 16) base (DDP's output under the planner is such a view).
     x, w = torch.randn(64, 8), torch.randn(8, 16, requires_grad=True)
 
     def step() -> torch.Tensor:
@@ -416,7 +416,7 @@ def test_hook_capturing_a_tensor_names_itself_when_compile_fails():
 
 
 def test_process_local_hooks_are_not_kept_alive():
-    from savedhooks import hooks as hooks_module
+    from savedhooks.hooks import eager as hooks_module
 
     scale = torch.tensor(2.0)
     registered = len(hooks_module._FUNCTIONS)

@@ -87,7 +87,7 @@ def _hash_vectorizes(in_dtype: torch.dtype) -> bool:
     """Whether inductor's C++ backend vectorizes the stochastic quantize kernel on this CPU.
 
     On an AVX2-only CPU (``VecAVX2``) it falls back to a scalar loop for bf16
-    input (seen on 2026-11-24); float32 input vectorizes on AVX2 and AVX-512.
+    input; float32 input vectorizes on AVX2 and AVX-512.
     """
     from torch._inductor import cpu_vec_isa
 
@@ -147,11 +147,11 @@ def test_fused_is_bit_exact_with_the_reference_under_inductor_on_cuda(case):
     """Inductor's Triton code for the decomposed form: the same bytes as the aten reference (on the GPU).
 
     The edge inputs hold every fp8 code, -0.0 among them: Triton 3.6 compiles a
-    float negation to ``0 - x`` (see "On a GPU", H100), which decoded it to +0.0
-    before the decode set the sign as a bit off the CPU (H200). The sign of a NaN
-    code is not compared: with a NaN scale, ``x / scale`` is a NaN whose sign the
-    device's arithmetic chooses; on the H200 the reference's codes were positive
-    and inductor's negative (127 against 255). Every other code is compared.
+    float negation to ``0 - x``, which would decode it to +0.0, so off the CPU the
+    decode sets the sign as a bit. The sign of a NaN code is not compared: with a
+    NaN scale, ``x / scale`` is a NaN whose sign the device's arithmetic chooses,
+    and the reference's and inductor's codes may differ there (127 against 255).
+    Every other code is compared.
     """
     problem, codes = _compiled_case(case, "cuda")
     assert any("@triton.jit" in code for code in codes), "inductor generated no Triton kernel"
@@ -277,9 +277,8 @@ def _bf16_step_peak(hooks: sh.HookPair | None) -> int:
 @pytest.mark.slow
 def test_bf16_conv_batch_norm_step_peaks_no_higher_than_without_hooks():
     """The decomposed decode of a bf16 conv output, fused by inductor into the kernels that recompute
-    batch norm in the backward, held float32 intermediates of the full shape there (measured 1.5x
-    of no hooks, 1.18x since the decode has fewer ops); the opaque op, which "auto" keeps for 16-bit
-    tensors on the CPU, does not."""
+    batch norm in the backward, holds float32 intermediates of the full shape there (a step peak above
+    no hooks); the opaque op, which "auto" keeps for 16-bit tensors on the CPU, does not."""
     plain = _bf16_step_peak(None)
     assert _bf16_step_peak(sh.policy()) <= plain
     assert _bf16_step_peak(sh.policy(floating=sh.fp8(backend="fused"))) > 1.1 * plain  # why the rule exists
@@ -304,9 +303,9 @@ def _code_reads(code: str) -> dict[str, int]:
 def test_each_convolution_outputs_codes_are_read_by_one_backward_kernel(hooks):
     """The decode is inlined into each backward kernel that reads the value, and inductor realizes
     (CPU) a pointwise node of over 50 ops that has several readers. A heavier decode (the policy's
-    centered one: two more ops) computed the ReLU masks (decode, batch norm, compare) up front in
-    kernels of their own, and each convolution output's codes were read twice: on the benchmark
-    cnn at ``--size 8``, 116.4 against 108.4 MiB and 2.10x against 1.23x compiled's step."""
+    centered one with two more ops) would have the ReLU masks (decode, batch norm, compare) computed up
+    front in kernels of their own, and each convolution output's codes read twice: a higher step peak
+    and a slower step on the benchmark cnn."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()

@@ -329,6 +329,6 @@ def test_kernels_compile_for_a_cuda_target_and_divide_exactly():
     multiplier = str(0x21F0AAAD)  # the stochastic variants hash; the others do not
     assert all(multiplier in p for p in ptx[4:6]) and not any(multiplier in p for p in ptx[:4])
     assert "div.rn.f32" in quantize and "div.full.f32" not in quantize and "div.approx.f32" not in quantize
-    # Decoded signs are set as a bit: Triton 3.6 compiles -x to `sub.f32 0, x`, which made -0.0 codes +0.0 on an H100
+    # Decoded signs are set as a bit: Triton 3.6 compiles -x to `sub.f32 0, x`, which would make -0.0 codes +0.0
     dequantize = "\n".join(ptx[7:10])
     assert "sub.f32" not in dequantize and "neg.f32" not in dequantize

@@ -12,6 +12,7 @@ from models import GraphRecorder, mlp, train_step_grads
 
 import savedhooks as sh
 from benchmarks.tools.schedule_gap import random_problem
+from savedhooks.compiler.passes import graph_problem
 from savedhooks.memory import (
     ARENA_STRATEGIES,
     ArenaPlan,
@@ -23,7 +24,6 @@ from savedhooks.memory import (
     simulate_order,
     validate_arena,
 )
-from savedhooks.passes import graph_problem
 from savedhooks.schedule import STRATEGIES, arena_of, peak_of, schedule
 
 CPU = torch.device("cpu")

@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import GraphRecorder, mlp, train_step, train_step_grads, transformer
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
-from models import GraphRecorder, mlp, train_step, train_step_grads, transformer
 from savedhooks.memory import build_graph_memory, simulate_order
 
 CPU = torch.device("cpu")
@@ -111,7 +111,7 @@ def _late_statistics(x, w, b):
 
 
 def test_under_inductor_a_late_getitem_holds_only_its_own_output():
-    """A saved log-sum-exp that inductor's order puts at the end held attention's output there (8 MiB on llama)."""
+    """A saved log-sum-exp that inductor's order puts at the end holds only itself there, not attention's output."""
     gm = make_fx(_late_statistics, tracing_mode="fake")(torch.randn(64, 8), torch.randn(8), torch.randn(8))
     rstd = next(n for n in gm.graph.nodes if n.op == "call_function" and n.args[0].name.startswith("native_layer_norm")
                 and n.args[1] == 2)
@@ -138,7 +138,7 @@ def test_donated_inputs_are_freed_after_last_use():
 
 def test_a_device_named_without_index_is_the_graphs_device():
     """Traced values say ``cuda:0``, and ``torch.device("cuda") != torch.device("cuda:0")``: "cuda" must
-    still count them (it counted nothing, a predicted peak of 0, until an H100 showed it)."""
+    still count them (counting nothing, the predicted peak would be 0)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -376,7 +376,7 @@ def test_one_threads_bytes_leave_out_other_threads_buffers_and_count_its_blocks_
 def test_a_free_of_a_block_from_before_the_trace_is_not_counted():
     """torch's CPU memory reporter sizes such a free only where an earlier profiling session recorded
     the address: with the block's size (here), dropped, or with an older block's size once the address
-    was reused. Which one happened changed from process to process, so none is counted."""
+    was reused. Which one happens varies from process to process, so none is counted."""
     recorded = []
     trace = sh.memory.cpu_memory_trace(lambda: recorded.append(torch.empty(1 << 18)))  # 1 MiB, size recorded
     assert trace == [1 << 20]
@@ -518,7 +518,7 @@ def test_a_measured_op_of_data_dependent_size_counts_0():
 
 @pytest.mark.gpu
 def test_a_cuda_reduction_across_rows_counts_its_staging_buffer():
-    """Measured on the GPU: a tall ``sum(x, [0])`` stages partial sums in torch's allocator (H200: 2x the input)."""
+    """Measured on the GPU: a tall ``sum(x, [0])`` stages partial sums in torch's allocator: counted as its scratch."""
     from savedhooks.memory.scratch import _scratch
 
     x = torch.randn(2048, 4096, device="cuda")

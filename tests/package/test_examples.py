@@ -6,6 +6,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -13,15 +15,60 @@ pytest.importorskip("accelerate")
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "docs" / "examples"
 
 
+def figures(pattern: str, stdout: str) -> list[float]:
+    """The figures ``pattern`` reads in the script's output (each ``{}`` one number)."""
+    match = re.search(pattern.replace("{}", r"([0-9.]+|inf)"), stdout)
+    assert match, f"{pattern!r} not in the output: {stdout[-2000:]!r}"
+    return [float(g) for g in match.groups()]
+
+
+def packs_below_no_hooks(stdout: str) -> None:
+    packed, plain = figures(r"{} MiB with sh\.\w+\(\), {} MiB without hooks", stdout)
+    assert 0 < packed < plain
+
+
+def plan_meets_its_budget(stdout: str) -> None:
+    predicted, budget = figures(r"predicted peak {} MiB, budget {} MiB", stdout)
+    assert 0 < predicted <= budget
+
+
+def gradients_stay_close(stdout: str) -> None:
+    eager, compiled = figures(r"eager {} dB, compiled {} dB", stdout)
+    assert eager > 40 and compiled > 40  # int8 with one scale per row
+
+
+def needs_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("sh.offload() moves saved tensors off a CUDA device: needs one")
+
+
+def needs_gloo() -> None:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs gloo")
+
+
+# script -> (extra arguments, what runs before (a skip), what its output must show besides the loss)
+EXAMPLE_RUNS = {
+    "trainer_policy.py": (["--compile"], None, None),
+    "trainer_plan.py": ([], None, None),
+    "lora.py": ([], lambda: pytest.importorskip("peft"), None),
+    "quickstart.py": ([], None, packs_below_no_hooks),
+    "plan_json.py": ([], None, plan_meets_its_budget),
+    "custom_hook.py": ([], None, gradients_stay_close),
+    "fsdp2.py": (["--timeout", "600"], needs_gloo, None),
+    "offload.py": ([], needs_cuda, packs_below_no_hooks),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "script, extra",
-    [("trainer_policy.py", ["--compile"]), ("trainer_plan.py", []), ("lora.py", [])],
-    ids=lambda v: v if isinstance(v, str) else None,
+    "script",
+    [pytest.param(s, marks=[pytest.mark.gpu] if s == "offload.py" else []) for s in EXAMPLE_RUNS],
 )
-def test_example_trains(script, extra):
-    if script == "lora.py":
-        pytest.importorskip("peft")
+def test_example_trains(script):
+    extra, before, check = EXAMPLE_RUNS[script]
+    if before is not None:
+        before()
     out = subprocess.run(
         [sys.executable, str(EXAMPLES / script), "--steps", "2", *extra],
         check=False,
@@ -31,10 +78,11 @@ def test_example_trains(script, extra):
         cwd=EXAMPLES,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    loss = float(re.search(r"mean loss ([0-9.]+)", out.stdout).group(1))
+    (loss,) = figures(r"(?:mean|last) loss {}", out.stdout.strip().splitlines()[-1])
     assert 0 < loss < 6  # byte-level LM from random init: ln 256 = 5.5 at the start
+    if check is not None:
+        check(out.stdout)
 
 
 def test_every_example_is_tested():
-    tested = {"trainer_policy.py", "trainer_plan.py", "lora.py"}
-    assert {p.name for p in EXAMPLES.glob("*.py")} == tested
+    assert {p.name for p in EXAMPLES.glob("*.py")} == set(EXAMPLE_RUNS)

@@ -22,18 +22,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kernels", ("savedhooks.kernels",)),
     ("memory", ("savedhooks.memory",)),
     ("schedule", ("savedhooks.schedule",)),
-    ("hooks", ("savedhooks.contract", "savedhooks.eager", "savedhooks.identity", "savedhooks.hooks")),
+    ("hooks", ("savedhooks.hooks",)),
     ("codecs", ("savedhooks.codecs",)),
-    (
-        "compile",
-        (
-            "savedhooks.unfuse",
-            "savedhooks.input_layout",
-            "savedhooks.passes",
-            "savedhooks.overlap",
-            "savedhooks.compilers",
-        ),
-    ),
+    ("compiler", ("savedhooks.compiler",)),
     ("fidelity", ("savedhooks.metrics", "savedhooks.fidelity")),
     ("planner", ("savedhooks.planner",)),
     ("integrations", ("savedhooks.integrations",)),
@@ -216,19 +207,21 @@ def test_the_package_never_imports_benchmarks_or_tests():
 def test_the_checks_see_what_they_check(tmp_path):
     """The graph reader finds an upward import inside a function, a circle, and a silent function-level import."""
     (tmp_path / "savedhooks" / "codecs").mkdir(parents=True)
+    (tmp_path / "savedhooks" / "compiler").mkdir()
     (tmp_path / "kernels").mkdir()
     (tmp_path / "savedhooks" / "__init__.py").write_text("")
     (tmp_path / "savedhooks" / "codecs" / "__init__.py").write_text("from savedhooks.codecs.a import f\n")
-    (tmp_path / "savedhooks" / "codecs" / "a.py").write_text("def f():\n    from savedhooks.compilers import g\n")
-    (tmp_path / "savedhooks" / "compilers.py").write_text("from savedhooks.codecs import f\n")
+    (tmp_path / "savedhooks" / "codecs" / "a.py").write_text("def f():\n    from savedhooks.compiler.api import g\n")
+    (tmp_path / "savedhooks" / "compiler" / "__init__.py").write_text("")
+    (tmp_path / "savedhooks" / "compiler" / "api.py").write_text("from savedhooks.codecs import f\n")
     modules = _modules(tmp_path)
     edges = _edges(modules)
-    assert Edge("savedhooks.codecs.a", "savedhooks.compilers", 2, True, False) in edges
+    assert Edge("savedhooks.codecs.a", "savedhooks.compiler.api", 2, True, False) in edges
     with pytest.raises(
-        AssertionError, match=r"savedhooks.codecs.a:2 \(codecs\) imports savedhooks.compilers \(compile\)"
+        AssertionError, match=r"savedhooks.codecs.a:2 \(codecs\) imports savedhooks.compiler.api \(compiler\)"
     ):
         test_layers_import_downward_only((modules, edges))
     with pytest.raises(pytest.fail.Exception, match="import circle"):
         test_no_import_circles((modules, edges))
-    with pytest.raises(AssertionError, match="savedhooks.codecs.a:2 imports savedhooks.compilers"):
+    with pytest.raises(AssertionError, match="savedhooks.codecs.a:2 imports savedhooks.compiler.api"):
         test_imports_inside_functions_say_why((modules, edges))

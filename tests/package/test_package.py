@@ -14,14 +14,14 @@ import torch
 
 import savedhooks
 import savedhooks.codecs
+import savedhooks.compiler.api
+import savedhooks.compiler.input_layout
+import savedhooks.compiler.passes
 import savedhooks.fidelity
 import savedhooks.hostmem
 import savedhooks.kernels
 import savedhooks.memory
 import savedhooks.metrics
-import savedhooks.compilers
-import savedhooks.input_layout
-import savedhooks.passes
 import savedhooks.schedule
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -51,23 +51,73 @@ def test_every_subpackage_is_in_the_wheel():
     assert set(setuptools["packages"]) - {"savedhooks"} == set(setuptools["package-dir"]) - {"savedhooks"}
 
 
-def test_public_functions_document_args_returns_raises():
+def _undocumented(named_objects) -> list[str]:
+    """What the docstrings of ``(name, object)`` pairs lack.
+
+    Every object has a docstring; a function documents ``Args:`` where it takes
+    arguments and ``Returns:`` (or ``Yields:``) where it returns a value. Nothing
+    is required where there is nothing to say (no arguments, a None result,
+    nothing raised).
+    """
     missing = []
+    for name, obj in named_objects:
+        doc = inspect.getdoc(obj) or ""
+        if not doc.strip():
+            missing.append(f"{name}: no docstring")
+        elif inspect.isfunction(obj) or isinstance(obj, torch.library.CustomOpDef):
+            sig = inspect.signature(obj._init_fn if isinstance(obj, torch.library.CustomOpDef) else obj)
+            if [p for p in sig.parameters if p not in ("self", "cls")] and "Args:" not in doc:
+                missing.append(f"{name}: Args:")
+            returns = sig.return_annotation
+            if returns not in (inspect.Signature.empty, None, "None") and not ("Returns:" in doc or "Yields:" in doc):
+                missing.append(f"{name}: Returns:")
+    return missing
+
+
+def test_public_functions_document_their_arguments_and_results():
     namespaces = [savedhooks, savedhooks.codecs, savedhooks.fidelity, savedhooks.hostmem, savedhooks.memory,
-                  savedhooks.metrics, savedhooks.passes, savedhooks.compilers, savedhooks.input_layout,
+                  savedhooks.metrics, savedhooks.compiler.passes, savedhooks.compiler.api, savedhooks.compiler.input_layout,
                   savedhooks.planner, savedhooks.schedule]
     kernel_modules = ("fp8", "bitmask", "offload")
     namespaces += [savedhooks.kernels] + [importlib.import_module(f"savedhooks.kernels.{m}") for m in kernel_modules]
     if importlib.util.find_spec("triton") is not None:
         names = ("triton_support", "fp8_triton", "bitmask_triton")
         namespaces += [importlib.import_module(f"savedhooks.kernels.{m}") for m in names]
-    for name, obj in [(f"{ns.__name__}.{n}", getattr(ns, n)) for ns in namespaces for n in ns.__all__]:
-        if inspect.isfunction(obj) or isinstance(obj, torch.library.CustomOpDef):
-            doc = inspect.getdoc(obj) or ""
-            missing += [f"{name}: {s}" for s in ("Args:", "Returns:", "Raises:") if s not in doc]
-        elif not (inspect.getdoc(obj) or "").strip():
-            missing.append(f"{name}: no docstring")
+    missing = _undocumented((f"{ns.__name__}.{n}", getattr(ns, n)) for ns in namespaces for n in ns.__all__)
     assert not missing, missing
+
+
+def test_the_docstring_check_asks_only_for_what_there_is_to_say():
+    def scale(x: float) -> float:
+        """Twice ``x``.
+
+        Args:
+            x: a number.
+
+        Returns:
+            ``2 * x``.
+        """
+        return 2 * x
+
+    def reset() -> None:
+        """Forget the cached values."""
+
+    def log(x: float) -> None:
+        """Print ``x``."""
+
+    def double(x: float) -> float:
+        """Twice ``x``.
+
+        Args:
+            x: a number.
+        """
+        return 2 * x
+
+    def undocumented() -> None:
+        pass
+
+    named = [("scale", scale), ("reset", reset), ("log", log), ("double", double), ("undocumented", undocumented)]
+    assert _undocumented(named) == ["log: Args:", "double: Returns:", "undocumented: no docstring"]
 
 
 def test_the_top_level_is_small_with_one_spelling_per_codec():

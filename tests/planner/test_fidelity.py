@@ -11,7 +11,7 @@ from models import INDUCTOR_CNN_OPTIONS, POLICY_DB, train_step_grads, transforme
 from torch import nn
 
 import savedhooks as sh
-import savedhooks.compilers
+import savedhooks.compiler.api
 from savedhooks.fidelity import Census, Selected, keyed_run
 
 
@@ -315,7 +315,7 @@ def test_pool_plane_reads_the_input_plane_of_the_indices_only():
 @pytest.mark.slow
 @pytest.mark.parametrize("placement", [True, False], ids=["placement", "opt-out"])
 def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_sees(placement, monkeypatch):
-    """Why the policy's saved bytes under inductor were above 0.30x on the cnn and the vit (README "Under inductor").
+    """Under inductor, channels_last copies of a convolution's inputs are saved bytes that no hook sees.
 
     On CPU inductor runs convolutions channels_last and its forward returns
     channels_last copies of the convolutions' input and weights for the backward.
@@ -323,7 +323,7 @@ def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_se
     so the policy keeps them whole: with the layout optimization off, what the
     forward leaves alive drops by exactly their float32 bytes. With the hooks'
     placement (the default) the forward returns the image and the weights
-    themselves (:mod:`savedhooks.input_layout`); the opt-out (``reorder=False``)
+    themselves (:mod:`savedhooks.compiler.input_layout`); the opt-out (``reorder=False``)
     leaves inductor's behaviour as it is. The backward copies both weights back
     to channels_last where the forward's layout is optimized. Gradients agree to
     float32 rounding either way.
@@ -333,9 +333,9 @@ def test_inductor_layout_optimization_keeps_channels_last_copies_that_no_hook_se
     model = nn.Sequential(convs[0], nn.BatchNorm2d(16), nn.ReLU(), convs[1])
     x = torch.randn(8, 3, 16, 16)
     restored = {}
-    restore = savedhooks.compilers.restore_input_layout
+    restore = savedhooks.compiler.api.restore_input_layout
     monkeypatch.setattr(
-        savedhooks.compilers, "restore_input_layout", lambda graph: restored.setdefault(layout_now[0], restore(graph))
+        savedhooks.compiler.api, "restore_input_layout", lambda graph: restored.setdefault(layout_now[0], restore(graph))
     )
     layout_now = [None]
 

@@ -86,18 +86,14 @@ def _counting(monkeypatch, losses=None):
 @pytest.mark.slow
 def test_a_checked_plan_at_the_floor_predicts_the_measured_peak_under_inductor(monkeypatch):
     """At the modelled floor under inductor the hooks change the compiled graphs; the plan's check models
-    the graphs compiled with them. The survey puts the floor at 1,725,696 bytes; the floor plan's check
-    models 1,668,040, and the plan measures 1,662,984 (0.3 % below; 1,541,064 and 1,540,096 where the
-    calibration makes bf16 dearer than fp8, and the search packs one more tensor in fp8).
-
-    Before the model laid graphs out in inductor's calls (census._per_call), the survey modelled the floor
-    at 1,466,624 bytes, the floor plan measured 6.6 % above it, and the planner raised with the checked
-    floor (that path, on faked surveys: ``test_a_budget_below_the_modelled_floor_is_met_by_a_checked_smallest_payload_plan``).
+    the graphs compiled with them, and the floor plan measures within 1 % of that model (the graphs are
+    modelled in inductor's calls, census._per_call). A floor below every plan's check is tested on faked
+    surveys: ``test_a_budget_below_the_modelled_floor_is_met_by_a_checked_smallest_payload_plan``.
 
     The eager loss's saved tensor (the model's output, which ``pow`` saves) is kept: packed, it is unpacked
     in the loss's backward, where the step peaks, while its payload is held. A plan that packs it anyway
-    (a plan from JSON) is checked with the payload added: before, the check credited the packing, and the
-    floor plan that packed it (one CI run in five) measured 2 % above its check.
+    (a plan from JSON) is checked with the payload added: crediting the packing instead would put the
+    step's measured peak above its check.
     """
     losses = []
     calls = _counting(monkeypatch, losses)
@@ -110,7 +106,7 @@ def test_a_checked_plan_at_the_floor_predicts_the_measured_peak_under_inductor(m
         line.startswith("recompute 0 blocks: check") for line in plan.log
     )
     measured, _ = measured_step_peak(model, x, plan.hooks, backend="inductor")
-    assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * measured  # the issue asks 5 %
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * measured  # the check models the graphs the step runs
     # planning the same budget again compiles nothing more: checked plans are kept per choice
     before = len(calls)
     assert planner.plan(planner.floor_bytes) == plan
@@ -153,8 +149,8 @@ def test_check_is_on_by_default_and_its_argument_checked():
 
 def test_a_buffer_read_only_inside_its_own_fused_kernel_is_not_stored():
     """Inductor removes a buffer whose every reader is in the kernel that writes it (llama's SwiGLU backward:
-    the sigmoid fused with its readers); the recorder counted it as stored, and the check read llama's plans
-    at size 1 0.6 MiB high (README "Fit a budget")."""
+    the sigmoid fused with its readers); counted as stored, it would put the check of llama's plans above
+    their measured peak."""
     from types import SimpleNamespace
 
     from savedhooks.planner.recording import _stored
@@ -201,7 +197,7 @@ def _faked_planner(monkeypatch, peaks):
 
 def test_a_budget_below_the_modelled_floor_is_met_by_a_checked_smallest_payload_plan(monkeypatch):
     """With every candidate packed, the graphs compiled with the hooks can peak below the modelled floor
-    (llama at size 1 under inductor: modelled 13.93 MiB, measured 12.7, as fp8 everywhere)."""
+    (llama at size 1 under inductor with fp8 everywhere, for one)."""
     packed = ("fp8", "fp8")
     planner, calls = _faked_planner(monkeypatch, {("codecs", packed): 52, ("selective", packed): 45})
     assert planner.floor_bytes == 55
@@ -269,7 +265,7 @@ def test_a_check_that_fails_warns_and_keeps_the_survey_s_plan(monkeypatch):
 
 
 def test_just_above_the_modelled_floor_a_plan_that_meets_a_lower_budget_still_meets_it(monkeypatch):
-    """A larger budget must not fail where a smaller one succeeded (found by a review of the change)."""
+    """A larger budget must not fail where a smaller one succeeded."""
     packed = ("fp8", "fp8")
     planner, _ = _faked_planner(monkeypatch, {("codecs", packed): 60, ("selective", packed): 45})
     below = planner.plan(54)  # below the modelled floor (55): the selective plan with everything packed

@@ -3,10 +3,10 @@
 A graph break inside the loop over the blocks makes dynamo run the model's
 forward eagerly and compile each block's forward as a frame of its own; the
 blocks of one class then share one compiled graph, which runs once per block.
-The memory model used to count each compiled graph once (the baseline was 26 %
-under the measured peak, a floor plan measured twice its prediction). A block
-of the model's ModuleList that its forward never calls stopped ``sh.plan``
-with a RuntimeError.
+The memory model counts such a graph once per run, not once per compile
+(counted once, the prediction would fall far under the measured peak). A
+block of the model's ModuleList that its forward never calls is left out of
+recompute with a warning naming it.
 """
 
 import warnings

@@ -548,8 +548,8 @@ def test_plan_with_min_sqnr_keeps_a_planted_sensitive_tensor_exact():
 
 
 def _mlp_at_fixed_costs(monkeypatch):
-    """The tests' MLP, its reference gradients, and codec costs fixed (about as measured under aot_eager on the
-    project's machine): the plans do not depend on a timing."""
+    """The tests' MLP, its reference gradients, and codec costs fixed (of the order of aot_eager's on a CPU):
+    the plans do not depend on a timing."""
     from savedhooks.planner.result import CODECS
 
     per_byte = {repr(CODECS["bf16"]): 4.4e-11, repr(CODECS["fp8"]): 2.2e-10, repr(CODECS["offload"]): 1e-9}

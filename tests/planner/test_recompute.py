@@ -328,7 +328,7 @@ def test_a_selective_plan_applies_round_trips_and_trains_the_same():
 @pytest.mark.slow
 def test_the_model_still_compiles_after_the_planner_compiled_it_many_times():
     # 7 recompute settings, 2 compiles each: more entries for the model's forward than
-    # dynamo's recompile limit (8); left in its cache, the user's compile ran eagerly
+    # dynamo's recompile limit (8); left in its cache, the user's compile would run eagerly
     model, x = _net()
     planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
     assert len(planner.strategies) == 7 and planner.floor_bytes > 0

@@ -96,9 +96,6 @@ def sink_waits(
 
     Returns:
         Per wait, the position of the last node it runs after (its own ``at`` when it does not move).
-
-    Raises:
-        Nothing.
     """
     stream_free, placed = 0.0, []
     stops = stops if stops is not None else [len(during) - 1] * len(transfers)
@@ -129,9 +126,6 @@ def hoist_starts(
 
     Returns:
         Per reload, the position it runs before (its own ``at`` when it does not move).
-
-    Raises:
-        Nothing.
     """
     stream_free, placed, previous = 0.0, [], 0
     for t, low in zip(transfers, floor):
@@ -161,9 +155,6 @@ def overlap_transfers(gm: torch.fx.GraphModule, is_backward: bool, model: Transf
     Returns:
         The number of copies rewritten (0 leaves the graph untouched: no copy
         between an accelerator and the host).
-
-    Raises:
-        Nothing.
     """
     target = torch.ops.savedhooks.reload.default if is_backward else torch.ops.savedhooks.offload.default
     nodes = [n for n in gm.graph.nodes if n.target is target and _overlappable(n, is_backward)]

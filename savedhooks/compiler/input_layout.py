@@ -7,9 +7,8 @@ included. A forward graph returns the inputs the backward needs (the image a
 first convolution read, its weight); under the optimization inductor returns a
 channels_last *copy* in their place. AOTAutograd hands only intermediates to
 saved-tensor hooks, so no codec reaches the copy, and it lives from the forward
-to the backward next to the input it copies: 3.05 MiB of the ViT's 29.3 MiB of
-saved bytes at the benchmark's size 1, the image being 2.30 of them (README,
-"Under inductor").
+to the backward next to the input it copies (on the benchmark's ViT, more bytes
+than the image itself).
 
 * :func:`keep_input_layout` (forward graphs) marks the forward outputs that are
   graph inputs as user-visible in inductor's own output metadata
@@ -22,8 +21,8 @@ saved bytes at the benchmark's size 1, the image being 2.30 of them (README,
   no ``aten.convolution``, so inductor does not optimize its layout; it follows
   its inputs' strides, and a channels_last weight makes ``convolution_backward``
   return channels_last gradients. With contiguous weights the benchmark's CNN
-  ran its whole backward contiguous: a lower step peak, a slower step on CPU
-  (README). So a weight (the second argument of a convolution) is returned as
+  runs its whole backward contiguous: a lower step peak, a slower step on CPU.
+  So a weight (the second argument of a convolution) is returned as
   itself only when inductor optimizes the forward's layout, and the backward
   gets a channels_last copy of it right before its ``convolution_backward``: the
   backward runs in the layout it had. The forward records those weights' names
@@ -64,9 +63,6 @@ def keep_input_layout(graph: torch.fx.Graph) -> list[str]:
     Returns:
         The names of the placeholders newly marked user-visible (empty when the
         graph returns no input, or inductor's output metadata is missing).
-
-    Raises:
-        Nothing.
     """
     output = graph.output_node()
     if _VISIBLE not in output.meta or _STRIDES not in output.meta:
@@ -102,9 +98,6 @@ def restore_input_layout(graph: torch.fx.Graph) -> list[str]:
     Returns:
         The names of the placeholders given a copy (empty outside a compile, or
         when the forward kept none).
-
-    Raises:
-        Nothing.
     """
     names = recorded_weights()
     if not names or any(n.target is _CONVOLUTION for n in graph.nodes):
@@ -129,14 +122,8 @@ def restore_input_layout(graph: torch.fx.Graph) -> list[str]:
 def recorded_weights() -> frozenset[str]:
     """The weights :func:`keep_input_layout` recorded for the forward of the compile in progress.
 
-    Args:
-        None.
-
     Returns:
         Their names; empty outside a compile or when none was recorded.
-
-    Raises:
-        Nothing.
     """
     context = tracing_context()
     fw_metadata = getattr(context, "fw_metadata", None)

@@ -19,12 +19,12 @@ of the forward, and every unpacked one from the start of the backward.
   that allocates nothing right before its first user (same modelled peak).
 * Only the order changes, never what is computed, with one exception for
   inductor: an ``addmm`` that inductor fused from an ``mm`` and a later ``add``
-  is split back (:mod:`savedhooks.unfuse`) so that the ``mm`` may run early, and
+  is split back (:mod:`savedhooks.compiler.unfuse`) so that the ``mm`` may run early, and
   fused again where it did not move. Beyond dataflow, in-place writes, RNG and
   side effects keep their order (:func:`ordering_edges`).
 
 How the pass reaches the compilers (inductor's post-grad slot, ``sh.backend``,
-the hooks' context) is :mod:`savedhooks.compilers`.
+the hooks' context) is :mod:`savedhooks.compiler.api`.
 """
 
 from __future__ import annotations
@@ -73,9 +73,6 @@ def ordering_edges(gm: torch.fx.GraphModule, memory) -> list[tuple[int, int]]:
 
     Returns:
         ``(before, after)`` pairs of node indices (``memory.node_names`` order).
-
-    Raises:
-        Nothing.
     """
     index = {name: i for i, name in enumerate(memory.node_names)}
     node_buffers: dict[torch.fx.Node, set[int]] = {}
@@ -216,9 +213,6 @@ def place_hooks(gm: torch.fx.GraphModule, is_backward: bool, fused: bool = False
     Returns:
         The :class:`savedhooks.schedule.Schedule`, or None when the graph has no
         fake values to judge by (left as it is).
-
-    Raises:
-        Nothing.
     """
     return _reorder(gm, is_backward, strategies=("input",), exact_budget=0, fused=fused)
 
@@ -234,9 +228,6 @@ def reorder_for_memory(gm: torch.fx.GraphModule, is_backward: bool, fused: bool 
     Returns:
         The :class:`savedhooks.schedule.Schedule`, or None when the graph has no
         fake values to judge by (left as it is).
-
-    Raises:
-        Nothing.
     """
     return _reorder(gm, is_backward, fused=fused)
 
@@ -261,9 +252,6 @@ def is_backward_graph(graph: torch.fx.Graph) -> bool:
 
     Returns:
         True for a backward graph.
-
-    Raises:
-        Nothing.
     """
     return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
 
@@ -285,9 +273,6 @@ def has_hook_chains(graph: torch.fx.Graph) -> bool:
     Returns:
         True when some placeholder (backward) or output value (forward) is a
         packed saved tensor.
-
-    Raises:
-        Nothing.
     """
     return bool(_hook_values(graph))
 
@@ -303,12 +288,6 @@ def unhook_names(graph: torch.fx.Graph) -> None:
 
     Args:
         graph: a forward or backward graph from AOTAutograd (renamed in place).
-
-    Returns:
-        None.
-
-    Raises:
-        Nothing.
     """
     taken = {n.name for n in graph.nodes}
     for node in _hook_values(graph):
@@ -333,9 +312,6 @@ def pack_chain_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
         a value AOTAutograd named ``<saved>_hook_<i>`` (empty for a backward
         graph and for a graph without hooks; a node with an unused user is not
         one, which only keeps it where it is).
-
-    Raises:
-        Nothing.
     """
     packed = {n for n in _hook_values(graph) if n.op != "placeholder"}
     chains: set[torch.fx.Node] = set()

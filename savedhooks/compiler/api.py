@@ -1,9 +1,9 @@
 """How the reorder pass reaches the compilers: inductor's post-grad slot, ``sh.backend``, the hooks' context.
 
-* :class:`ReorderPass`: :mod:`savedhooks.passes` as inductor's
+* :class:`ReorderPass`: :mod:`savedhooks.compiler.passes` as inductor's
   ``post_grad_custom_post_pass`` (a CustomGraphPass, keyed in the FX graph
   cache by a digest of its sources and options). In hooked forward graphs it
-  also keeps saved inputs in their own layout (:mod:`savedhooks.input_layout`).
+  also keeps saved inputs in their own layout (:mod:`savedhooks.compiler.input_layout`).
 * :func:`inductor_placement`: what entering :class:`savedhooks.saved_tensors_hooks`
   sets, so that plain ``torch.compile`` gets the pass.
 * :func:`backend`: ``sh.backend("aot_eager")`` / ``sh.backend("inductor")``,
@@ -27,14 +27,14 @@ import torch.fx
 import savedhooks.kernels.offload  # noqa: F401  (registers savedhooks::offload, which the pass looks for)
 from savedhooks._torch import aot, fixes, inductor
 from savedhooks._torch.dynamo import aot_eager, boxed_nop
-from savedhooks.contract import placed_compile, placing_requested
+from savedhooks.compiler.input_layout import keep_input_layout, recorded_weights, restore_input_layout
+from savedhooks.compiler.overlap import overlap_transfers
+from savedhooks.compiler.passes import has_hook_chains, is_backward_graph, place_hooks, reorder_for_memory
+from savedhooks.compiler.unfuse import join_adjacent, split_late_addmm
 from savedhooks.hooks import HookPair, applied, check_hook_pair
-from savedhooks.identity import source_digest
-from savedhooks.input_layout import keep_input_layout, recorded_weights, restore_input_layout
+from savedhooks.hooks.contract import placed_compile, placing_requested
+from savedhooks.hooks.identity import source_digest
 from savedhooks.memory.timing import makes_cuda_tensor
-from savedhooks.overlap import overlap_transfers
-from savedhooks.passes import has_hook_chains, is_backward_graph, place_hooks, reorder_for_memory
-from savedhooks.unfuse import join_adjacent, split_late_addmm
 
 __all__ = [
     "ReorderPass",
@@ -53,17 +53,17 @@ class ReorderPass(inductor.CustomGraphPass):
     """The reorder pass as inductor's ``post_grad_custom_post_pass`` (a CustomGraphPass).
 
     By default it reorders backward graphs only: there inductor leaves the
-    unpacks at the start and ours measured 3x lower (README, "Inductor"). In
-    forward graphs inductor's fusion decides more than the order does, and an
-    FX-level order can lose (``benchmarks.reorder_inductor``):
+    unpacks at the start, and moving each to its first user lowers the
+    backward's peak. In forward graphs inductor's fusion decides more than the
+    order does, and an FX-level order can lose (``python -m
+    benchmarks.reorder_inductor`` measures both):
 
-    * with inductor's ``reorder_for_peak_memory`` on, ours measured 1.05x to
-      1.15x of its order on all three models; its fused kernels write outputs
-      in place into dying inputs, which depends on what each kernel fuses;
-    * with it off, ours measured 0.30x and 0.40x of torch's order on the MLPs
-      but 1.15x on the transformer: inductor fused the placed pack kernels with
-      one another into one kernel at the end of the graph, so the full-size
-      activations lived to the end again (the model predicted 0.47x).
+    * with inductor's ``reorder_for_peak_memory`` on, its fused kernels write
+      outputs in place into dying inputs, which depends on what each kernel
+      fuses, so an FX-level order can peak above inductor's own;
+    * with it off, inductor can fuse the placed pack kernels with one another
+      into one kernel at the end of the graph, so the full-size activations
+      live to the end again, whatever the modelled order predicts.
 
     With ``hooked_only`` it leaves graphs without inlined hooks untouched (the
     pass that entering :func:`savedhooks.saved_tensors_hooks` installs).
@@ -72,27 +72,26 @@ class ReorderPass(inductor.CustomGraphPass):
     inputs themselves, not channels_last copies of them that no hook would see
     (convolution weights only where inductor optimizes the layout), and in its
     backward copies those weights to channels_last right before their
-    convolution backward (:mod:`savedhooks.input_layout`).
+    convolution backward (:mod:`savedhooks.compiler.input_layout`).
 
     A forward graph that it does not reorder gets its hooks placed
     (:func:`place_hooks`, judged with inductor's fusion modelled, kept unless
     that models higher) when it offloads or computes on CUDA: torch
     inlines every pack at the end of the forward, and inductor runs every
     copy to the host, and on CUDA every pack kernel that it fuses with
-    nothing, where the graph has it. On an H200 that held llama's float32
-    activations to the end of the forward (README, "On a GPU"). On the CPU
-    inductor fuses most packs into their producers, and its own order
-    measured lower than the placed one (``tests/compile/test_passes.py``'s 4-layer
-    MLP with the decomposed codec: forward 7.47 MB against 8.01 MB placed),
-    so CPU graphs keep it.
+    nothing, where the graph has it: without placement, the float32
+    activations stay alive to the end of the forward. On the CPU inductor
+    fuses most packs into their producers, and its own forward order is as low
+    as the placed one or lower (``tests/compile/test_passes.py``'s 4-layer MLP
+    with the decomposed codec), so CPU graphs keep it.
 
     In every graph it runs, copies between an accelerator and the host made by
     ``sh.offload`` become torch's asynchronous copy ops, placed to overlap
-    compute (:func:`savedhooks.overlap.overlap_transfers`).
+    compute (:func:`savedhooks.compiler.overlap.overlap_transfers`).
 
     ``uuid()`` digests savedhooks' sources (every file of the package and its
-    kernels: :func:`savedhooks.identity.source_digest`), the pass's options, and in a backward the weights its forward kept
-    (:func:`savedhooks.input_layout.recorded_weights`), so inductor's FX graph
+    kernels: :func:`savedhooks.hooks.identity.source_digest`), the pass's options, and in a backward the weights its forward kept
+    (:func:`savedhooks.compiler.input_layout.recorded_weights`), so inductor's FX graph
     cache misses when the pass would change a graph differently and hits when
     it would not.
     """
@@ -131,6 +130,7 @@ class ReorderPass(inductor.CustomGraphPass):
         overlap_transfers(gm, is_backward)  # offload copies (accelerator <-> host) only
 
     def uuid(self) -> str:
+        """This pass's key in inductor's FX graph cache: a digest of what changes its output (see the class notes)."""
         bandwidth = aot.config.activation_offload_cpu_gpu_bw  # times the overlap of offload copies
         # a backward's copies of the weights its forward kept (input_layout) depend on that forward's compile
         weights = ",".join(sorted(recorded_weights()))
@@ -142,17 +142,14 @@ class ReorderPass(inductor.CustomGraphPass):
 
 
 def reorder_pass(forward: bool = False) -> ReorderPass:
-    """The pass to give inductor: ``torch.compile(model, options={"post_grad_custom_post_pass": sh.compilers.reorder_pass()})``.
+    """The pass to give inductor: ``torch.compile(model, options={"post_grad_custom_post_pass": sh.compiler.reorder_pass()})``.
 
     Args:
         forward: reorder forward graphs too (default: backward graphs only, where
-            it measured lower than inductor's own scheduling; see :class:`ReorderPass`).
+            inductor leaves the unpacks at the start; see :class:`ReorderPass`).
 
     Returns:
         A :class:`ReorderPass` (one shared instance per option: equal passes, equal cache keys).
-
-    Raises:
-        Nothing.
     """
     fixes.install()
     return _REORDER_PASSES[bool(forward), False]
@@ -166,9 +163,6 @@ def post_grad_passes(slot) -> tuple:
 
     Returns:
         A tuple of passes (empty for None).
-
-    Raises:
-        Nothing.
     """
     return tuple(slot) if isinstance(slot, (list, tuple)) else (() if slot is None else (slot,))
 
@@ -176,7 +170,7 @@ def post_grad_passes(slot) -> tuple:
 def _with_pass(slot, ours: ReorderPass):
     """``slot`` (inductor's post-grad pass setting: None, a pass, or a list/tuple) with ``ours`` run last."""
     passes = post_grad_passes(slot)
-    if any(isinstance(p, ReorderPass) for p in passes):  # already placed (sh.compilers.reorder_pass(), a nested block)
+    if any(isinstance(p, ReorderPass) for p in passes):  # already placed (sh.compiler.reorder_pass(), a nested block)
         return slot
     return ours if not passes else (*passes, ours)
 
@@ -186,7 +180,7 @@ def inductor_placement(enabled: bool = True) -> Iterator[None]:
     """Make inductor place inlined hooks in the graphs compiled inside the block.
 
     Adds the reorder pass (hooked graphs only; it also returns their saved
-    inputs as themselves, :mod:`savedhooks.input_layout`) to inductor's
+    inputs as themselves, :mod:`savedhooks.compiler.input_layout`) to inductor's
     ``post_grad_custom_post_pass``, after any pass already set there (torch runs
     a tuple of passes in order and keys its FX graph cache on all their uuids),
     and has AOTAutograd compile the backward graph together with the forward
@@ -194,9 +188,9 @@ def inductor_placement(enabled: bool = True) -> Iterator[None]:
     first ``backward()``, after the block has exited. It also turns off
     inductor's buffer-reuse pool (``allow_buffer_reuse``): that pool keeps a freed
     buffer allocated until a later buffer of the same size takes it over, so a
-    dequantized activation, freed right after its matmul, stayed allocated
-    through the next layer's backward (ViT at batch 32: 24.6 MiB across the
-    attention backward, 0.92x the step peak with it off). Freeing at the last use
+    dequantized activation, freed right after its matmul, would stay allocated
+    through the next layer's backward (across a ViT's attention backward, for
+    one). Freeing at the last use
     never holds more bytes; in-place reuse (``inplace_buffers``) is kept. Entered
     by :class:`savedhooks.saved_tensors_hooks`; all settings are restored on exit.
 
@@ -205,9 +199,6 @@ def inductor_placement(enabled: bool = True) -> Iterator[None]:
 
     Returns:
         A context manager (yielding nothing).
-
-    Raises:
-        Nothing.
     """
     if not enabled:
         yield
@@ -287,13 +278,13 @@ class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors 
 
     Placement: inside the block, a model compiled with plain ``torch.compile``
     (inductor) gets savedhooks' reorder pass, so each unpack runs right before
-    its first use in the backward graph (:func:`savedhooks.compilers.inductor_placement`).
+    its first use in the backward graph (:func:`savedhooks.compiler.api.inductor_placement`).
     It is added after any ``post_grad_custom_post_pass`` already set in inductor's
     config, touches only graphs with inlined hooks, and compiles the backward
     graph together with the forward (torch would otherwise compile it lazily at
     the first ``backward()``, outside the block). A pass given to
     ``torch.compile(options=...)`` replaces the slot for that compile, as torch's
-    config patches do: list ``savedhooks.compilers.reorder_pass()`` there too. Graphs
+    config patches do: list ``savedhooks.compiler.api.reorder_pass()`` there too. Graphs
     compiled before entering (no hooks) are not recompiled for it; the hook
     guard recompiles them when the hooks change.
 
@@ -301,7 +292,7 @@ class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors 
         hooks: a HookPair, e.g. from :func:`hook` or a codec such as ``savedhooks.fp8()``.
         reorder: False leaves inductor's configuration alone (no placement, lazy
             backward compile as torch does it, saved inputs returned in the
-            layout inductor chooses: :mod:`savedhooks.input_layout`).
+            layout inductor chooses: :mod:`savedhooks.compiler.input_layout`).
 
     Raises:
         HookTypeError: ``hooks`` is a :class:`PackHook` without an unpack function.

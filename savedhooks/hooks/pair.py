@@ -14,9 +14,9 @@ Design notes
   AOTAutograd bypasses its cache for it. A hook that reads globals not yet
   defined at decoration gets its cache hash when it is entered.
 * What the hook graphs call, and the eager-mode rules, live in
-  :mod:`savedhooks.eager`; the contract checks in :mod:`savedhooks.contract`.
+  :mod:`savedhooks.hooks.eager`; the contract checks in :mod:`savedhooks.hooks.contract`.
 * Entering :class:`saved_tensors_hooks` also makes inductor place the inlined
-  hooks (:mod:`savedhooks.compilers`): see its docstring.
+  hooks (:mod:`savedhooks.compiler.api`): see its docstring.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from savedhooks.contract import (
+from savedhooks.hooks.contract import (
     HookContext,
     HookError,
     HookMismatchError,
@@ -41,7 +41,7 @@ from savedhooks.contract import (
     _probe,
     hook_context,
 )
-from savedhooks.eager import (
+from savedhooks.hooks.eager import (
     _FUNCTIONS,
     _active,
     _Frame,
@@ -51,7 +51,7 @@ from savedhooks.eager import (
     eager_readers,
     settle_held,
 )
-from savedhooks.identity import UnfingerprintableError, fingerprint_details, source_digest
+from savedhooks.hooks.identity import UnfingerprintableError, fingerprint_details, source_digest
 
 __all__ = [
     "HookContext",

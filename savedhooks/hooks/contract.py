@@ -120,15 +120,9 @@ def hook_context() -> HookContext | None:
     example keep layer-norm statistics unpacked). Wraps torch's private
     ``_get_saved_tensor_hook_context`` so that a change there is fixed here once.
 
-    Args:
-        None.
-
     Returns:
         A :class:`HookContext` while AOTAutograd inlines hooks into a compiled
         graph; None in eager mode, where there is no graph.
-
-    Raises:
-        Nothing.
     """
     state = saved_tensor_hook_context()
     if state is None:
@@ -149,14 +143,8 @@ def placed_compile() -> Iterator[None]:
     cannot tell from the graphs whether the unpacks will move. A backend whose
     compilers move them (``sh.backend("aot_eager")``) compiles inside this.
 
-    Args:
-        None.
-
     Returns:
         A context manager.
-
-    Raises:
-        Nothing.
     """
     token = _PLACED.set(True)
     try:
@@ -168,14 +156,8 @@ def placed_compile() -> Iterator[None]:
 def placing_requested() -> bool:
     """Whether the running compile is inside :func:`placed_compile`.
 
-    Args:
-        None.
-
     Returns:
         True inside :func:`placed_compile`.
-
-    Raises:
-        Nothing.
     """
     return _PLACED.get()
 

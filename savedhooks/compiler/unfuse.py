@@ -4,8 +4,8 @@ Inductor's post-grad patterns rewrite ``add(mm(a, b), c)`` into ``addmm(c, a, b)
 at the place of the add. When ``c`` is made long after ``a`` and ``b``, the
 matmul now waits for it, and so do its operands. The case that matters: a tied
 weight (GPT-2's embedding and output head). Its two gradient contributions are
-added at the end of the backward, so the head's weight-gradient matmul ran
-last and the logits' gradient, ``(tokens, vocab)`` floats, stayed alive through
+added at the end of the backward, so the head's weight-gradient matmul runs
+last and the logits' gradient, ``(tokens, vocab)`` floats, stays alive through
 the whole backward.
 
 :func:`split_late_addmm` turns each such ``addmm`` back into the ``mm`` and ``add``
@@ -36,9 +36,6 @@ def split_late_addmm(graph: torch.fx.Graph) -> list[torch.fx.Node]:
 
     Returns:
         The new ``mm`` nodes (each with one user, its ``add``).
-
-    Raises:
-        Nothing.
     """
     position = {node: i for i, node in enumerate(graph.nodes)}
     made = []
@@ -74,9 +71,6 @@ def join_adjacent(graph: torch.fx.Graph, mms: list[torch.fx.Node]) -> int:
 
     Returns:
         How many pairs were fused again.
-
-    Raises:
-        Nothing.
     """
     joined = 0
     for mm in mms:

@@ -40,7 +40,7 @@ import torch
 from savedhooks._torch import pytree
 from savedhooks._torch.fixes import align_rng_state_names
 from savedhooks._torch.tensors import base_of, is_traced, is_view, version_counter
-from savedhooks.contract import HookError, _HookFunctions, _pack_checked, _unpack_checked, hook_context
+from savedhooks.hooks.contract import HookError, _HookFunctions, _pack_checked, _unpack_checked, hook_context
 
 
 class _Passthrough:
