@@ -37,13 +37,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._inductor.config
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
 import savedhooks as sh
 from benchmarks.models import Workload
 from savedhooks.compiler.api import placed_aot_eager
 
-__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FIDELITY_STEP", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "lowest_budget", "plan_at", "plan_or_lowest", "planner_for", "torch_fp8_hooks"]
+__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FIDELITY_STEP", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_FP8", "TORCH_FP8_DEFAULTS", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "lowest_budget", "plan_at", "plan_or_lowest", "planner_for", "torch_fp8", "torch_fp8_hooks"]
 
 FLOAT8 = sh.codecs.Float8()  # the codec's configuration: the library default, e4m3 with block scales (128)
 CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8() returns it
@@ -353,6 +354,38 @@ def memory_budget(fraction: float) -> Config:
                   f"partitioner recompute, activation_memory_budget={fraction:g}")
 
 
+# torch's own fp8 activation pass (torch/_functorch/partitioners.py, enable_activation_quantization): the
+# partitioner casts saved values to fp8 in the forward and back in the backward, under inductor and aot_eager.
+# Both configurations let it see the tensors sh.fp8() packs: every floating saved value at any size, the
+# graph's inputs (primals: parameters, the batch) excluded, as savedhooks never hooks them under compile.
+TORCH_FP8_SEEN = {"allowed_dtypes": "torch.float32;torch.bfloat16;torch.float16", "size_in_mb": 0.0,
+                  "exclude_primals": True}
+# e4m3 with one scale per row of the innermost dim. ``use_scaling`` is set: torch 2.13's forward defaults it
+# to True and its backward to False, so left unset the forward scales and the backward never divides back
+# (docs/torch-issues.md; tests/compile/test_torch_fp8_pass.py).
+TORCH_FP8 = {**TORCH_FP8_SEEN, "quant_type": "torch.float8_e4m3fn", "use_scaling": True}
+TORCH_FP8_DEFAULTS = dict(TORCH_FP8_SEEN)  # torch's defaults otherwise: e5m2, use_scaling unset
+
+
+def torch_fp8(name: str, options: dict[str, Any], description: str, in_default: bool = True) -> Config:
+    """A configuration: torch's fp8 activation pass with ``options``, compiled, no hooks.
+
+    Args:
+        name: the configuration's name.
+        options: the pass's options
+            (``post_grad_fusion_options["activation_quantization_aten_pass"]``).
+        description: the line printed with the results.
+        in_default: run when ``--configs`` is not given.
+
+    Returns:
+        A compiled :class:`Config` whose forward and compile run under the pass.
+    """
+    fusion = {"activation_quantization_aten_pass": dict(options)}
+    patch = functools.partial(torch._inductor.config.patch, post_grad_fusion_options=fusion)
+    return Config(name, lambda workload, backend: _compiled(workload, backend, patch), True, False, description,
+                  in_default=in_default)
+
+
 def planner_for(workload: Workload, backend: str, min_sqnr_db: float | None = None) -> sh.planner.Planner:
     """A planner for the module the workload compiles (its model, or model and loss with ``compiled_loss``).
 
@@ -553,6 +586,11 @@ CONFIGS: dict[str, Config] = {
         Config("sh + checkpoint", _savedhooks_checkpointing, True, False,
                "checkpoint per block, sh.policy() on what is still saved, placed (aot_eager: sh.backend)"),
         memory_budget(MEMORY_BUDGET),
+        torch_fp8("torch fp8", TORCH_FP8,
+                  "torch's fp8 activation pass: e4m3, row scales, every floating saved value but the inputs"),
+        torch_fp8("torch fp8 defaults", TORCH_FP8_DEFAULTS,
+                  "torch's fp8 activation pass as it defaults (e5m2; torch 2.13: scaled in the forward, "
+                  "never unscaled in the backward, so gradients are wrong)", in_default=False),
         Config("bf16", _bf16_compiled, True, False, "bf16 autocast, compiled, no hooks: the bf16 rows' baseline",
                baseline="bf16", in_default=False),
         Config("bf16 sh policy", _bf16_policy, True, False, "bf16 autocast, sh.policy() inlined",

@@ -52,12 +52,14 @@ def _cell(value, fmt: str) -> str:
         return fmt if value else ""
     if isinstance(value, float) and math.isinf(value):
         return "exact" if value > 0 else "-inf"
+    if isinstance(value, float) and math.isnan(value):  # a worst SQNR is NaN only for non-finite gradients
+        return "non-finite"
     return fmt.format(value).replace("|", "/")
 
 
 def table(rows: list[Row], drop: tuple[str, ...] = ("device",)) -> str:
-    """Render rows as a markdown table (numbers right-aligned; infinite SQNR reads "exact"; ▲ marks a peak above
-    its no-hook baseline).
+    """Render rows as a markdown table (numbers right-aligned; infinite SQNR reads "exact", NaN "non-finite";
+    ▲ marks a peak above its no-hook baseline).
 
     Args:
         rows: the rows.
@@ -89,6 +91,7 @@ HEADLINE_CONFIGS: tuple[str, ...] = (
     "sh + checkpoint",
     "checkpoint",
     "budget 0.5",
+    "torch fp8",
 )
 
 

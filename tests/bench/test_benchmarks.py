@@ -120,6 +120,7 @@ def test_table_and_csv_share_the_row_schema():
     assert text.splitlines()[0].startswith("| model | config | backend | activation MiB")
     assert "| exact |" in text and "device" not in text and "error" not in text
     assert "| boom |" in table([dataclasses.replace(row, error="boom")])
+    assert "| non-finite |" in table([dataclasses.replace(row, grad_sqnr_db=float("nan"))])
 
 
 def _row(config: str, backend: str, peak: float | None, model: str = "m", error: str = "") -> Row:
