@@ -349,7 +349,7 @@ class Model:
 
 # gpt2-big: a step takes seconds and a compile minutes on a CPU, so only these 3 rows;
 # enough to compare the codec with recompute at scale ("sh + checkpoint" with --configs)
-BIG_MODEL_CONFIGS = ("compiled", "sh", "checkpoint")
+BIG_MODEL_CONFIGS = ("compiled", "sh", "checkpoint", "torch fp8")
 
 # gpt2-medium (CUDA): offload against torch's save_on_cpu and checkpointing, all under bf16 autocast
 OFFLOAD_CONFIGS = ("bf16", "bf16 checkpoint", "bf16 save_on_cpu", "bf16 offload", "bf16 sh offload")

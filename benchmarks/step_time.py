@@ -390,7 +390,7 @@ def main(argv: Any = None) -> None:
     """
     parser = argparse.ArgumentParser(prog="python -m benchmarks.step_time", description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["gpt2", "llama", "vit"])
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["compiled", "sh", "checkpoint"])
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["compiled", "sh", "checkpoint", "torch fp8"])
     parser.add_argument("--size", type=float, default=8.0, help="batch multiplier (default 8)")
     parser.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
