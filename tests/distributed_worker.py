@@ -113,18 +113,22 @@ def _wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
     return fully_shard(model)
 
 
-def _planner(model: torch.nn.Module, x: torch.Tensor, how: str) -> sh.planner.Planner:
-    """A planner on the wrapped model whose first block may be recomputed (its path below the wrapper)."""
-    prefix = "module." if how == "ddp" else ""
-    return sh.planner.Planner(model, (x,), loss_fn=loss_of, backend="aot_eager", blocks=(f"{prefix}layers.0",))
+def _planner(model: torch.nn.Module, x: torch.Tensor) -> sh.planner.Planner:
+    """A planner on the wrapped model, codecs only (``blocks=()``).
+
+    With a block to recompute, the choice between packing and recomputing
+    rests on op timings, and a recompute that meets the budget alone packs
+    nothing and needs no check; codecs only, every plan below the peak without
+    hooks packs, and its check runs on every rank together.
+    """
+    return sh.planner.Planner(model, (x,), loss_fn=loss_of, backend="aot_eager", blocks=())
 
 
 def planned_step(model: torch.nn.Module, x: torch.Tensor, how: str) -> tuple[int, sh.Plan, int]:
     """Plan the step on every rank (``sh.planner.Planner`` on the wrapped model), apply the plan, run :func:`step`.
 
     The budget is halfway between the modelled peak without hooks and the
-    planner's floor; the first block may be recomputed (one block bounds the
-    surveys: none, selective, whole). The plans are checked, on every rank
+    planner's floor (:func:`_planner`: codecs only). The plans are checked, on every rank
     together (``savedhooks.planner.lockstep``). Then a budget of one byte,
     which every rank must refuse with the same floor.
 
@@ -132,7 +136,7 @@ def planned_step(model: torch.nn.Module, x: torch.Tensor, how: str) -> tuple[int
         The bytes the measured forward leaves alive for backward, the plan, and
         the floor the one-byte budget's error named.
     """
-    planner = _planner(model, x, how)
+    planner = _planner(model, x)
     plan = planner.plan((planner.baseline_bytes + planner.floor_bytes) // 2)
     try:
         planner.plan(1)
@@ -151,7 +155,7 @@ def plan_with_a_failing_check(model: torch.nn.Module, x: torch.Tensor, how: str)
     Returns:
         The plan (every rank must get rank 0's, its check logged as failed on every rank).
     """
-    planner = _planner(model, x, how)
+    planner = _planner(model, x)
     module = sys.modules["savedhooks.planner.driver"]
     original = module.check_peak
 
