@@ -13,6 +13,7 @@ import argparse
 import os
 import pathlib
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -27,7 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         argv: the arguments (default ``sys.argv[1:]``).
 
     Returns:
-        The parsed flags, with ``--quick`` defaults filled in.
+        The parsed flags, with ``--quick`` defaults filled in, and ``command``:
+        the command line as a shell reads it back (arguments quoted where needed).
 
     Raises:
         SystemExit: bad flags, or ``--help``.
@@ -65,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "channels_last copies of convolution inputs and weights, kept for backward, pass through "
                              "no saved-tensor hook)")  # fmt: skip
     args = parser.parse_args(argv)
+    args.command = " ".join(["python -m benchmarks", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     if args.device == "cuda":
         import torch
 
@@ -92,7 +95,6 @@ def main(argv: list[str] | None = None) -> int:
         SystemExit: bad flags.
     """
     args = parse_args(argv)
-    args.command = " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)])
     previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     with tempfile.TemporaryDirectory(prefix="savedhooks-bench-") as cache:
         if not args.keep_cache:  # read by inductor whenever it looks for its cache

@@ -213,6 +213,8 @@ def test_the_offload_model_runs_by_default_only_on_cuda_with_the_offload_compari
     medium = MODELS["gpt2-medium"]
     assert medium.cuda_only and "gpt2-medium" not in parse_args([]).models
     assert parse_args(["--models", "gpt2-medium"]).models == ["gpt2-medium"]
+    named = parse_args(["--configs", "sh", "torch fp8", "--out", "r"])
+    assert named.command == "python -m benchmarks --configs sh 'torch fp8' --out r"  # a shell reads it back
     offload = ["bf16", "bf16 checkpoint", "bf16 save_on_cpu", "bf16 offload", "bf16 sh offload"]
     assert [(c.name, b) for c, b in jobs(None, None, "cuda", "gpt2-medium")] == [(n, "inductor") for n in offload]
     assert [c.name for c, _ in jobs(None, None, "cpu", "gpt2-medium")] == ["bf16", "bf16 checkpoint"]
