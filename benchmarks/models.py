@@ -347,8 +347,8 @@ class Model:
     cuda_only: bool = False
 
 
-# gpt2-big: a step takes seconds and a compile minutes on a CPU, so only these 3 rows;
-# enough to compare the codec with recompute at scale ("sh + checkpoint" with --configs)
+# gpt2-big: a step takes seconds and a compile minutes on a CPU, so only these 4 rows;
+# enough to compare the codec with recompute and torch's fp8 pass at scale ("sh + checkpoint" with --configs)
 BIG_MODEL_CONFIGS = ("compiled", "sh", "checkpoint", "torch fp8")
 
 # gpt2-medium (CUDA): offload against torch's save_on_cpu and checkpointing, all under bf16 autocast
