@@ -4,7 +4,7 @@ Pack stores a floating saved tensor as int8 with one float32 scale per row
 (its last dim), unpack multiplies back; other saved tensors (integer indices,
 masks) pass as they are. The same hook runs a small MLP eagerly and under
 ``torch.compile`` (where its ops are inlined into the compiled graphs), and the
-script prints the worst parameter-gradient SQNR (``sh.fidelity.sqnr``) of each
+script prints the worst parameter-gradient SQNR (``sh.fidelity.worst_sqnr``) of each
 against the step without hooks.
 ``python docs/examples/custom_hook.py --steps 3``.
 """
@@ -32,21 +32,20 @@ def int8_rows(packed):
     return (q.float() * scale).to(dtype)
 
 
-def grads(model: torch.nn.Module, x: torch.Tensor, hooks: sh.HookPair | None = None) -> list[torch.Tensor]:
-    """The parameter gradients of one step of ``mean(model(x)^2)``, under ``hooks`` (None: no hooks)."""
+def grads(model: torch.nn.Module, x: torch.Tensor, hooks: sh.HookPair | None = None, run=None) -> dict[str, torch.Tensor]:
+    """The parameter gradients of one step of ``mean(run(x)^2)`` by name, under ``hooks`` (None: no hooks).
+
+    ``run`` is the model or its compiled wrapper (default: the model).
+    """
+    run = model if run is None else run
     model.zero_grad(set_to_none=True)
     if hooks is None:
-        loss = model(x).square().mean()
+        loss = run(x).square().mean()
     else:
         with sh.saved_tensors_hooks(hooks):
-            loss = model(x).square().mean()
+            loss = run(x).square().mean()
     loss.backward()
-    return [p.grad.clone() for p in model.parameters()]
-
-
-def worst_sqnr(reference: list[torch.Tensor], approximation: list[torch.Tensor]) -> float:
-    """The lowest SQNR (dB) over the parameters' gradients."""
-    return min(sh.fidelity.sqnr(r, a) for r, a in zip(reference, approximation, strict=True))
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -62,8 +61,8 @@ def main(argv: list[str] | None = None) -> float:
     compiled = torch.compile(model, backend=args.backend)
 
     reference = grads(model, x)
-    eager = worst_sqnr(reference, grads(model, x, int8_rows))
-    compiled_db = worst_sqnr(reference, grads(compiled, x, int8_rows))
+    eager, _ = sh.fidelity.worst_sqnr(reference, grads(model, x, int8_rows))  # the lowest over the parameters
+    compiled_db, _ = sh.fidelity.worst_sqnr(reference, grads(model, x, int8_rows, run=compiled))
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     target = x[:, :1].sin()  # something to fit
