@@ -11,21 +11,17 @@ both peaks and the last loss. ``python docs/examples/quickstart.py --steps 20``
 
 import argparse
 import contextlib
-import inspect
-import textwrap
 
 import torch
-import transformers
+from trainer_policy import byte_dataset, tiny_llama
 
 import savedhooks as sh
 
 
 def batches(steps: int, batch: int, seq: int) -> list[dict[str, torch.Tensor]]:
-    """Rows of byte tokens (0..255) of the source of ``textwrap``, as causal-LM batches (labels = inputs)."""
-    data = torch.tensor(list(inspect.getsource(textwrap).encode()), dtype=torch.long)
-    starts = torch.randint(0, len(data) - seq, (steps, batch), generator=torch.Generator().manual_seed(0))
-    rows = [torch.stack([data[s : s + seq] for s in row]) for row in starts.tolist()]
-    return [{"input_ids": r, "labels": r} for r in rows]
+    """``steps`` causal-LM batches of ``batch`` rows of byte tokens (:func:`trainer_policy.byte_dataset`)."""
+    rows = byte_dataset(seq, steps * batch)
+    return [{k: torch.stack([r[k] for r in rows[i : i + batch]]) for k in rows[0]} for i in range(0, len(rows), batch)]
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -36,9 +32,7 @@ def main(argv: list[str] | None = None) -> float:
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).to(device)
+    model = tiny_llama().to(device)  # LlamaConfig's defaults, sizes shrunk
     compiled = torch.compile(model)  # plain inductor
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = [{k: v.to(device) for k, v in b.items()} for b in batches(args.steps, args.batch, args.seq)]
