@@ -44,7 +44,7 @@ import savedhooks as sh
 from benchmarks.models import Workload
 from savedhooks.compiler.api import placed_aot_eager
 
-__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FIDELITY_STEP", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_FP8", "TORCH_FP8_DEFAULTS", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "lowest_budget", "plan_at", "plan_or_lowest", "planner_for", "torch_fp8", "torch_fp8_hooks"]
+__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FIDELITY_STEP", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_FP8", "TORCH_FP8_DEFAULTS", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "lowest_budget", "plan_at", "plan_or_lowest", "planner_for", "torch_fp8", "torch_fp8_hooks", "torch_fp8_pass"]
 
 FLOAT8 = sh.codecs.Float8()  # the codec's configuration: the library default, e4m3 with block scales (128)
 CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8() returns it
@@ -367,21 +367,32 @@ TORCH_FP8 = {**TORCH_FP8_SEEN, "quant_type": "torch.float8_e4m3fn", "use_scaling
 TORCH_FP8_DEFAULTS = dict(TORCH_FP8_SEEN)  # torch's defaults otherwise: e5m2, use_scaling unset
 
 
+def torch_fp8_pass(options: dict[str, Any]) -> contextlib.AbstractContextManager:
+    """torch's fp8 activation pass turned on with ``options``, for what compiles inside the block.
+
+    Args:
+        options: the pass's options
+            (``post_grad_fusion_options["activation_quantization_aten_pass"]``).
+
+    Returns:
+        The inductor config patch, a context manager.
+    """
+    return torch._inductor.config.patch(post_grad_fusion_options={"activation_quantization_aten_pass": dict(options)})
+
+
 def torch_fp8(name: str, options: dict[str, Any], description: str, in_default: bool = True) -> Config:
     """A configuration: torch's fp8 activation pass with ``options``, compiled, no hooks.
 
     Args:
         name: the configuration's name.
-        options: the pass's options
-            (``post_grad_fusion_options["activation_quantization_aten_pass"]``).
+        options: the pass's options (:func:`torch_fp8_pass`).
         description: the line printed with the results.
         in_default: run when ``--configs`` is not given.
 
     Returns:
         A compiled :class:`Config` whose forward and compile run under the pass.
     """
-    fusion = {"activation_quantization_aten_pass": dict(options)}
-    patch = functools.partial(torch._inductor.config.patch, post_grad_fusion_options=fusion)
+    patch = functools.partial(torch_fp8_pass, options)
     return Config(name, lambda workload, backend: _compiled(workload, backend, patch), True, False, description,
                   in_default=in_default)
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch._inductor.config
 from torch._dynamo.utils import counters
 
 import savedhooks as sh
-from benchmarks.configs import TORCH_FP8
+from benchmarks.configs import TORCH_FP8, torch_fp8_pass
 
 MIN_SQNR_DB = 25.0  # the zoo's gradient floor; e4m3 with row scales clears it on this model
 
@@ -27,8 +26,7 @@ def _grads(model: torch.nn.Module, options: dict[str, object] | None) -> dict[st
     if options is None:
         model(x).square().mean().backward()
     else:
-        fusion = {"activation_quantization_aten_pass": dict(options)}
-        with torch._inductor.config.patch(post_grad_fusion_options=fusion):
+        with torch_fp8_pass(options):
             torch.compile(model, backend="aot_eager")(x).square().mean().backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -70,10 +68,9 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 def test_torch_fp8_pass_keeps_a_saved_additive_mask_finite():
     q, k, v = (torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(i), requires_grad=True)
                for i in range(3))
-    fusion = {"activation_quantization_aten_pass": dict(TORCH_FP8)}
     torch.compiler.reset()
     counters.clear()
-    with torch._inductor.config.patch(post_grad_fusion_options=fusion):
+    with torch_fp8_pass(TORCH_FP8):
         torch.compile(_masked_attention, backend="aot_eager")(q, k, v).square().sum().backward()
     if counters["inductor"]["activation_quantization_fwd_aten_pass"] != 1:
         pytest.fail("the pass did not run")
