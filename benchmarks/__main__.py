@@ -124,6 +124,11 @@ def _run(args: argparse.Namespace) -> int:
     heading += ", loss compiled with the model" if args.compiled_loss else ""
     heading += ", inductor layout optimization off" if args.no_layout_optimization else ""
     print(heading, flush=True)
+    if args.device != "cuda":
+        asked = args.configs if args.configs is not None else [n for n, c in CONFIGS.items() if c.in_default]
+        skipped = [name for name in asked if CONFIGS[name].cuda_only]
+        if skipped:
+            print(f"skipped on {args.device} (CUDA only): {', '.join(skipped)}", flush=True)
     start = time.perf_counter()
     layout = {"layout_optimization": False} if args.no_layout_optimization else {}
     with torch._inductor.config.patch(layout):

@@ -42,9 +42,10 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
 import savedhooks as sh
 from benchmarks.models import Workload
+from benchmarks.torch_options import TORCH_FP8, TORCH_FP8_DEFAULTS, torch_fp8_pass, torch_offload_pass
 from savedhooks.compiler.api import placed_aot_eager
 
-__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FIDELITY_STEP", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_FP8", "TORCH_FP8_DEFAULTS", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "lowest_budget", "plan_at", "plan_or_lowest", "planner_for", "torch_fp8", "torch_fp8_hooks", "torch_fp8_pass"]
+__all__ = ["CODEC", "CONFIGS", "DEFAULT_CONFIGS", "FIDELITY_STEP", "FLOAT8", "POLICY", "POLICY_UNCENTERED", "TORCH_PATH_FLOAT8", "Config", "GraphLog", "Step", "lowest_budget", "plan_at", "plan_or_lowest", "planner_for", "torch_fp8", "torch_fp8_hooks"]
 
 FLOAT8 = sh.codecs.Float8()  # the codec's configuration: the library default, e4m3 with block scales (128)
 CODEC = FLOAT8.hooks()  # its HookPair, as sh.fp8() returns it
@@ -354,32 +355,6 @@ def memory_budget(fraction: float) -> Config:
                   f"partitioner recompute, activation_memory_budget={fraction:g}")
 
 
-# torch's own fp8 activation pass (torch/_functorch/partitioners.py, enable_activation_quantization): the
-# partitioner casts saved values to fp8 in the forward and back in the backward, under inductor and aot_eager.
-# Both configurations let it see the tensors sh.fp8() packs: every floating saved value at any size, the
-# graph's inputs (primals: parameters, the batch) excluded, as savedhooks never hooks them under compile.
-TORCH_FP8_SEEN = {"allowed_dtypes": "torch.float32;torch.bfloat16;torch.float16", "size_in_mb": 0.0,
-                  "exclude_primals": True}
-# e4m3 with one scale per row of the innermost dim. ``use_scaling`` is set: torch 2.13's forward defaults it
-# to True and its backward to False, so left unset the forward scales and the backward never divides back
-# (docs/torch-issues.md; tests/compile/test_torch_fp8_pass.py).
-TORCH_FP8 = {**TORCH_FP8_SEEN, "quant_type": "torch.float8_e4m3fn", "use_scaling": True}
-TORCH_FP8_DEFAULTS = dict(TORCH_FP8_SEEN)  # torch's defaults otherwise: e5m2, use_scaling unset
-
-
-def torch_fp8_pass(options: dict[str, Any]) -> contextlib.AbstractContextManager:
-    """torch's fp8 activation pass turned on with ``options``, for what compiles inside the block.
-
-    Args:
-        options: the pass's options
-            (``post_grad_fusion_options["activation_quantization_aten_pass"]``).
-
-    Returns:
-        The inductor config patch, a context manager.
-    """
-    return torch._inductor.config.patch(post_grad_fusion_options={"activation_quantization_aten_pass": dict(options)})
-
-
 def torch_fp8(name: str, options: dict[str, Any], description: str, in_default: bool = True) -> Config:
     """A configuration: torch's fp8 activation pass with ``options``, compiled, no hooks.
 
@@ -395,6 +370,11 @@ def torch_fp8(name: str, options: dict[str, Any], description: str, in_default: 
     patch = functools.partial(torch_fp8_pass, options)
     return Config(name, lambda workload, backend: _compiled(workload, backend, patch), True, False, description,
                   in_default=in_default)
+
+
+def _torch_offload(workload: Workload, backend: str) -> Step:
+    """torch's partitioner offload of every saved value of 1 KiB or more, with its stream and prefetch. CUDA only."""
+    return _compiled(workload, backend, torch_offload_pass)
 
 
 def planner_for(workload: Workload, backend: str, min_sqnr_db: float | None = None) -> sh.planner.Planner:
@@ -610,6 +590,8 @@ CONFIGS: dict[str, Config] = {
                baseline="bf16", in_default=False),
         Config("save_on_cpu", _save_on_cpu, True, True, "torch.autograd.graph.save_on_cpu(pin_memory=True)"),
         Config("sh offload", _savedhooks_offload, True, True, "sh.offload(fp8) + reorder pass"),
+        Config("torch offload", _torch_offload, True, True,
+               "torch's partitioner offload: every saved value >= 1 KiB to host memory, transfer stream, prefetch"),
         Config("bf16 save_on_cpu", _bf16_save_on_cpu, True, True, "bf16 autocast, save_on_cpu(pin_memory=True)",
                baseline="bf16", in_default=False),
         Config("bf16 offload", _bf16_offload(None), True, True, "bf16 autocast, sh.offload() (asynchronous copies)",

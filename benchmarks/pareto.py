@@ -7,7 +7,7 @@ under inductor (plain ``torch.compile``), with the loss compiled with the model
 * ``compiled``: no hooks (the reference for the ratios);
 * ``checkpoint``: ``torch.utils.checkpoint`` per block;
 * ``sh``: fp8 for every saved floating tensor (``sh.fp8()``);
-* ``torch fp8``: torch's own fp8 activation pass (:data:`benchmarks.configs.TORCH_FP8`);
+* ``torch fp8``: torch's own fp8 activation pass (:data:`benchmarks.torch_options.TORCH_FP8`);
 * ``budget <f>``: torch's min-cut partitioner under ``activation_memory_budget=f``;
 * ``plan checkpoint``: ``sh.plan`` with ``budget_bytes`` = the checkpoint row's
   measured activation peak (a plan must fit what checkpointing reaches); a plan recomputes
@@ -51,7 +51,7 @@ __all__ = ["ALTERNATIVES", "CUDA_ALTERNATIVES", "main", "run_model"]
 
 # the alternatives measured next to the plans; on CUDA also host offload, torch's and ours
 ALTERNATIVES = ("compiled", "checkpoint", "sh", "torch fp8")
-CUDA_ALTERNATIVES = ("save_on_cpu", "sh offload")
+CUDA_ALTERNATIVES = ("save_on_cpu", "sh offload", "torch offload")
 
 
 def _measured(

@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import savedhooks as sh
-from benchmarks.configs import TORCH_FP8, torch_fp8_pass
+from benchmarks.torch_options import TORCH_FP8, torch_fp8_pass
 
 MIN_SQNR_DB = 25.0  # the zoo's gradient floor; e4m3 with row scales clears it on this model
 
