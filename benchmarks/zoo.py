@@ -23,6 +23,10 @@ made in it counted) as the activation peak above the memory live before it
   the worst parameter-gradient SQNR against the baseline's gradients
   (:func:`savedhooks.metrics.worst_sqnr`: gradients that are rounding noise in
   the reference are skipped);
+- (e) torch's own fp8 activation pass (:data:`benchmarks.torch_options.TORCH_FP8`:
+  e4m3, row scales, every floating saved value but the graph's inputs) around
+  the same compile, no hooks: the same two figures ("non-finite" where a
+  gradient has NaN or inf in it);
 - (b) the same without compiling, against the eager step without hooks;
 - (c) ``sh.plan`` at 0.7 of the baseline's measured peak, applied and
   compiled inside ``sh.saved_tensors_hooks(plan.hooks)``: measured peak over
@@ -61,6 +65,7 @@ import torch
 from torch import nn
 
 import savedhooks as sh
+from benchmarks.torch_options import TORCH_FP8, torch_fp8_pass
 from benchmarks.zoo_entries import SEED, SIZES, ZOO, Dims, ZooModel, without_dropout
 
 __all__ = [
@@ -83,8 +88,9 @@ ERROR_CHARS = 160  # an error's text: type and first line, cut here (the list un
 CELL_ERROR_CHARS = 60  # the same in a table cell
 # the measurements, in run order: the baselines come before what is compared with them; (c) last but one, as
 # it applies the plan's recompute to the model (reverted after)
-MEASUREMENTS = ("compiled", "a", "eager", "b", "c", "bf16", "d", "ckpt", "ckpt eager")
-NEEDS = {"a": "compiled", "b": "eager", "c": "compiled", "d": "bf16", "ckpt": "compiled", "ckpt eager": "eager"}
+MEASUREMENTS = ("compiled", "a", "e", "eager", "b", "c", "bf16", "d", "ckpt", "ckpt eager")
+NEEDS = {"a": "compiled", "e": "compiled", "b": "eager", "c": "compiled", "d": "bf16", "ckpt": "compiled",
+         "ckpt eager": "eager"}
 
 
 
@@ -188,6 +194,9 @@ class ZooRow:
         compiled_mib: plain ``torch.compile`` (inductor), no hooks.
         a_ratio: (a) ``sh.policy()`` compiled, over ``compiled_mib``.
         a_sqnr: (a) against the compiled step's gradients.
+        e_ratio: (e) torch's fp8 activation pass (:data:`benchmarks.torch_options.TORCH_FP8`)
+            around the same compile, no hooks, over ``compiled_mib``.
+        e_sqnr: (e) against the compiled step's gradients (NaN: some gradient is not finite).
         eager_mib: eager, no hooks.
         b_ratio: (b) ``sh.policy()`` eager, over ``eager_mib``.
         b_sqnr: (b) against the eager step's gradients.
@@ -201,7 +210,7 @@ class ZooRow:
         ckpt_ratio: transformers' gradient checkpointing compiled, over ``compiled_mib``.
         ckpt_eager_ratio: the same eager, over ``eager_mib``.
         seconds: the model's wall time (all its measurements).
-        errors: what failed, by measurement (``compiled``, ``a``, ``eager``,
+        errors: what failed, by measurement (``compiled``, ``a``, ``e``, ``eager``,
             ``b``, ``c``, ``bf16``, ``d``, ``ckpt``, ``ckpt eager``, ``build``).
         worst: the worst parameter's name, by measurement.
     """
@@ -213,6 +222,8 @@ class ZooRow:
     compiled_mib: float | None = None
     a_ratio: float | None = None
     a_sqnr: float | None = None
+    e_ratio: float | None = None
+    e_sqnr: float | None = None
     eager_mib: float | None = None
     b_ratio: float | None = None
     b_sqnr: float | None = None
@@ -239,6 +250,8 @@ COLUMNS: tuple[tuple[str, str, str, str], ...] = (
     ("compiled_mib", "compiled MiB", "{:.2f}", "compiled"),
     ("a_ratio", "(a) policy / compiled", "{:.2f}", "a"),
     ("a_sqnr", "(a) SQNR dB", "{:.1f}", "a"),
+    ("e_ratio", "(e) torch fp8 / compiled", "{:.2f}", "e"),
+    ("e_sqnr", "(e) SQNR dB", "{:.1f}", "e"),
     ("eager_mib", "eager MiB", "{:.2f}", "eager"),
     ("b_ratio", "(b) policy eager / eager", "{:.2f}", "b"),
     ("b_sqnr", "(b) SQNR dB", "{:.1f}", "b"),
@@ -360,6 +373,13 @@ def measure_model(entry: ZooModel, size: str = "tiny", dropout: bool | None = No
         if "compiled" in refs:
             row.a_sqnr, row.worst["a"] = _sqnr(refs["compiled"], grads)
 
+    def torch_fp8() -> None:
+        step = step_fn(_compiled(model), model, inputs, loss_of, lambda: torch_fp8_pass(TORCH_FP8))
+        peak, grads = _measure(step, model)
+        row.e_ratio = _ratio(peak / MIB, row.compiled_mib)
+        if "compiled" in refs:
+            row.e_sqnr, row.worst["e"] = _sqnr(refs["compiled"], grads)
+
     def eager_ref() -> None:
         peak, refs["eager"] = _measure(step_fn(model, model, inputs, loss_of), model)
         row.eager_mib = peak / MIB
@@ -414,7 +434,7 @@ def measure_model(entry: ZooModel, size: str = "tiny", dropout: bool | None = No
         if "compiled" in refs:
             row.c_sqnr, row.worst["c"] = _sqnr(refs["compiled"], grads)
 
-    bodies = {"compiled": compiled_ref, "a": policy_compiled, "eager": eager_ref, "b": policy_eager, "c": planned,
+    bodies = {"compiled": compiled_ref, "a": policy_compiled, "e": torch_fp8, "eager": eager_ref, "b": policy_eager, "c": planned,
               "bf16": bf16_ref, "d": bf16_policy, "ckpt": checkpointing(True), "ckpt eager": checkpointing(False)}
     for key in MEASUREMENTS:
         if key in wanted:
@@ -434,7 +454,7 @@ def _cell(row: ZooRow, field: str, fmt: str, measurement: str) -> str:
     if isinstance(value, float) and math.isinf(value):
         return "exact" if value > 0 else "-inf"
     if isinstance(value, float) and math.isnan(value):
-        return "NaN"
+        return "non-finite"  # worst_sqnr's NaN: a gradient with NaN or inf in it
     return fmt.format(value).replace("|", "/")
 
 
@@ -489,7 +509,9 @@ def document(rows: list[ZooRow], command: str, size: str, seconds: float) -> str
         f"`{command}`; {_versions()}; device {_device()}; {seconds / 60:.1f} min.",
         "",
         f"Peaks: one training step's activation peak above the memory live before it (MiB). (a) sh.policy() around "
-        f"plain torch.compile, over the compiled step without hooks; (b) the same eager, over eager; (c) sh.plan at "
+        f"plain torch.compile, over the compiled step without hooks; (b) the same eager, over eager; (e) torch's "
+        f"fp8 activation pass (e4m3, row scales) around plain torch.compile, no hooks, over the compiled step "
+        f"(non-finite: a gradient holds NaN or inf); (c) sh.plan at "
         f"{PLAN_FRACTION:g} of the compiled peak, measured peak over that budget; (d) (a) under bf16 autocast, over "
         f"compiled bf16 without hooks; HF ckpt: gradient_checkpointing_enable(use_reentrant=False). SQNR: the worst "
         f"parameter gradient against the reference of the same mode (rounding-noise gradients skipped). ✗: the "

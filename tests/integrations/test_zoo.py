@@ -77,6 +77,8 @@ def test_table_shows_figures_and_errors():
     text = zoo.table([ok, failed])
     assert "| m | decoder | - | 1.00 | 2.00 | 0.50 | exact |" in text
     assert "✗ RuntimeError: x / y" in text  # a pipe inside a cell would split it
+    broken = zoo.table([zoo.ZooRow("t", "decoder", e_ratio=0.4, e_sqnr=math.nan)])
+    assert "| 0.40 | non-finite |" in broken  # a NaN SQNR: some gradient is not finite, said as such
     page = zoo.document([ok, failed], "python -m benchmarks.zoo", "tiny", 60.0)
     assert "torch " in page and "transformers " in page and "- n / a: `RuntimeError: x | y`" in page
 
@@ -89,6 +91,14 @@ def test_policy_compiled_and_eager_on_tiny_entry(name):
     assert row.a_ratio < 1.0, row  # the compiled step's peak, with saved activations packed, is lower
     assert row.a_sqnr >= MIN_SQNR_DB, (row.a_sqnr, row.worst)
     assert row.b_sqnr >= MIN_SQNR_DB, (row.b_sqnr, row.worst)
+
+
+@pytest.mark.slow
+def test_torch_fp8_pass_measured_on_a_tiny_decoder():
+    row = zoo.measure_model(zoo.ZOO["llama"], "tiny", only=("a", "e"))
+    assert not row.errors, row.errors
+    assert row.e_ratio < 1.0, row  # the pass packs saved activations: the compiled step's peak is lower
+    assert row.e_sqnr is not None, row  # a figure, or NaN where a gradient is not finite
 
 
 @pytest.mark.slow
