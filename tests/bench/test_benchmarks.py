@@ -444,8 +444,38 @@ def test_pareto_and_sensitivity_on_cuda_need_a_cuda_device(capsys):
         sensitivity.main(["--device", "cuda", "--models", "mlp"])
     assert exit_info.value.code == 2 and "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
     # on CUDA the plans are measured next to host offload too, torch's and ours, both CUDA-only configurations
-    assert pareto.CUDA_ALTERNATIVES == ("save_on_cpu", "sh offload")
+    assert pareto.CUDA_ALTERNATIVES == ("save_on_cpu", "sh offload", "torch offload")
     assert all(CONFIGS[name].cuda_only for name in pareto.CUDA_ALTERNATIVES)
+
+
+def _timing(config, ratio, low, high):
+    from benchmarks.step_time import Timing
+
+    return Timing("m", config, "inductor", 100.0 * ratio, ratio, low, high, 10, "compiled")
+
+
+def test_pareto_verdict_compares_each_plan_with_the_fastest_alternative_at_or_below_its_peak():
+    from benchmarks.pareto import document, verdicts
+
+    peaks = {"compiled": 10.0, "checkpoint": 5.0, "budget 0.5": 6.0, "torch fp8": 4.5, "sh": 7.0,
+             "plan checkpoint": 5.0, "plan 0.6": 6.0, "plan floor": 3.0}  # fmt: skip
+    steps = {"compiled": 1.0, "checkpoint": 1.3, "budget 0.5": 1.1, "torch fp8": 1.2, "sh": 1.05,
+             "plan checkpoint": 1.15, "plan 0.6": 1.12, "plan floor": 1.4}  # fmt: skip
+    rows = [Row("m", c, "inductor", "cpu", activation_mib=mib) for c, mib in peaks.items()]
+    timings = [_timing(c, r, r - 0.02, r + 0.03) for c, r in steps.items()]
+    found = {v.plan: v for v in verdicts(rows, timings)}
+    # at checkpoint's peak (5.0): checkpoint (1.3) and torch fp8 (4.5, 1.2) reach it; torch fp8 is the faster
+    assert (found["plan checkpoint"].rival, found["plan checkpoint"].rival_step) == ("torch fp8", 1.2)
+    assert found["plan checkpoint"].plan_faster and found["plan checkpoint"].peak_ratio == 0.5
+    # at 6.0 torch's budget 0.5 (1.1) reaches it too, and is faster than the plan (1.12)
+    assert found["plan 0.6"].rival == "budget 0.5" and not found["plan 0.6"].plan_faster
+    assert found["plan 0.6"].rival_spread == pytest.approx((1.08, 1.13))
+    # nothing reaches 3.0: the plan stands alone
+    assert found["plan floor"].rival == "" and found["plan floor"].plan_faster
+    page = document(rows, timings, "python -m benchmarks.pareto", "torch x")
+    assert "| m | plan 0.6 | 0.60 | 1.12 (1.10, 1.15) | budget 0.5 | 0.60 | 1.10 (1.08, 1.13) | no |" in page
+    assert "| plan floor | 3.0 | 0.30 | 1.40 | 1.38, 1.43 |  |" in page  # rows sorted by peak, spread given
+    assert page.index("| compiled |") < page.index("| sh |") < page.index("| plan floor |")
 
 
 def test_a_planned_configuration_recomputes_the_plan_s_blocks_and_close_reverts_them():
@@ -523,13 +553,14 @@ def test_pareto_passes_its_fidelity_limit_to_the_planner(monkeypatch, tmp_path):
     from benchmarks.configs import planner_for
 
     seen = []
-    monkeypatch.setattr(pareto, "run_model", lambda *args: seen.append(args[-1]) or [])
+    monkeypatch.setattr(pareto, "run_model", lambda *args: seen.append(args[-2:]) or ([], []))
     monkeypatch.setattr(pareto, "table", lambda rows: "")
     monkeypatch.setattr(pareto, "write_csv", lambda rows, path: path)
     monkeypatch.setattr(pareto, "plot_pareto", lambda rows, path, title: path)
     assert pareto.main(["--models", "mlp", "--min-sqnr-db", "25", "--out", str(tmp_path)]) == 0
-    assert pareto.main(["--models", "mlp", "--out", str(tmp_path)]) == 0
-    assert seen == [25.0, None]
+    assert pareto.main(["--models", "mlp", "--rounds", "0", "--out", str(tmp_path)]) == 0
+    assert seen == [(25.0, 10), (None, 0)]  # the fidelity limit, and the rounds timed in turn
+    assert (tmp_path / "pareto.md").read_text().startswith("# Peak against step time")
     assert planner_for(make_workload("mlp", 0.25), "aot_eager", 25.0).min_sqnr_db == 25.0
 
 
