@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import pathlib
 import platform
 import shlex
@@ -82,10 +83,12 @@ class Verdict:
         step: the plan's step time over the compiled step's, median over the rounds.
         spread: the lowest and highest per-round ratio of the plan's step.
         rival: the fastest alternative (no ``plan`` row) whose peak is at or
-            below the plan's; empty where none reaches it.
+            below the plan's and whose gradients are finite; empty where none.
         rival_peak_ratio: its activation peak over the compiled step's.
         rival_step: its median step ratio.
         rival_spread: its lowest and highest per-round ratio.
+        not_counted: alternatives at or below the plan's peak left out for
+            non-finite gradients (a step that returns NaN does not train).
     """
 
     model: str
@@ -97,6 +100,7 @@ class Verdict:
     rival_peak_ratio: float | None = None
     rival_step: float | None = None
     rival_spread: tuple[float, float] | None = None
+    not_counted: tuple[str, ...] = ()
 
     @property
     def plan_faster(self) -> bool:
@@ -106,6 +110,9 @@ class Verdict:
 
 def verdicts(rows: list[Row], timings: list[Timing]) -> list[Verdict]:
     """Each plan row against the fastest alternative whose measured peak is at or below the plan's.
+
+    Alternatives whose gradients are not finite (NaN SQNR) are not counted: they
+    are named in :attr:`Verdict.not_counted`.
 
     Args:
         rows: one model's (or several models') measured rows, ``compiled`` among them.
@@ -124,9 +131,11 @@ def verdicts(rows: list[Row], timings: list[Timing]) -> list[Verdict]:
     for plan in (r for r in ok if r.config.startswith("plan")):
         base = compiled[plan.model]
         mine = timed[(plan.model, plan.config)]
-        rivals = [r for r in ok if r.model == plan.model and not r.config.startswith("plan")
-                  and r.activation_mib <= plan.activation_mib]  # fmt: skip
-        verdict = Verdict(plan.model, plan.config, plan.activation_mib / base, mine.ratio, (mine.low, mine.high))
+        reaching = [r for r in ok if r.model == plan.model and not r.config.startswith("plan")
+                    and r.activation_mib <= plan.activation_mib]  # fmt: skip
+        rivals = [r for r in reaching if not _non_finite(r)]
+        verdict = Verdict(plan.model, plan.config, plan.activation_mib / base, mine.ratio, (mine.low, mine.high),
+                          not_counted=tuple(r.config for r in reaching if _non_finite(r)))  # fmt: skip
         if rivals:
             best = min(rivals, key=lambda r: timed[(r.model, r.config)].ratio)
             t = timed[(best.model, best.config)]
@@ -134,6 +143,10 @@ def verdicts(rows: list[Row], timings: list[Timing]) -> list[Verdict]:
                                           rival_step=t.ratio, rival_spread=(t.low, t.high))  # fmt: skip
         out.append(verdict)
     return out
+
+
+def _non_finite(row: Row) -> bool:
+    return row.grad_sqnr_db is not None and math.isnan(row.grad_sqnr_db)
 
 
 def document(rows: list[Row], timings: list[Timing], command: str, heading: str) -> str:
@@ -188,8 +201,8 @@ def document(rows: list[Row], timings: list[Timing], command: str, heading: str)
             "## Each plan against the fastest alternative at or below its peak",
             "",
             ("| model | plan | peak | step (lowest, highest) | fastest alternative | its peak | its step (lowest, "
-             "highest) | plan no slower |"),
-            "|---|---|---:|---|---|---:|---|---|",
+             "highest) | plan no slower | not counted: non-finite gradients |"),
+            "|---|---|---:|---|---|---:|---|---|---|",
         ]
         for v in found:
             rival = "none reaches this peak | | "
@@ -197,7 +210,8 @@ def document(rows: list[Row], timings: list[Timing], command: str, heading: str)
                 rival = (f"{v.rival} | {v.rival_peak_ratio:.2f} | {v.rival_step:.2f} ({v.rival_spread[0]:.2f}, "
                          f"{v.rival_spread[1]:.2f})")  # fmt: skip
             lines.append(f"| {v.model} | {v.plan} | {v.peak_ratio:.2f} | {v.step:.2f} ({v.spread[0]:.2f}, "
-                         f"{v.spread[1]:.2f}) | {rival} | {'yes' if v.plan_faster else 'no'} |")  # fmt: skip
+                         f"{v.spread[1]:.2f}) | {rival} | {'yes' if v.plan_faster else 'no'} | "
+                         f"{', '.join(v.not_counted)} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -462,18 +463,21 @@ def test_pareto_verdict_compares_each_plan_with_the_fastest_alternative_at_or_be
     steps = {"compiled": 1.0, "checkpoint": 1.3, "budget 0.5": 1.1, "torch fp8": 1.2, "sh": 1.05,
              "plan checkpoint": 1.15, "plan 0.6": 1.12, "plan floor": 1.4}  # fmt: skip
     rows = [Row("m", c, "inductor", "cpu", activation_mib=mib) for c, mib in peaks.items()]
+    rows.append(Row("m", "broken", "inductor", "cpu", activation_mib=4.0, grad_sqnr_db=math.nan))
+    steps["broken"] = 0.9  # the fastest at 4.0 MiB, but its gradients are NaN: never the rival
     timings = [_timing(c, r, r - 0.02, r + 0.03) for c, r in steps.items()]
     found = {v.plan: v for v in verdicts(rows, timings)}
     # at checkpoint's peak (5.0): checkpoint (1.3) and torch fp8 (4.5, 1.2) reach it; torch fp8 is the faster
     assert (found["plan checkpoint"].rival, found["plan checkpoint"].rival_step) == ("torch fp8", 1.2)
     assert found["plan checkpoint"].plan_faster and found["plan checkpoint"].peak_ratio == 0.5
+    assert found["plan checkpoint"].not_counted == ("broken",)
     # at 6.0 torch's budget 0.5 (1.1) reaches it too, and is faster than the plan (1.12)
     assert found["plan 0.6"].rival == "budget 0.5" and not found["plan 0.6"].plan_faster
     assert found["plan 0.6"].rival_spread == pytest.approx((1.08, 1.13))
     # nothing reaches 3.0: the plan stands alone
     assert found["plan floor"].rival == "" and found["plan floor"].plan_faster
     page = document(rows, timings, "python -m benchmarks.pareto", "torch x")
-    assert "| m | plan 0.6 | 0.60 | 1.12 (1.10, 1.15) | budget 0.5 | 0.60 | 1.10 (1.08, 1.13) | no |" in page
+    assert "| m | plan 0.6 | 0.60 | 1.12 (1.10, 1.15) | budget 0.5 | 0.60 | 1.10 (1.08, 1.13) | no | broken |" in page
     assert "| plan floor | 3.0 | 0.30 | 1.40 | 1.38, 1.43 |  |" in page  # rows sorted by peak, spread given
     assert page.index("| compiled |") < page.index("| sh |") < page.index("| plan floor |")
 
