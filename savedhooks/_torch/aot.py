@@ -11,11 +11,29 @@ Checkpointed random ops are wrapped in ``torch._prims.rng_prims``'s
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch._functorch import config
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
-__all__ = ["config", "run_and_save_rng_state", "run_with_rng_state", "saved_tensor_hook_context"]
+__all__ = ["config", "every_saved_value_hooked", "run_and_save_rng_state", "run_with_rng_state",
+           "saved_tensor_hook_context"]
+
+
+def every_saved_value_hooked() -> contextlib.AbstractContextManager:
+    """Have AOTAutograd inline saved-tensor hooks for every saved value but the static inputs.
+
+    torch's default (``saved_tensors_hooks_filtering_mode="donated"``) inlines
+    them only for saved values that are intermediates of the graph: not for a
+    value the forward also returns (a decoder's key and value with
+    ``use_cache=True``), nor for saved values that share one storage.
+    ``"no_static"`` leaves out only the static inputs (parameters, buffers).
+
+    Returns:
+        The ``torch._functorch.config`` patch, a context manager.
+    """
+    return config.patch(saved_tensors_hooks_filtering_mode="no_static")
 
 
 def saved_tensor_hook_context() -> tuple[torch.fx.Node, torch.fx.Graph, torch.fx.Graph] | None:

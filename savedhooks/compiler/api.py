@@ -311,6 +311,7 @@ class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors 
         fixes.install()
         with contextlib.ExitStack() as stack:
             stack.enter_context(inductor_placement(self.reorder))
+            stack.enter_context(aot.every_saved_value_hooked())
             stack.enter_context(applied(self.hooks))
             self._entered.append(stack.pop_all())
         return self.hooks

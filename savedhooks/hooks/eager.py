@@ -164,8 +164,16 @@ def _local_trampoline(fns: _HookFunctions, stage: str) -> Callable[[Any], Any]:
     return savedhooks_local_unpack
 
 
+def _saves_a_graph_input() -> bool:
+    """Whether AOTAutograd is inlining the hooks for a value the compiled graph takes as an input."""
+    ctx = hook_context()
+    return ctx is not None and ctx.node.op == "placeholder"
+
+
 def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
     if not _is_eager(x):
+        if _saves_a_graph_input():  # the caller holds it: stored as it is, in pack and in unpack alike
+            return x
         ctx = hook_context()
         if ctx is not None:
             align_rng_state_names(ctx.fw_graph, ctx.bw_graph)  # torch 2.13: checkpointed random ops (_torch.fixes)
@@ -268,6 +276,8 @@ def _covers(view: torch.Tensor, base: torch.Tensor) -> bool:
 
 
 def _unpack(fns: _HookFunctions, packed: Any) -> torch.Tensor:
+    if isinstance(packed, torch.Tensor) and not _is_eager(packed) and _saves_a_graph_input():
+        return packed  # what _pack stored as it is
     if isinstance(packed, _Held):
         if packed.tensor is not None:  # backward reads it before it was packed
             _check_version(fns, packed.tensor, packed.version)
