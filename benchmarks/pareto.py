@@ -189,7 +189,7 @@ def document(rows: list[Row], timings: list[Timing], command: str, heading: str)
                 continue
             t = timed.get((r.model, r.config))
             ratio = r.activation_mib / base if base and r.activation_mib is not None else None
-            sqnr = "non-finite" if r.grad_sqnr_db != r.grad_sqnr_db else _fmt(r.grad_sqnr_db, "{:.1f}")
+            sqnr = "non-finite" if _non_finite(r) else _fmt(r.grad_sqnr_db, "{:.1f}")
             spread = f"{t.low:.2f}, {t.high:.2f}" if t else ""
             step = t.ratio if t else r.step_ratio
             lines.append(f"| {r.config} | {_fmt(r.activation_mib, '{:.1f}')} | {_fmt(ratio, '{:.2f}')} | "

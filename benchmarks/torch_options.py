@@ -14,7 +14,7 @@ compiles inside it; :mod:`benchmarks.configs` turns them into configurations and
   on a transfer stream with prefetch. torch picks the values a joint-graph pass
   marks (``node.meta["should_offload"]``); :func:`mark_for_offload` marks every
   forward value of at least ``min_bytes``, and torch's own checks leave out
-  what it cannot move (views, non-contiguous values, graph inputs, outputs).
+  what it cannot move (views, non-contiguous values, static inputs, the model's outputs).
   CUDA only: the copies use torch's ``ao`` ops and a CUDA stream.
 """
 

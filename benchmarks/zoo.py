@@ -8,12 +8,14 @@ training too), attention implementation, activation, tied embeddings. The
 model runs in train mode and returns its own loss (``labels`` given). Weights
 are random, inputs drawn with a fixed seed; nothing is downloaded.
 
-Two sizes: ``tiny`` (hidden 64, 2 layers: a compile takes tens of seconds on 2
+Three sizes: ``tiny`` (hidden 64, 2 layers: a compile takes tens of seconds on 2
 CPU cores; 512 tokens a step, so that saved activations outweigh the parameters
-and their gradients) and ``base`` (hidden 256, 4 layers, seq 256, batch 4). In
-both, saved activations are most of the step's peak.
+and their gradients), ``base`` (hidden 256, 4 layers, seq 256, batch 4) and
+``large`` (hidden 512, 6 layers, 2 KV heads, vocabulary 16384, seq 512, batch
+4: a decoder's step of about 0.8 GiB). In all three, saved activations are most
+of the step's peak.
 
-``python -m benchmarks.zoo [--models ...] [--size tiny|base] [--out docs/results/zoo.md]``
+``python -m benchmarks.zoo [--models ...] [--size tiny|base|large] [--out docs/results/zoo.md]``
 measures, per model, one training step (forward and backward, the gradients
 made in it counted) as the activation peak above the memory live before it
 (``sh.memory.measure_peak``):

@@ -73,6 +73,10 @@ SIZES: dict[str, Dims] = {
                  image=64, patch=4, stages=2, window=4),
     "base": Dims(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=688, vocab=2048, seq=256, batch=4,
                  experts=8, image=224, patch=16, stages=2, window=7),
+    # a decoder's step where activations dominate (about 0.8 GiB compiled for a Qwen2, 133 MiB of parameters):
+    # 2048 tokens, a 16k vocabulary
+    "large": Dims(layers=6, hidden=512, heads=8, kv_heads=2, intermediate=1536, vocab=16384, seq=512, batch=4,
+                  experts=8, image=224, patch=16, stages=2, window=7),
 }  # fmt: skip
 
 
