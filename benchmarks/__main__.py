@@ -113,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch._inductor.config
 
     from benchmarks import report
-    from benchmarks.configs import CONFIGS
+    from benchmarks.configs import CONFIGS, DEFAULT_CONFIGS
     from benchmarks.run import run
 
     command = args.command
@@ -125,7 +125,7 @@ def _run(args: argparse.Namespace) -> int:
     heading += ", inductor layout optimization off" if args.no_layout_optimization else ""
     print(heading, flush=True)
     if args.device != "cuda":
-        asked = args.configs if args.configs is not None else [n for n, c in CONFIGS.items() if c.in_default]
+        asked = args.configs if args.configs is not None else DEFAULT_CONFIGS
         skipped = [name for name in asked if CONFIGS[name].cuda_only]
         if skipped:
             print(f"skipped on {args.device} (CUDA only): {', '.join(skipped)}", flush=True)

@@ -37,7 +37,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch._inductor.config
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
 import savedhooks as sh

@@ -25,11 +25,11 @@ made in it counted) as the activation peak above the memory live before it
   the worst parameter-gradient SQNR against the baseline's gradients
   (:func:`savedhooks.metrics.worst_sqnr`: gradients that are rounding noise in
   the reference are skipped);
+- (b) the same without compiling, against the eager step without hooks;
 - (e) torch's own fp8 activation pass (:data:`benchmarks.torch_options.TORCH_FP8`:
   e4m3, row scales, every floating saved value but the graph's inputs) around
-  the same compile, no hooks: the same two figures ("non-finite" where a
-  gradient has NaN or inf in it);
-- (b) the same without compiling, against the eager step without hooks;
+  plain ``torch.compile``, no hooks: peak over the baseline's and worst
+  gradient SQNR ("non-finite" where a gradient has NaN or inf in it);
 - (c) ``sh.plan`` at 0.7 of the baseline's measured peak, applied and
   compiled inside ``sh.saved_tensors_hooks(plan.hooks)``: measured peak over
   the budget, the worst SQNR against the baseline, and the plan's predicted peak;
