@@ -41,6 +41,7 @@ from savedhooks._torch import pytree
 from savedhooks._torch.fixes import align_rng_state_names
 from savedhooks._torch.tensors import base_of, is_traced, is_view, version_counter
 from savedhooks.hooks.contract import HookError, _HookFunctions, _pack_checked, _unpack_checked, hook_context
+from savedhooks.memory.sizes import storage_key
 
 
 class _Passthrough:
@@ -165,9 +166,25 @@ def _local_trampoline(fns: _HookFunctions, stage: str) -> Callable[[Any], Any]:
 
 
 def _saves_a_graph_input() -> bool:
-    """Whether AOTAutograd is inlining the hooks for a value the compiled graph takes as an input."""
+    """Whether AOTAutograd is inlining the hooks for a graph input or a view of one.
+
+    The caller holds such a value's storage for the whole step (the parameters,
+    the batch, a tangent), so a packed copy would add bytes and free none: under
+    compile as in eager mode (:func:`_frees_nothing`), it is stored as it is.
+    """
     ctx = hook_context()
-    return ctx is not None and ctx.node.op == "placeholder"
+    if ctx is None:
+        return False
+    if ctx.node.op == "placeholder":
+        return True
+    key = _storage_key_of(ctx.node)
+    return key is not None and any(
+        _storage_key_of(p) == key for p in ctx.fw_graph.find_nodes(op="placeholder"))
+
+
+def _storage_key_of(node: torch.fx.Node) -> int | None:
+    val = node.meta.get("val")
+    return storage_key(val) if isinstance(val, torch.Tensor) else None
 
 
 def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:

@@ -486,3 +486,38 @@ def test_late_global_gets_its_cache_hash_when_entered():
     namespace["LOW"] = torch.float16
     with sh.saved_tensors_hooks(pair):
         assert node.meta["user_cache_hash"] != first
+
+
+def test_compiled_hooks_see_saved_values_the_forward_also_returns_but_never_its_inputs():
+    """A saved value the forward returns too (a decoder's key and value with a KV cache) reaches
+    the hooks under compile, as in eager mode; graph inputs and views of them are stored as they are."""
+    seen: list[tuple[object, tuple[int, ...]]] = []
+
+    @sh.hook
+    def spy(x):
+        ctx = sh.hook_context()
+        if ctx is not None:
+            seen.append((ctx.node.target, tuple(x.shape)))
+        return x.clone()
+
+    @spy.unpack
+    def spy(packed):
+        return packed
+
+    w1 = torch.randn(8, 16, requires_grad=True)
+    w2 = torch.randn(16, 4, requires_grad=True)
+
+    def forward(x):
+        h = torch.relu(x.view(6, 8) @ w1)  # saved by the second matmul and by relu's backward
+        return h @ w2, h  # h is also an output
+
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    expected = [g.clone() for g in torch.autograd.grad(sum(t.square().sum() for t in forward(x)), (x, w1, w2))]
+    seen.clear()
+    with sh.saved_tensors_hooks(spy):
+        out, h = torch.compile(forward, backend="aot_eager")(x)
+    grads = torch.autograd.grad(out.square().sum() + h.square().sum(), (x, w1, w2))
+    assert torch.ops.aten.relu.default in {target for target, _ in seen}
+    assert all(target != "x" and shape != (6, 8) for target, shape in seen)  # x and its view: not packed
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want)
