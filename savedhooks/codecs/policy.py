@@ -19,9 +19,9 @@ from savedhooks.codecs.backends import uses_fused
 from savedhooks.codecs.base import Codec, as_codec
 from savedhooks.codecs.bitmask import Bitmask
 from savedhooks.codecs.centered import Centered
-from savedhooks.codecs.downcast import Downcast
 from savedhooks.codecs.fp8 import Float8
 from savedhooks.codecs.indices import PoolIndices
+from savedhooks.codecs.int8 import Int8Rows
 from savedhooks.codecs.placement import decodes_twice, saved_for_an_eager_loss
 from savedhooks.hooks import eager_readers, hook_context
 from savedhooks.hooks.contract import HookContext
@@ -172,9 +172,11 @@ def is_attention_operand(x: torch.Tensor, node: torch.fx.Node | None) -> bool:
     row of the probabilities' gradient ``rowsum(grad_out * out)`` computed from
     the saved output. fp8's relative error of up to 2**-4 in these operands
     puts the recomputed probabilities and the saved statistics out of step,
-    and the query's and key's gradients take the whole error (bf16 for the
-    four operands keeps them in step; ``sh.fidelity.sensitivity`` measures
-    what each costs on a given model).
+    and the query's and key's gradients take the whole error. The policy's
+    :class:`~savedhooks.codecs.Int8Rows` (a scale per head vector, 255
+    levels) holds each value to 2**-8 of its row's largest at fp8's byte per
+    value; ``sh.fidelity.sensitivity`` measures what each costs on a given
+    model.
 
     Args:
         x: the saved tensor.
@@ -383,7 +385,7 @@ class Policy(Codec):
     narrow_softmax: int = 256
     relative_bytes: float = 1 / 16
     centered: Codec | None = Centered()
-    attention: Codec | None = Downcast(torch.bfloat16)
+    attention: Codec | None = Int8Rows()
 
     def __post_init__(self) -> None:
         for name in ("floating", "boolean", "integer", "centered", "attention"):
@@ -492,7 +494,7 @@ def policy(
     narrow_softmax: int = 256,
     relative_bytes: float = 1 / 16,
     centered: Any = Centered(),
-    attention: Any = Downcast(torch.bfloat16),
+    attention: Any = Int8Rows(),
 ):
     """Hooks that pick a codec for each saved tensor, and keep the ones that lossy packing hurts.
 
@@ -512,7 +514,7 @@ def policy(
     at the loss's peak, :func:`savedhooks.codecs.placement.saved_for_an_eager_loss`).
     The rest: fp8 for floating tensors (under inductor, a batch norm's input as
     its deviation from each channel's mean: ``centered``), the query, key, value
-    and output of fused attention in ``attention`` (bf16: :func:`is_attention_operand`;
+    and output of fused attention in ``attention`` (int8 rows: :func:`is_attention_operand`;
     in eager mode the query, key and value are held until the op saves its
     output: :attr:`Policy.eager_window`), bitmasks for bool ones, max-pool
     indices in int16 or int32 and inductor's
@@ -546,7 +548,9 @@ def policy(
             ``floating`` is None.
         attention: the codec for the query, key, value and output of a
             fused attention op (:func:`is_attention_operand`), instead of
-            ``floating``; default bf16. None: ``floating``. Unused
+            ``floating``; default :class:`~savedhooks.codecs.Int8Rows`
+            (int8 codes, a float32 scale per head vector; rows under 16
+            values are kept as they are). None: ``floating``. Unused
             when ``floating`` is None.
 
     Returns:

@@ -32,8 +32,9 @@ Design notes
 * Options per candidate: keep; bf16 (float32 and float64 tensors); fp8 (the
   policy's codec, e4m3 blocks of 128); a bitmask for bool tensors; offload to
   pinned host memory for tensors on an accelerator (no device payload). Where
-  the policy holds a tensor in a 16-bit float (fused attention's operands,
-  ``Policy.attention``), fp8 is not offered: the backward recomputes the
+  the policy holds a tensor in a 16-bit float or in int8 rows (fused
+  attention's operands, ``Policy.attention``), fp8 is not offered, and plans
+  hold those in bf16 at the least: the backward recomputes the
   attention probabilities from them, and fp8's rounding there lands whole in
   the query and key gradients (:func:`savedhooks.codecs.policy.is_attention_operand`). Payload
   bytes (device bytes) come from encoding a fake tensor of the candidate's
@@ -65,7 +66,7 @@ import torch
 
 from savedhooks._torch import pytree
 from savedhooks._torch.tensors import FakeTensorMode
-from savedhooks.codecs import Downcast, Policy
+from savedhooks.codecs import Downcast, Int8Rows, Policy
 from savedhooks.codecs.backends import materializes_better
 from savedhooks.compiler.api import saved_tensors_hooks
 from savedhooks.fidelity.select import Census, SavedTensor, keyed_run
@@ -91,7 +92,7 @@ def _options(
     """Keep, and each codec that accepts the tensors, with device payload bytes (fake encode) and time.
 
     Keep alone where ``by_loss`` (the eager loss saves one of them). No fp8
-    where the policy packs one of them in a 16-bit float (module notes).
+    where the policy packs one of them in a 16-bit float or int8 rows (module notes).
 
     Offload is a choice for tensors on an accelerator (its payload on the device
     is 0 bytes; host bytes are not counted); its time is the copies' round trip,
@@ -106,7 +107,7 @@ def _options(
     if by_loss:
         return tuple(options)  # packing frees nothing at the loss's peak (module notes)
     names = ("bitmask",) if first.dtype == torch.bool else ("bf16", "fp8") if first.dtype.is_floating_point else ()
-    if any(isinstance(t.packed_as, Downcast) for t in tensors):
+    if any(isinstance(t.packed_as, (Downcast, Int8Rows)) for t in tensors):
         names = tuple(n for n in names if n != "fp8")
     for name in (*names, "offload"):
         codec = CODECS[name]

@@ -70,7 +70,7 @@ def test_two_processes_match_without_hooks_and_one_process(how, tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     assert worst_sqnr(grads["policy"], single) >= POLICY_DB
     # and packs: float64 doubles exactly what goes through the hooks; the policy removes most of it
-    # (fp8 with its scales keeps 0.28x of a float32 tensor, bf16 0.5x for attention's operands; LN statistics
+    # (fp8 with its scales keeps 0.28x of a float32 tensor, int8 rows about as much for attention's operands; LN statistics
     # and small tensors stay as they are)
     through_hooks = saved["lossless"] - saved["no hooks"]
     assert through_hooks > 0 and saved["no hooks"] - saved["policy"] >= 0.55 * through_hooks

@@ -409,7 +409,7 @@ def _chosen(fn, x, **rules) -> dict[tuple[int, ...], set]:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:savedhooks hook")
-def test_policy_packs_fused_attentions_query_key_value_and_output_in_bf16():
+def test_policy_packs_fused_attentions_query_key_value_and_output_in_int8_rows():
     torch.manual_seed(0)
     model, x = _Attention(), torch.randn(4, 256, 128)
     heads = (4, 4, 256, 32)
@@ -417,8 +417,8 @@ def test_policy_packs_fused_attentions_query_key_value_and_output_in_bf16():
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="aot_eager")
         chosen = _chosen(compiled, x)
-        # the query, key, value and output of the fused op: bf16; its logsumexp: kept
-        assert chosen == {heads: {"Downcast"}, (4, 4, 256): {None}}
+        # the query, key, value and output of the fused op: int8 rows; its logsumexp: kept
+        assert chosen == {heads: {"Int8Rows"}, (4, 4, 256): {None}}
         torch._dynamo.reset()
         assert _chosen(torch.compile(model, backend="aot_eager"), x, attention=None)[heads] == {"Float8"}
     finally:
@@ -426,8 +426,8 @@ def test_policy_packs_fused_attentions_query_key_value_and_output_in_bf16():
     # eager: the output is recognized by its autograd node; the query, key and value, saved before it runs as views
     # of the projections' outputs, by that node reading them (held until it saves its output); the output
     # projection's input goes to fp8
-    assert _chosen(model, x) == {heads: {"Downcast"}, (1024, 128): {"Downcast", "Float8"}}
-    assert [type(c).__name__ for shape, c in _CHOSEN if shape == (1024, 128)].count("Downcast") == 3
+    assert _chosen(model, x) == {heads: {"Int8Rows"}, (1024, 128): {"Int8Rows", "Float8"}}
+    assert [type(c).__name__ for shape, c in _CHOSEN if shape == (1024, 128)].count("Int8Rows") == 3
     assert _chosen(model, x, attention=None) == {heads: {"Float8"}, (1024, 128): {"Float8"}}
 
 

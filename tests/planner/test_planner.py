@@ -186,14 +186,14 @@ def test_no_fp8_option_where_the_policy_holds_a_tensor_in_bf16(monkeypatch):
 
 
 def test_a_plan_never_packs_fused_attentions_operands_in_fp8():
-    """The census records the policy's bf16 for SDPA's query, key, value and output; at the floor the plan
-    packs every candidate it can, fp8 where offered, and those in bf16 at most."""
+    """The census records the policy's int8 rows for SDPA's query, key, value and output; at the floor the
+    plan packs every candidate it can, fp8 where offered, and those in bf16 at most."""
     torch.manual_seed(0)
     model, x = transformer(2, 64), torch.randn(4, 64, 64)
     survey = sh.planner.survey(model, (x,), loss_fn=_loss, backend="aot_eager")
     # per layer: the query, key and value (views of one projection's output: one unit), and the output
     # (with the view of it that the output projection saves: one storage, one choice)
-    attention = {key for key, ts in survey.saved.items() if any(isinstance(t.packed_as, sh.codecs.Downcast) for t in ts)}
+    attention = {key for key, ts in survey.saved.items() if any(isinstance(t.packed_as, sh.codecs.Int8Rows) for t in ts)}
     assert len(attention) == 2 * 2
     options = {u.key: [o.name for o in u.options] for u in survey.units}
     assert all(options[key] == ["keep", "bf16"] for key in attention)
