@@ -549,7 +549,7 @@ def policy(
         attention: the codec for the query, key, value and output of a
             fused attention op (:func:`is_attention_operand`), instead of
             ``floating``; default :class:`~savedhooks.codecs.Int8Rows`
-            (int8 codes, a float32 scale per head vector; rows under 16
+            (int8 codes, a float32 scale per head vector; rows under 8
             values are kept as they are). None: ``floating``. Unused
             when ``floating`` is None.
 

@@ -220,10 +220,11 @@ def test_bf16_autocast_compiled_policy_halves_the_saved_bytes():
 
     bf16_bytes, want = saved_and_grads(None)
     policy_bytes, got = saved_and_grads(sh.policy())
-    # bf16 activations in fp8 with a float32 scale per 128: 0.53x; attention's query, key, value and output stay
-    # bf16 (the policy's attention codec), and so do the weights' bf16 copies (kept as they are), which at this
-    # size (256 tokens, width 64) weigh as much as a layer's activations; kept statistics add a little: 0.63x measured
-    assert 0.58 <= policy_bytes / bf16_bytes <= 0.66
+    # bf16 activations in fp8 with a float32 scale per 128: 0.53x; attention's query, key, value and output in
+    # int8 rows (a float32 scale per 16-value head vector: 0.63x of bf16); the weights' bf16 copies are kept as
+    # they are, which at this size (256 tokens, width 64) weigh as much as a layer's activations; kept statistics
+    # add a little: 0.58x measured
+    assert 0.54 <= policy_bytes / bf16_bytes <= 0.62
     assert worst_sqnr(got, want) >= POLICY_DB
 
 
