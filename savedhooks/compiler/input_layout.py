@@ -5,9 +5,9 @@ mkldnn is there; on CUDA by heuristics on the convolutions' shapes) gives every
 4-D tensor that a convolution reads a channels_last layout, graph inputs
 included. A forward graph returns the inputs the backward needs (the image a
 first convolution read, its weight); under the optimization inductor returns a
-channels_last *copy* in their place. AOTAutograd hands only intermediates to
-saved-tensor hooks, so no codec reaches the copy, and it lives from the forward
-to the backward next to the input it copies (on the benchmark's ViT, more bytes
+channels_last *copy* in their place. Inductor makes the copy after AOTAutograd
+has inlined the saved-tensor hooks, so no codec reaches it, and it lives from
+the forward to the backward next to the input it copies (on the benchmark's ViT, more bytes
 than the image itself).
 
 * :func:`keep_input_layout` (forward graphs) marks the forward outputs that are

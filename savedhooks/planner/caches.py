@@ -15,7 +15,8 @@ Design notes
   ``Plan.apply`` to ``Plan.revert`` (:func:`turn_caches_off`,
   :func:`restore_caches`), for every plan, recompute or not. A model trained
   with the cache on also returns each layer's keys and values: forward
-  outputs, which saved-tensor hooks never pack, held to the end of the step.
+  outputs, which the caller may hold to the end of the step, so that packing
+  them frees nothing.
 * A cache asked for in the call itself (``use_cache=True`` among the keyword
   arguments, a cache object passed to a block by keyword or by position) is
   not a config: a checkpointed
