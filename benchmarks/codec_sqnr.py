@@ -28,6 +28,7 @@ CODECS = [
     ("fp8(e5m2, block 128)", sh.codecs.Float8(torch.float8_e5m2, "block", 128)),
     ("fp8(e4m3, block 128, stochastic)", sh.codecs.Float8(torch.float8_e4m3fn, "block", 128, rounding="stochastic")),
     ("fp8(e5m2, block 128, stochastic)", sh.codecs.Float8(torch.float8_e5m2, "block", 128, rounding="stochastic")),
+    ("int8 rows", sh.codecs.Int8Rows()),
     ("downcast(bf16)", sh.codecs.Downcast(torch.bfloat16)),
     ("downcast(fp16)", sh.codecs.Downcast(torch.float16)),
 ]
