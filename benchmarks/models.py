@@ -26,9 +26,8 @@ tensors that the models make themselves (max-pool indices, GPT-2's position ids)
 
 The language models run with ``use_cache=False``, as training does (nothing
 reads the KV cache; transformers turns it off itself under checkpointing). With
-it on, each layer's K and V are forward outputs as well as saved tensors, and
-torch's hook inlining packs only intermediates, never outputs: they would stay
-in float32 in every configuration with hooks.
+it on, each layer's K and V are forward outputs as well as saved tensors,
+which the step's caller holds until it drops the model's outputs.
 """
 
 from __future__ import annotations
