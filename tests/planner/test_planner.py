@@ -172,10 +172,11 @@ def test_offload_is_a_choice_for_accelerator_tensors_with_no_device_payload(monk
     assert all(o.name != "offload" for o in offload)
 
 
-def test_no_fp8_option_where_the_policy_holds_a_tensor_in_bf16(monkeypatch):
+@pytest.mark.parametrize("held_as", [sh.codecs.Downcast(torch.bfloat16), sh.codecs.Int8Rows()], ids=repr)
+def test_no_fp8_option_where_the_policy_holds_a_tensor_in_bf16_or_int8_rows(monkeypatch, held_as):
     survey_module = _survey_module()
     monkeypatch.setattr(survey_module, "seconds_per_byte", lambda codec, dtype, device, backend: 1e-9)
-    held = SavedTensor("g0:q", "mm", (64, 64), torch.float32, 64 * 64 * 4, sh.codecs.Downcast(torch.bfloat16))
+    held = SavedTensor("g0:q", "mm", (64, 64), torch.float32, 64 * 64 * 4, held_as)
     assert [o.name for o in survey_module._options([held], torch.device("cpu"), "inductor")] == ["keep", "bf16"]
     packed = SavedTensor("g0:mm", "mm", (64, 64), torch.float32, 64 * 64 * 4, sh.codecs.Float8())
     assert [o.name for o in survey_module._options([packed], torch.device("cpu"), "inductor")] == [
