@@ -33,8 +33,8 @@ Design notes
   policy's codec, e4m3 blocks of 128); a bitmask for bool tensors; offload to
   pinned host memory for tensors on an accelerator (no device payload). Where
   the policy holds a tensor in a 16-bit float or in int8 rows (fused
-  attention's operands, ``Policy.attention``), fp8 is not offered, and plans
-  hold those in bf16 at the least: the backward recomputes the
+  attention's operands, ``Policy.attention``), fp8 is not offered (plans keep
+  them or hold them in bf16): the backward recomputes the
   attention probabilities from them, and fp8's rounding there lands whole in
   the query and key gradients (:func:`savedhooks.codecs.policy.is_attention_operand`). Payload
   bytes (device bytes) come from encoding a fake tensor of the candidate's
