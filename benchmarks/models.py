@@ -43,6 +43,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from savedhooks._torch.dynamo import isolated
+
 __all__ = ["BIG_MODEL_CONFIGS", "MODELS", "Model", "ModelWithLoss", "Workload", "make_workload"]
 
 # random init only: never reach for the hub, even by accident
@@ -63,7 +65,8 @@ class Workload:
         compiled_loss: the compiled configurations compile the loss with the
             model (:meth:`with_loss`) instead of running it eagerly on the
             compiled model's output.
-        isolated: :meth:`compiled_step` compiles with ``isolate_recompiles=True``,
+        isolated: :meth:`compiled_step` compiles with ``isolate_recompiles=True``
+            (before torch 2.13: a code object of its own, :func:`savedhooks._torch.dynamo.isolated`),
             so that this copy's compiled code is its own: dynamo otherwise shares
             one set of cache entries among all copies of a model class, and a
             copy compiled under a setting it does not guard on (a
@@ -111,8 +114,10 @@ class Workload:
         """The step's forward through ``compile`` applied to what :attr:`compiled_loss` says to compile.
 
         Args:
-            compile: e.g. ``functools.partial(torch.compile, backend="inductor")``; given
-                ``isolate_recompiles=True`` as well where :attr:`isolated` is set.
+            compile: e.g. ``functools.partial(torch.compile, backend="inductor")``; where
+                :attr:`isolated` is set, the module it gets compiles to code of its own
+                (``isolate_recompiles=True``, or its own code object before torch 2.13:
+                ``savedhooks._torch.dynamo.isolated``).
 
         Returns:
             A callable running the forward to the scalar loss.
@@ -120,12 +125,13 @@ class Workload:
         Raises:
             Whatever ``compile`` raises.
         """
+        module = self.with_loss() if self.compiled_loss else self.model
         if self.isolated:
-            compile = functools.partial(compile, isolate_recompiles=True)
+            module, kwargs = isolated(module)
+            compile = functools.partial(compile, **kwargs)
+        compiled = compile(module)
         if self.compiled_loss:
-            compiled = compile(self.with_loss())
             return lambda: compiled(**self.inputs)
-        compiled = compile(self.model)
         return lambda: self.loss(compiled)
 
 

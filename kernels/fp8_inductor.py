@@ -34,7 +34,8 @@ Design notes
   seconds per variant on a CPU, and test suites and benchmarks reset between cases.
   The precompiled variants are ours and survive the reset. With
   ``torch._inductor.config.force_disable_caches`` set, ``aot_compile`` refuses,
-  and the plain compiled function serves (dynamo's cache, emptied by each reset).
+  and the plain compiled function serves (dynamo's cache, emptied by each reset);
+  so it does on torch 2.11, which has no ``aot_compile``.
 * A last short block (block scales, columns not a multiple of the block size):
   under dynamic shapes inductor joins the two column segments' codes with an aten
   ``cat``, which copies them. Rows then go in chunks of at most
@@ -192,8 +193,10 @@ class _Variants:
         self.variants = []
 
     def __call__(self, *args):
-        if inductor.config.force_disable_caches:  # aot_compile needs the caches
-            return self.compiled(*args)
+        # aot_compile needs the caches, and torch 2.12+ (a compiled function's method)
+        if inductor.config.force_disable_caches or not dynamo.has_aot_compile():
+            with torch.compiler.set_stance("default"):  # the codec's own compiles, whatever the caller's stance
+                return self.compiled(*args)
         for variant in self.variants:
             if variant.guard_check(*args):
                 return variant.fn(*args)

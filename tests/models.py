@@ -4,16 +4,29 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
 import savedhooks as sh
+from savedhooks._torch.version import BUGS, has_bug
 
-# torch 2.13 hazard found here: inductor's reorder_for_peak_memory gives wrong conv
-# gradients for conv -> relu -> max_pool on CPU, with or without hooks (pinned by
-# test_compile.py's test_torch_inductor_reorder_bug_conv_relu_maxpool). CNN runs under inductor keep
-# that pass off so that they test our hooks, not the torch bug.
-INDUCTOR_CNN_OPTIONS = {"reorder_for_peak_memory": False}
+
+def torch_bug(name: str, **kwargs) -> pytest.MarkDecorator:
+    """A strict xfail pinning a torch bug of ``savedhooks._torch.version.BUGS`` on the releases that have it.
+
+    On a release that fixed it the test runs as a plain test (and must pass); on
+    one that has it, a pass fails the run: the table then lists a fixed bug.
+    """
+    return pytest.mark.xfail(has_bug(name), strict=True, reason=f"torch {torch.__version__}: {BUGS[name].summary}",
+                             **kwargs)  # fmt: skip
+
+
+# Where inductor's reorder_for_peak_memory gives wrong conv gradients for conv -> relu -> max_pool on
+# CPU, with or without hooks (BUGS["reorder_conv_relu_maxpool"], pinned by test_compile.py's
+# test_torch_inductor_reorder_bug_conv_relu_maxpool), CNN runs under inductor keep that pass off so
+# that they test our hooks, not the torch bug.
+INDUCTOR_CNN_OPTIONS = {"reorder_for_peak_memory": False} if has_bug("reorder_conv_relu_maxpool") else {}
 
 POLICY_DB = 25.0  # sh.policy()'s fidelity goal: gradients at >= 25 dB SQNR
 

@@ -17,8 +17,18 @@ import torch
 from torch._functorch import config
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
-__all__ = ["config", "every_saved_value_hooked", "run_and_save_rng_state", "run_with_rng_state",
-           "saved_tensor_hook_context"]
+from savedhooks._torch.version import release
+
+__all__ = ["BACKWARD_FREES_GRADIENTS", "config", "every_saved_value_hooked", "offload_bandwidth_gbps",
+           "run_and_save_rng_state", "run_with_rng_state", "saved_tensor_hook_context"]
+
+# A compiled backward takes its incoming gradients as one list that it empties, so that each is
+# freed at its last use (torch 2.13+: the runtime wrapper's "freeing individual grads mid-backward").
+# Before, its caller holds them to the end. Read by savedhooks.memory.freed_inputs.
+BACKWARD_FREES_GRADIENTS = release() >= (2, 13)
+
+_OFFLOAD_BANDWIDTH_GBPS = 50.0  # torch 2.12+'s default activation_offload_cpu_gpu_bw, for the releases without it
+
 
 
 def every_saved_value_hooked() -> contextlib.AbstractContextManager:
@@ -49,3 +59,13 @@ def saved_tensor_hook_context() -> tuple[torch.fx.Node, torch.fx.Graph, torch.fx
     if not state:
         return None
     return state["_node"], state["_fw_graph"], state["_bw_graph"]
+
+
+def offload_bandwidth_gbps() -> float:
+    """The host-device copy bandwidth that timing of offloads assumes, in GB/s.
+
+    Returns:
+        ``torch._functorch.config.activation_offload_cpu_gpu_bw`` (torch 2.12+),
+        else 50.0 (its default there).
+    """
+    return float(getattr(config, "activation_offload_cpu_gpu_bw", _OFFLOAD_BANDWIDTH_GBPS))

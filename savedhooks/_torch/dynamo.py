@@ -11,13 +11,21 @@ are public and used directly.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import types
 from typing import Any
 
+import torch
 from torch._dynamo import OptimizedModule, config
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._guards import TracingContext
 
-__all__ = ["OptimizedModule", "aot_eager", "boxed_nop", "config", "is_compiled_module", "tracing_context"]
+__all__ = ["HAS_ISOLATE_RECOMPILES", "OptimizedModule", "aot_eager", "boxed_nop", "config", "has_aot_compile",
+           "is_compiled_module", "isolated", "tracing_context"]
+
+# torch.compile(..., isolate_recompiles=True): torch 2.13 and later
+HAS_ISOLATE_RECOMPILES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
 
 def tracing_context() -> TracingContext | None:
@@ -40,3 +48,40 @@ def is_compiled_module(model: Any) -> bool:
         True for an ``OptimizedModule`` or a module with a compiled call (``Module._compiled_call_impl``).
     """
     return isinstance(model, OptimizedModule) or getattr(model, "_compiled_call_impl", None) is not None
+
+
+def isolated(module: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A module whose compiled code will be its own, and the ``torch.compile`` arguments that make it so.
+
+    Dynamo keeps compiled code on the code object of the frame it captures (a
+    module's ``forward``), shared by every instance of the class, and a copy
+    compiled under a setting its guards do not cover (a ``torch._functorch.config``
+    patch) would run another copy's code. Where ``torch.compile`` takes
+    ``isolate_recompiles`` (torch 2.13+), that is the answer. Before it, the
+    module gets an instance-level ``forward`` over a copy of its class's code
+    object, which dynamo keys its cache entries on: same code, entries of its own.
+
+    Args:
+        module: the module about to be compiled (changed in place before torch 2.13).
+
+    Returns:
+        ``(module, kwargs)``: pass ``kwargs`` to ``torch.compile`` with it.
+    """
+    if HAS_ISOLATE_RECOMPILES:
+        return module, {"isolate_recompiles": True}
+    forward = type(module).forward
+    code = forward.__code__.replace()  # a new code object: its own dynamo cache entries
+    copy = types.FunctionType(code, forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__)
+    copy.__kwdefaults__ = forward.__kwdefaults__
+    module.forward = types.MethodType(copy, module)
+    return module, {}
+
+
+@functools.cache
+def has_aot_compile() -> bool:
+    """Whether a ``torch.compile``'d function can be precompiled with its ``aot_compile`` method (torch 2.12+).
+
+    Returns:
+        True where the compiled function has ``aot_compile``.
+    """
+    return hasattr(torch.compile(lambda x: x), "aot_compile")

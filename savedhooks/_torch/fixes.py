@@ -1,4 +1,6 @@
-"""Work-arounds for torch 2.13 bugs met on savedhooks' own code paths (the only code that patches torch).
+"""Work-arounds for torch bugs met on savedhooks' own code paths (the only code that patches torch).
+
+Each runs only on the releases that have its bug (:data:`savedhooks._torch.version.BUGS`).
 
 Design notes
 ------------
@@ -23,7 +25,7 @@ Design notes
   (about 200 ``setattr`` calls and a ``dir``). Inductor constructs it once per op
   it generates code for: about 20,000 times for a 1-block transformer under
   ``sh.fp8()``, whose decomposed codec adds ops to every kernel it lands in. Fixed
-  upstream (pytorch/pytorch#192820); for torch 2.13 :func:`set_up_dtype_propagation_once`
+  upstream (pytorch/pytorch#192820); up to torch 2.14 :func:`set_up_dtype_propagation_once`
   runs the set-up again only when torch's table of op rules differs from the one
   it last ran with (a rule registered later, such as a new pointwise lowering).
   Same attributes, same code generated. Installed by :func:`install` when
@@ -41,7 +43,7 @@ import torch.fx
 
 from savedhooks._torch.aot import run_and_save_rng_state
 from savedhooks._torch.fx import rename_node
-from savedhooks._torch.version import is_torch_2_13
+from savedhooks._torch.version import has_bug
 
 __all__ = ["align_rng_state_names", "install", "rng_state_outputs", "set_up_dtype_propagation_once"]
 
@@ -72,13 +74,16 @@ def rng_state_outputs(fw_graph: torch.fx.Graph) -> list[torch.fx.Node]:
 def align_rng_state_names(fw_graph: torch.fx.Graph, bw_graph: torch.fx.Graph) -> None:
     """Give each saved generator state its backward placeholder's name (see the module notes).
 
-    Idempotent; does nothing when the graphs hold no such states or when their
-    counts disagree (an unknown layout: torch's own assertion then speaks).
+    Idempotent; does nothing on a torch without the bug (2.14 and later), when
+    the graphs hold no such states, or when their counts disagree (an unknown
+    layout: torch's own assertion then speaks).
 
     Args:
         fw_graph: the forward graph AOTAutograd is inlining hooks into.
         bw_graph: its backward graph.
     """
+    if not has_bug("rng_state_names"):
+        return
     forward = rng_state_outputs(fw_graph)
     if not forward:
         return
@@ -92,13 +97,13 @@ def align_rng_state_names(fw_graph: torch.fx.Graph, bw_graph: torch.fx.Graph) ->
 def set_up_dtype_propagation_once() -> bool:
     """Have inductor's ``DtypePropagationOpsHandler`` run its set-up only when its op rules changed (see notes).
 
-    Idempotent. Only for torch 2.13 (the fix is upstream after it); elsewhere
-    nothing is changed.
+    Idempotent. Only on the releases with the bug (``BUGS["dtype_propagation_setup"]``:
+    every supported one; fixed upstream after 2.14); elsewhere nothing is changed.
 
     Returns:
         True if the handler's ``__init__`` is (now) the once-only one.
     """
-    if not is_torch_2_13():
+    if not has_bug("dtype_propagation_setup"):
         return False
     from torch._inductor import dtype_propagation
     from torch._inductor import utils as inductor_utils

@@ -32,7 +32,8 @@ def __getattr__(name: str) -> Any:
     Returns:
         ``torch._inductor.compile_fx.compile_fx``, ``torch._inductor.graph.GraphLowering``,
         the module ``torch._inductor.memory``, or
-        ``torch._inductor.fx_passes.overlap_scheduling.estimate_roofline_runtime_ms``.
+        ``torch._inductor.fx_passes.overlap_scheduling.estimate_roofline_runtime_ms``
+        (None on torch 2.11, which has no such estimate).
 
     Raises:
         AttributeError: any other name.
@@ -49,10 +50,10 @@ def __getattr__(name: str) -> Any:
         from torch._inductor import memory
 
         return memory
-    if name == "estimate_roofline_runtime_ms":
-        from torch._inductor.fx_passes.overlap_scheduling import estimate_roofline_runtime_ms
+    if name == "estimate_roofline_runtime_ms":  # torch 2.12+; None before
+        from torch._inductor.fx_passes import overlap_scheduling
 
-        return estimate_roofline_runtime_ms
+        return getattr(overlap_scheduling, "estimate_roofline_runtime_ms", None)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -5,15 +5,23 @@ Importing that module registers ``ao::offload``, ``ao::reload`` and
 the events ``ao::wait_tensor`` waits for. savedhooks' own offload op copies on
 that stream and registers its event there, so torch's wait finds it. Imported
 on first use: ``import savedhooks`` does not load it.
+
+torch 2.11 has no such module (:data:`HAS_AO_OPS` is False): there, offload
+copies stay synchronous on the compute stream (``savedhooks.compiler.overlap``
+says so once in a log line).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
 
-__all__ = ["ao_ops", "register_wait", "transfer_stream"]
+__all__ = ["HAS_AO_OPS", "ao_ops", "register_wait", "transfer_stream"]
+
+# torch 2.12+: torch._functorch._activation_offloading.offload_ops (ao::offload, ao::reload, ao::wait_tensor)
+HAS_AO_OPS = importlib.util.find_spec("torch._functorch._activation_offloading.offload_ops") is not None
 
 
 def _offload_ops() -> Any:

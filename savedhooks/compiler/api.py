@@ -131,7 +131,7 @@ class ReorderPass(inductor.CustomGraphPass):
 
     def uuid(self) -> str:
         """This pass's key in inductor's FX graph cache: a digest of what changes its output (see the class notes)."""
-        bandwidth = aot.config.activation_offload_cpu_gpu_bw  # times the overlap of offload copies
+        bandwidth = aot.offload_bandwidth_gbps()  # times the overlap of offload copies
         # a backward's copies of the weights its forward kept (input_layout) depend on that forward's compile
         weights = ",".join(sorted(recorded_weights()))
         options = f"forward={self.forward}:hooked_only={self.hooked_only}:copy_gbps={bandwidth}:weights={weights}"

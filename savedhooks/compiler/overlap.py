@@ -38,6 +38,7 @@ Design notes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -45,7 +46,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from savedhooks._torch.fx import side_effectful_functions
-from savedhooks._torch.offload import ao_ops
+from savedhooks._torch.offload import HAS_AO_OPS, ao_ops
 from savedhooks._torch.ops import schema_or_none
 from savedhooks.memory import build_graph_memory, freed_inputs
 from savedhooks.memory.estimate import _report_device
@@ -154,11 +155,15 @@ def overlap_transfers(gm: torch.fx.GraphModule, is_backward: bool, model: Transf
 
     Returns:
         The number of copies rewritten (0 leaves the graph untouched: no copy
-        between an accelerator and the host).
+        between an accelerator and the host, or a torch without the ``ao`` ops,
+        where the copies stay synchronous and a warning says so once).
     """
     target = torch.ops.savedhooks.reload.default if is_backward else torch.ops.savedhooks.offload.default
     nodes = [n for n in gm.graph.nodes if n.target is target and _overlappable(n, is_backward)]
     if not nodes:
+        return 0
+    if not HAS_AO_OPS:
+        _log_synchronous_once()
         return 0
     model = model or TransferModel()
     ao = _ao_ops()
@@ -196,6 +201,13 @@ def _overlappable(node: torch.fx.Node, is_backward: bool) -> bool:
 
 def _ao_ops():
     return ao_ops()  # registers ao::offload, ao::reload, ao::wait_tensor
+
+
+@functools.cache
+def _log_synchronous_once() -> None:
+    log.warning("savedhooks overlap: torch %s has no asynchronous offload ops (torch 2.12+: ao::offload, "
+                "ao::reload, ao::wait_tensor); offload copies stay synchronous on the compute stream",
+                torch.__version__)  # fmt: skip
 
 
 def _split(graph: torch.fx.Graph, node: torch.fx.Node, ao, is_backward: bool) -> tuple[torch.fx.Node, torch.fx.Node]:

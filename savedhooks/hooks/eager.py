@@ -193,7 +193,7 @@ def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
             return x
         ctx = hook_context()
         if ctx is not None:
-            align_rng_state_names(ctx.fw_graph, ctx.bw_graph)  # torch 2.13: checkpointed random ops (_torch.fixes)
+            align_rng_state_names(ctx.fw_graph, ctx.bw_graph)  # torch < 2.14: checkpointed random ops (_torch.fixes)
         return _pack_checked(fns, x)
     if _frees_nothing(x):
         return _Passthrough(x)

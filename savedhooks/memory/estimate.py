@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from savedhooks._torch.aot import BACKWARD_FREES_GRADIENTS
 from savedhooks._torch.tensors import FakeTensorMode, unset_fake_temporarily
 from savedhooks.memory.graph import Buffer, GraphMemory, build_graph_memory
 
@@ -293,11 +294,12 @@ def saved_activations(backward: torch.fx.GraphModule) -> tuple[str, ...]:
 def freed_inputs(backward: torch.fx.GraphModule) -> tuple[str, ...]:
     """Inputs that an AOTAutograd backward graph frees after their last use: pass them as ``donated``.
 
-    The saved activations (:func:`saved_activations`) and the incoming gradients
-    (``tangents_*``): torch 2.13 hands a compiled backward its gradients as one
-    list that it empties ("to allow freeing individual grads mid-backward", in
-    its runtime wrapper), and both aot_eager's generated code and inductor's
-    (``del tangents_1``) drop each input at its last use. GPT-2 with
+    The saved activations (:func:`saved_activations`) and, from torch 2.13 on,
+    the incoming gradients (``tangents_*``): torch 2.13 hands a compiled backward
+    its gradients as one list that it empties ("to allow freeing individual
+    grads mid-backward", in its runtime wrapper), and both aot_eager's generated
+    code and inductor's (``del tangents_1``) drop each input at its last use.
+    Before 2.13 the caller holds the gradients to the end of the backward. GPT-2 with
     checkpointed blocks, whose logits gradient is read first by the default
     order and late by a placed one, measures under aot_eager what is predicted
     with the gradients freed, not with them held (``tests/memory/test_memory.py``).
@@ -311,6 +313,8 @@ def freed_inputs(backward: torch.fx.GraphModule) -> tuple[str, ...]:
     Returns:
         Placeholder names.
     """
+    if not BACKWARD_FREES_GRADIENTS:
+        return saved_activations(backward)
     return tuple(n.name for n in backward.graph.nodes if n.op == "placeholder" and not n.name.startswith("primals"))
 
 

@@ -62,7 +62,7 @@ class TransferModel:
         """
         if self.copy_bytes_per_s is not None:
             return float(self.copy_bytes_per_s)
-        return aot.config.activation_offload_cpu_gpu_bw * 1024**3
+        return aot.offload_bandwidth_gbps() * 1024**3
 
     def seconds(self, node: torch.fx.Node) -> float:
         """Modelled run time of ``node`` on the compute stream.
@@ -72,8 +72,8 @@ class TransferModel:
 
         Returns:
             Seconds from ``node_seconds``; else 0 for placeholders, outputs and
-            attribute reads, torch's roofline estimate for a node on a GPU,
-            :func:`nominal_seconds` for the rest.
+            attribute reads, torch's roofline estimate for a node on a GPU
+            (torch 2.12+), :func:`nominal_seconds` for the rest.
 
         Raises:
             Whatever ``node_seconds`` raises.
@@ -84,8 +84,9 @@ class TransferModel:
             return float_hint(self.node_seconds(node))
         if node.op != "call_function":
             return 0.0
-        if torch.cuda.is_available() and makes_cuda_tensor(node):
-            return float_hint(inductor.estimate_roofline_runtime_ms(node)) / 1e3
+        roofline = inductor.estimate_roofline_runtime_ms  # None on torch 2.11
+        if roofline is not None and torch.cuda.is_available() and makes_cuda_tensor(node):
+            return float_hint(roofline(node)) / 1e3
         return nominal_seconds(node)
 
 

@@ -626,17 +626,6 @@ def test_host_copies_needs_a_cuda_device_and_refuses_unknown_settings(capsys):
         host_copies.copy_gb_per_s("up", pinned=True)
 
 
-def test_the_torch_2_11_shim_refuses_any_other_torch_and_needs_its_confirmation(capsys, tmp_path):
-    from benchmarks import torch211_shim
-
-    with pytest.raises(SystemExit) as exit_info:
-        torch211_shim.main(["--offload-ops", str(tmp_path / "offload_ops.py")])  # no --modify-installed-torch
-    assert exit_info.value.code == 2
-    with pytest.raises(SystemExit) as exit_info:
-        torch211_shim.main(["--modify-installed-torch", "--offload-ops", str(tmp_path / "offload_ops.py")])
-    assert exit_info.value.code == 2 and f"this is torch {torch.__version__}" in capsys.readouterr().err
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "compiled_loss"),

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import savedhooks as sh
+from savedhooks._torch.dynamo import has_aot_compile
 from savedhooks.kernels import fp8_inductor
 from savedhooks.kernels.fp8 import torch_fp8_dequantize, torch_fp8_quantize
 from savedhooks.kernels.fp8_fused import fused_fp8_dequantize, fused_fp8_quantize
@@ -140,6 +141,7 @@ def test_entering_the_hooks_does_not_recompile_the_compiled_form(every_size):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not has_aot_compile(), reason="precompiled variants need aot_compile (torch 2.12+)")
 def test_the_compiled_variants_outlive_a_dynamo_reset(every_size):
     """Dynamo's reset (tests, benchmark rows) must not trace the codec again; without caches dynamo serves."""
     x = torch.randn(64, 256)
@@ -155,6 +157,7 @@ def test_the_compiled_variants_outlive_a_dynamo_reset(every_size):
     assert _same_bytes(got, want)
 
 
+@pytest.mark.skipif(not has_aot_compile(), reason="precompiled variants need aot_compile (torch 2.12+)")
 def test_past_the_variant_limit_the_path_turns_off_and_the_reference_serves(monkeypatch, every_size):
     monkeypatch.setattr(fp8_inductor, "RECOMPILE_LIMIT", 0)  # no variant may be compiled
     monkeypatch.setattr(fp8_inductor, "_compiled", fp8_inductor._Variants)  # fresh, empty lists

@@ -5,7 +5,7 @@ from __future__ import annotations
 import expecttest
 import pytest
 import torch
-from models import INDUCTOR_CNN_OPTIONS, GraphCapture, bf16, cast_hook, cnn, mlp, train_step_grads
+from models import INDUCTOR_CNN_OPTIONS, GraphCapture, bf16, cast_hook, cnn, mlp, torch_bug, train_step_grads
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -66,7 +66,7 @@ def _inductor(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="torch 2.13 inductor reorder_for_peak_memory bug (CPU); strict: tells us when fixed")
+@torch_bug("reorder_conv_relu_maxpool")
 def test_torch_inductor_reorder_bug_conv_relu_maxpool():
     model = cnn()
     x = torch.randn(2, 3, 16, 16)
@@ -76,8 +76,7 @@ def test_torch_inductor_reorder_bug_conv_relu_maxpool():
         torch.testing.assert_close(g, w)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="torch 2.13 inductor C++ loop split drops a remainder (CPU); strict: tells us when fixed")
+@torch_bug("cpp_loop_split_remainder", raises=AssertionError)
 def test_torch_inductor_loop_split_bug_drops_the_columns_past_the_last_whole_block():
     # Block scales expanded over 40 columns, 16 per block: the kernel's index divides the column by
     # 16, so inductor's C++ backend splits the column loop into 40 // 16 = 2 blocks of 16 and never

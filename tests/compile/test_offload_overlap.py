@@ -20,12 +20,15 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import savedhooks as sh
 import savedhooks.kernels.offload  # the savedhooks::offload and savedhooks::reload ops
+from savedhooks._torch.offload import HAS_AO_OPS
 from savedhooks.codecs.base import pack_saved, unpack_saved
 from savedhooks.compiler.overlap import Transfer, hoist_starts, overlap_transfers, sink_waits
 from savedhooks.hostmem import default_pool
 from savedhooks.memory import estimate_peak
 from savedhooks.memory.timing import TransferModel, nominal_seconds
 from tests.models import train_step_grads
+
+pytestmark = pytest.mark.skipif(not HAS_AO_OPS, reason="torch's ao offload ops: torch 2.12+")
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 N = 256
@@ -144,6 +147,21 @@ def test_the_reorder_pass_makes_offload_copies_asynchronous():
     gm = _trace(_backward, "cpu", "cuda", "cuda", "cuda")
     sh.compiler.reorder_pass()(gm.graph)
     assert "ao.reload.default" in _targets(gm) and "savedhooks.reload.default" not in _targets(gm)
+
+
+def test_without_torchs_ao_ops_the_copies_stay_synchronous_and_a_warning_says_so_once(monkeypatch, caplog):
+    """torch 2.11 has no ao::offload / ao::reload / ao::wait_tensor: the graph is left as it is."""
+    from savedhooks.compiler import overlap
+
+    monkeypatch.setattr(overlap, "HAS_AO_OPS", False)
+    overlap._log_synchronous_once.cache_clear()
+    with caplog.at_level("WARNING", logger="savedhooks.compiler.overlap"):
+        for _ in range(2):
+            gm = _trace(_forward, "cuda", "cuda", "cuda", "cuda")
+            assert overlap_transfers(gm, is_backward=False) == 0
+            assert "savedhooks.offload.default" in _targets(gm) and "savedhooks.offload_async.default" not in _targets(gm)
+    assert sum("offload copies stay synchronous" in r.getMessage() for r in caplog.records) == 1
+    overlap._log_synchronous_once.cache_clear()
 
 
 def test_strided_and_pageable_copies_stay_synchronous():

@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 
 import savedhooks as sh
 from benchmarks.torch_options import TORCH_FP8, torch_fp8_pass
+from tests.models import torch_bug
 
 MIN_SQNR_DB = 25.0  # the zoo's gradient floor; e4m3 with row scales clears it on this model
 
@@ -46,9 +47,7 @@ def test_the_benchmarks_torch_fp8_options_give_faithful_gradients():
     assert _worst_sqnr_with_the_pass(TORCH_FP8) >= MIN_SQNR_DB
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="torch 2.13: the fp8 activation pass defaults use_scaling to True in the forward and to "
-                          "False in the backward; strict: tells us when fixed")
+@torch_bug("fp8_pass_use_scaling", raises=AssertionError)
 def test_torch_fp8_pass_with_use_scaling_unset_unscales_what_it_scaled():
     options = {k: v for k, v in TORCH_FP8.items() if k != "use_scaling"}
     assert _worst_sqnr_with_the_pass(options) >= MIN_SQNR_DB
@@ -62,9 +61,7 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="torch 2.13: the fp8 activation pass scales a saved tensor holding -inf by 0 (fp8 max over "
-                          "an infinite amax), which makes NaN; strict: tells us when fixed")
+@torch_bug("fp8_pass_infinite_amax", raises=AssertionError)
 def test_torch_fp8_pass_keeps_a_saved_additive_mask_finite():
     q, k, v = (torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(i), requires_grad=True)
                for i in range(3))

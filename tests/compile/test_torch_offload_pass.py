@@ -25,7 +25,10 @@ from torch.utils import _pytree as pytree
 from benchmarks.configs import CONFIGS
 from benchmarks.run import jobs
 from benchmarks.torch_options import OFFLOAD_MIN_BYTES, mark_for_offload, torch_offload_pass
+from savedhooks._torch.offload import HAS_AO_OPS
 from savedhooks._torch.tensors import FakeTensorMode
+
+pytestmark = pytest.mark.skipif(not HAS_AO_OPS, reason="torch's ao offload ops: torch 2.12+")
 
 AO = torch.ops.ao
 

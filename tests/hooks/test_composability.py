@@ -18,7 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import savedhooks as sh
 from savedhooks._torch.fixes import rng_state_outputs
-from tests.models import POLICY_DB, GraphCapture, TransformerBlock, transformer, worst_sqnr
+from tests.models import POLICY_DB, GraphCapture, TransformerBlock, torch_bug, transformer, worst_sqnr
 
 # the recorder's list makes its identity process-local (savedhooks warns): nothing else depends on it here
 pytestmark = pytest.mark.filterwarnings("ignore:savedhooks hook 'record'")
@@ -184,7 +184,7 @@ def test_hooks_on_what_checkpointing_still_saves_lower_its_measured_peak(backend
     assert worst_sqnr(got, want) >= POLICY_DB
 
 
-@pytest.mark.xfail(strict=True, reason="torch 2.13: inlined hooks cannot find a checkpointed random op's rng state")
+@torch_bug("rng_state_names")
 def test_torch_inlined_hooks_fail_on_checkpointed_random_ops():
     """Pins the torch bug savedhooks._torch.fixes works around: torch's own GraphModule hooks."""
     from torch.fx.experimental.proxy_tensor import make_fx

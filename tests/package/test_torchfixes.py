@@ -1,4 +1,4 @@
-"""savedhooks._torch.fixes: the dtype-propagation set-up that torch 2.13 re-ran on every construction."""
+"""savedhooks._torch.fixes: the dtype-propagation set-up that torch re-runs on every construction (through 2.14)."""
 
 import functools
 import subprocess
@@ -12,9 +12,10 @@ from torch._inductor import dtype_propagation
 from torch._inductor import utils as inductor_utils
 
 from savedhooks._torch.fixes import install, set_up_dtype_propagation_once
+from savedhooks._torch.version import has_bug
 
 Handler = dtype_propagation.DtypePropagationOpsHandler
-pytestmark = pytest.mark.skipif(not torch.__version__.startswith("2.13."), reason="the fix is for torch 2.13 only")
+pytestmark = pytest.mark.skipif(not has_bug("dtype_propagation_setup"), reason="this torch sets the handler up once")
 
 
 @pytest.fixture(autouse=True, scope="module")
