@@ -18,9 +18,14 @@ FIELD_BITS = (1, 2, 4)
 
 
 def check_pack_args(x: torch.Tensor) -> None:
-    """Raise ValueError unless ``x`` is a 1-D bool tensor (shared with the Triton op)."""
-    if x.dtype != torch.bool or x.dim() != 1:
-        raise ValueError(f"bitmask_pack expects a 1-D bool tensor, got {x.dtype}{tuple(x.shape)}")
+    """Raise ValueError unless ``x`` is a bool tensor, 1-D or contiguous (shared with the Triton op).
+
+    Its bits are packed in memory order: a contiguous tensor of any shape has
+    one, a 1-D one of any stride is read in index order.
+    """
+    if x.dtype != torch.bool or (x.dim() > 1 and not x.is_contiguous()):
+        raise ValueError(f"bitmask_pack expects a 1-D or a contiguous bool tensor, got {x.dtype}{tuple(x.shape)} "
+                         f"with strides {tuple(x.stride())}")  # fmt: skip
 
 
 def check_unpack_args(packed: torch.Tensor, numel: int) -> None:
@@ -88,19 +93,21 @@ def torch_bitfield_unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.
 
 
 def torch_bitmask_pack(x: torch.Tensor) -> torch.Tensor:
-    """Pack a contiguous 1-D bool tensor into ``ceil(n / 8)`` bytes (aten reference).
+    """Pack a bool tensor into ``ceil(n / 8)`` bytes, in memory order (aten reference).
 
     Args:
-        x: 1-D bool tensor.
+        x: a bool tensor: 1-D (any stride), or contiguous of any shape. A codec
+            hands over the saved tensor itself where it is contiguous: under
+            inductor, a view of it would be a second buffer for the op to read.
 
     Returns:
         1-D uint8 tensor of ``ceil(x.numel() / 8)`` bytes.
 
     Raises:
-        ValueError: x is not a 1-D bool tensor.
+        ValueError: x is not bool, or has more than one dim and is not contiguous.
     """
     check_pack_args(x)
-    return torch_bitfield_pack(x.to(torch.uint8), 1)
+    return torch_bitfield_pack(x.reshape(-1).to(torch.uint8), 1)
 
 
 def torch_bitmask_unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:

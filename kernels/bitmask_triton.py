@@ -47,19 +47,19 @@ def bitmask_unpack_kernel(packed_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 def triton_bitmask_pack(x: torch.Tensor) -> torch.Tensor:
-    """Pack a 1-D bool tensor into bytes (Triton; ``torch.ops.savedhooks.triton_bitmask_pack``).
+    """Pack a bool tensor into bytes (Triton; ``torch.ops.savedhooks.triton_bitmask_pack``).
 
     Same bytes as :func:`savedhooks.kernels.bitmask.torch_bitmask_pack`; runs the
     kernel on a GPU and under ``TRITON_INTERPRET=1``, else the aten reference.
 
     Args:
-        x: 1-D bool tensor (any stride).
+        x: a bool tensor: 1-D (any stride), or contiguous of any shape.
 
     Returns:
         1-D uint8 tensor of ``ceil(x.numel() / 8)`` bytes.
 
     Raises:
-        ValueError: x is not a 1-D bool tensor.
+        ValueError: x is not bool, or has more than one dim and is not contiguous.
     """
     check_pack_args(x)
     if not runs_triton(bitmask_pack_kernel, x):

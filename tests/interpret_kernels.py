@@ -177,10 +177,13 @@ def bitmask_case(n: int, step: int, device: str = "cpu") -> str | None:
 
     x = (torch.rand(n * step, generator=torch.Generator().manual_seed(n)) > 0.4).to(device)[::step]
     want = torch_bitmask_pack(x.contiguous())
+    rows = x.contiguous()[: n - n % 3].view(3, -1)  # a contiguous 2-D mask: its bits in memory order
     return (
         _same_bits("pack", want, triton_bitmask_pack(x))
         or _same_bits("unpack", torch_bitmask_unpack(want, n), triton_bitmask_unpack(want, n))
         or _same_bits("round trip", x.contiguous(), triton_bitmask_unpack(triton_bitmask_pack(x), n))
+        or _same_bits("2-D pack", torch_bitmask_pack(rows.reshape(-1)), triton_bitmask_pack(rows))
+        or _same_bits("2-D reference", torch_bitmask_pack(rows.reshape(-1)), torch_bitmask_pack(rows))
     )
 
 

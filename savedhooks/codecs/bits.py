@@ -34,7 +34,20 @@ def pack_bits(x: torch.Tensor, backend: str) -> tuple[Any, ...]:
         ``(bits, layout constants)``: 8 bools per byte, in memory order.
     """
     rows, layout = to_rows(x)
-    return kernel_op("bitmask_pack", uses_triton(backend, x))(rows.view(-1)), layout.as_constants()
+    return kernel_op("bitmask_pack", uses_triton(backend, x))(_dense(x, rows, layout)), layout.as_constants()
+
+
+def _dense(x: torch.Tensor, rows: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """What the pack op reads: ``x`` itself where it is contiguous, else its rows, flat (the same bits).
+
+    Under inductor, the op reading a view of a value that other kernels also
+    read has inductor write the view out as a buffer of its own, and the value's
+    producer (a dropout mask drawn from random floats) is then kept alive for
+    both: the saved tensor itself is stored once, and read by every user.
+    """
+    if x.dim() > 0 and not layout.expand and x.is_contiguous():
+        return x
+    return rows.view(-1)
 
 
 def unpack_bits(payload: tuple[Any, ...], backend: str) -> torch.Tensor:

@@ -107,6 +107,8 @@ _CAST_OR_VIEW_NODES = VIEW_NODES | {"ToCopyBackward0", "CloneBackward0"}
 # (log-)softmax outputs: autograd node names in eager mode, aten op names in graphs
 _SOFTMAX_NODES = ("LogSoftmaxBackward0", "SoftmaxBackward0")
 _SOFTMAX_OPS = ("_log_softmax", "_softmax", "log_softmax", "softmax")
+# matrix products: attention's probabilities times its values
+_MATMUL_OPS = ("bmm", "mm", "matmul", "baddbmm", "addmm", "einsum")
 
 
 def is_statistic_of(node: torch.fx.Node, ops: tuple[str, ...]) -> bool:
@@ -297,6 +299,11 @@ def is_narrow_softmax(x: torch.Tensor, node: torch.fx.Node | None, classes: int)
     share a sign and add up over the batch in every gradient (on a 10-class classifier,
     ``sh.fidelity.sensitivity`` finds that keeping it recovers more than 20 dB).
 
+    Under compile, a softmax whose output feeds a matrix product (through casts
+    and views) is attention's probabilities, not a loss head: a sequence of at
+    most ``classes`` positions does not make it one (``P @ V`` is a weighted
+    sum, whose rounding errors do not share a sign), so it is packed.
+
     Args:
         x: the saved tensor (its last dim is the softmax dim).
         node: its node in the forward graph under compile, None in eager mode
@@ -310,7 +317,25 @@ def is_narrow_softmax(x: torch.Tensor, node: torch.fx.Node | None, classes: int)
         return False
     if node is None:
         return type(x.grad_fn).__name__ in _SOFTMAX_NODES
-    return producing_op(node) in _SOFTMAX_OPS or op_name(node.meta.get("original_aten")) in _SOFTMAX_OPS
+    if producing_op(node) not in _SOFTMAX_OPS and op_name(node.meta.get("original_aten")) not in _SOFTMAX_OPS:
+        return False
+    return not _feeds_a_matmul(node)
+
+
+def _feeds_a_matmul(node: torch.fx.Node) -> bool:
+    """Whether a forward value reaches a matrix product's input through casts and views only."""
+    seen, todo = set(), [node]
+    while todo:
+        for user in todo.pop().users:
+            if user in seen or user.op != "call_function":
+                continue
+            seen.add(user)
+            name = op_name(user.target)
+            if name in _MATMUL_OPS:
+                return True
+            if name in _CAST_OR_VIEW_OPS:
+                todo.append(user)
+    return False
 
 
 def largest_saved_bytes(bw_graph: torch.fx.Graph, fw_graph: torch.fx.Graph | None = None) -> int | None:
@@ -501,7 +526,8 @@ def policy(
     Kept as they are (the rules, from ``sh.fidelity.sensitivity`` on the benchmark
     models, which ``python -m benchmarks.sensitivity`` runs): tensors under ``min_bytes``; normalization and
     attention statistics (``keep_ops``); a (log-)softmax over at most
-    ``narrow_softmax`` classes (a classifier's loss head); under compile, tensors
+    ``narrow_softmax`` classes (a classifier's loss head; under compile, not
+    one that feeds a matrix product: attention's probabilities); under compile, tensors
     smaller than ``relative_bytes`` of the largest one the same graph saves (a
     rotary table shared by the whole batch: its error is the same in every
     sequence; the largest counted is the largest that a codec packs, not a

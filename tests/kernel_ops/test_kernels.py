@@ -176,8 +176,10 @@ def test_bad_arguments_raise_as_the_reference():
         ops.triton_fp8_quantize(torch.randn(4), E4M3, "row", 128, False)
     with pytest.raises(ValueError, match="out_dtype"):
         ops.triton_fp8_dequantize(*ops.fp8_quantize(torch.randn(2, 4), E4M3, "row", 128, False), torch.float64, 128)
-    with pytest.raises(ValueError, match="1-D bool"):
-        ops.triton_bitmask_pack(torch.zeros(4, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="1-D or a contiguous bool"):
+        ops.triton_bitmask_pack(torch.zeros(4, 2, dtype=torch.bool).t())
+    with pytest.raises(ValueError, match="1-D or a contiguous bool"):
+        ops.triton_bitmask_pack(torch.zeros(4, 2))
 
 
 # --- the codecs' backend choice --------------------------------------------------------------

@@ -175,6 +175,32 @@ def test_policy_keeps_the_narrow_loss_head_and_beats_fp8():
         torch._dynamo.reset()
 
 
+class _EagerAttentionClassifier(nn.Module):
+    """Attention written out (softmax, then a matrix product with the values) over 16 positions, and a
+    10-class loss head in the model: two softmaxes narrower than the policy's 256, one of them a loss head."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.head = nn.Linear(32, 96), nn.Linear(32, 10)
+
+    def forward(self, x, target):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        probs = torch.softmax(q @ k.transpose(-1, -2) / 32**0.5, dim=-1)
+        return nn.functional.cross_entropy(self.head((probs @ v).mean(1)), target)
+
+
+def test_policy_packs_attention_probabilities_however_short_the_sequence_and_keeps_the_loss_head():
+    model, x, target = _EagerAttentionClassifier(), torch.randn(8, 16, 32), torch.randint(0, 10, (8,))
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        step = functools.partial(lambda fn: fn(x, target).backward(), compiled)
+        census = _census(sh.codecs.Policy(min_bytes=0, relative_bytes=0.0), step)
+    finally:
+        torch._dynamo.reset()
+    assert (8, 16, 16) in census and (8, 10) not in census, census
+
+
 class _Rotary(nn.Module):
     """A batch-independent (T, C) table multiplies every sequence, as rotary embeddings do (tanh, not
     sin: the table's argument would otherwise be kept as a periodic function's, whatever its size)."""
