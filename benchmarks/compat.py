@@ -1,14 +1,14 @@
-"""What savedhooks does on the installed torch, and the fast test tier's result there: one row of a results table.
+"""What savedhooks does on the installed torch, and the fast test tier's result there: one column of a results table.
 
 ``python -m benchmarks.compat [--tests] [--out docs/results/compatibility.md]``
 reads, from savedhooks' torch compatibility layer (``savedhooks._torch``), what
 differs on the installed release (each piece detected by asking torch for it,
 see ``docs/compatibility.md``), and with ``--tests`` runs the fast test tier
 (``pytest -q -n auto -m "not slow"``) and records its summary line and wall
-time. The row replaces the row of the same torch version in ``--out`` (a
-markdown table, created with its header when missing); the other rows stay, so
-one file gathers the runs of several torch installations, each row with the
-command, torch version and device it ran with.
+time. The column replaces the column of the same torch version in ``--out``
+(a markdown table with a row per item and a column per torch version, created
+when missing); the other columns stay, so one file gathers the runs of several
+torch installations, each with the command, torch version and device it ran with.
 """
 
 from __future__ import annotations
@@ -30,23 +30,24 @@ COLUMNS = ("torch", "every saved value hooked", "fp8 codec on CPU", "Triton", "a
            "backward frees its gradients", "isolated benchmark copies", "torch bugs worked around or pinned",
            "fast tier (-m \"not slow\")", "device, Python")  # fmt: skip
 _HEADING = "# savedhooks on each torch release\n"
+_FIRST = "torch"  # the table's first header cell: the rows' names, then one column per torch version
 _SUMMARY = re.compile(r"^=* ?(\d+ (?:passed|failed).*?) in ([\d.]+)s", re.MULTILINE)
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One torch installation's row: what savedhooks detects there and what ran.
+    """One torch installation's entries: what savedhooks detects there and what ran (a column of the table).
 
     Attributes:
         version: ``torch.__version__``.
-        cells: the row's cells after the version, in :data:`COLUMNS` order.
+        cells: its entries, in :data:`COLUMNS` order after ``torch``.
     """
 
     version: str
     cells: tuple[str, ...]
 
     def markdown(self) -> str:
-        """The row as a markdown table line."""
+        """The entries as one markdown table line, version first (what the command prints)."""
         return "| " + " | ".join((self.version, *self.cells)) + " |"
 
 
@@ -97,17 +98,18 @@ def fast_tier(workers: str = "auto") -> str:
         pass
     if match is None:
         return f"exit code {done.returncode}, no summary"
-    return f"{match.group(1)} in {seconds:.0f} s"
+    counts = re.sub(r", \d+ warnings?", "", match.group(1))
+    return f"{counts} in {seconds:.0f} s"
 
 
 def current_row(tests: bool) -> Row:
-    """This installation's row.
+    """This installation's entries.
 
     Args:
         tests: run the fast test tier (else its cell says it did not run).
 
     Returns:
-        The row.
+        Its :class:`Row`.
     """
     found = features()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
@@ -117,42 +119,55 @@ def current_row(tests: bool) -> Row:
 
 
 def merge(text: str, row: Row, command: str) -> str:
-    """A results file with ``row`` in place of the row of the same torch version (added, and sorted, otherwise).
+    """A results file with ``row``'s column in place of the column of the same torch version (added otherwise).
+
+    The table has a row per :data:`COLUMNS` entry after ``torch`` and a column
+    per torch version, sorted by version.
 
     Args:
         text: the file's text ("" for a new file).
-        row: the row to put in.
-        command: the command that made the row, written under the table.
+        row: this installation's cells.
+        command: the command that made them, written under the table.
 
     Returns:
-        The new text: heading, table sorted by torch version, and one line per
-        row naming the command that wrote it.
+        The new text: heading, table, and one line per torch version naming the
+        command that wrote its column.
     """
-    rows = {}
-    commands = {}
-    for line in text.splitlines():
+    columns: dict[str, tuple[str, ...]] = {}
+    commands: dict[str, str] = {}
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and cells[0] not in (COLUMNS[0], "---") and len(cells) == len(COLUMNS):
-            rows[cells[0]] = line
+        if line.startswith("| ") and cells[0] == _FIRST:
+            versions = cells[1:]
+            body = {}
+            for below in lines[i + 2:]:
+                if not below.startswith("| "):
+                    break
+                values = [c.strip() for c in below.strip().strip("|").split("|")]
+                body[values[0]] = values[1:]
+            for k, version in enumerate(versions):
+                columns[version] = tuple(body.get(name, [""] * len(versions))[k] for name in COLUMNS[1:])
         found = re.match(r"^- torch (\S+): `(.*)`$", line)
         if found:
             commands[found.group(1)] = found.group(2)
-    rows[row.version] = row.markdown()
+    columns[row.version] = row.cells
     commands[row.version] = command
 
     def order(version: str) -> tuple:
         return tuple(int(p) if p.isdigit() else 0 for p in re.split(r"[.+]", version)[:3])
 
-    versions = sorted(rows, key=order)
-    lines = [_HEADING, "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += [rows[v] for v in versions]
-    lines += ["", "Each row was written by `python -m benchmarks.compat`, run in an environment with that torch:", ""]
-    lines += [f"- torch {v}: `{commands.get(v, 'unknown')}`" for v in versions]
-    return "\n".join(lines) + "\n"
+    versions = sorted(columns, key=order)
+    out = [_HEADING, "| " + " | ".join((_FIRST, *versions)) + " |", "|" + "---|" * (len(versions) + 1)]
+    for k, name in enumerate(COLUMNS[1:]):
+        out.append("| " + " | ".join((name, *(columns[v][k] for v in versions))) + " |")
+    out += ["", "Each column was written by `python -m benchmarks.compat`, run in an environment with that torch:", ""]
+    out += [f"- torch {v}: `{commands.get(v, 'unknown')}`" for v in versions]
+    return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write this torch installation's row into the results file.
+    """Write this torch installation's column into the results file.
 
     Args:
         argv: the arguments (default ``sys.argv[1:]``).

@@ -96,23 +96,25 @@ def test_features_are_read_from_the_compatibility_layer(monkeypatch):
     assert found["torch bugs worked around or pinned"] == (", ".join(present) or "none")
 
 
-def test_a_row_replaces_its_own_release_and_keeps_the_others(tmp_path):
+def test_a_release_s_column_replaces_its_own_and_keeps_the_others_in_version_order():
     cells = tuple(f"c{i}" for i in range(len(compat.COLUMNS) - 1))
     text = compat.merge("", compat.Row("2.14.1+cu130", cells), "python -m benchmarks.compat --tests")
     text = compat.merge(text, compat.Row("2.11.0+cu130", cells), "python -m benchmarks.compat")
     text = compat.merge(text, compat.Row("2.14.1+cu130", ("new",) * len(cells)), "python -m benchmarks.compat --tests")
-    table = [line for line in text.splitlines() if line.startswith("| 2.")]
-    assert [line.split(" | ")[0] for line in table] == ["| 2.11.0+cu130", "| 2.14.1+cu130"]
-    assert table[1].endswith("| new |") and table[0].endswith("| c9 |")
+    lines = text.splitlines()
+    assert "| torch | 2.11.0+cu130 | 2.14.1+cu130 |" in lines
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| torch |")]
+    assert [r.split(" | ")[0] for r in rows] == [f"| {name}" for name in compat.COLUMNS[1:]]
+    assert rows[0] == f"| {compat.COLUMNS[1]} | c0 | new |" and rows[-1].endswith("| c9 | new |")
     assert "- torch 2.11.0+cu130: `python -m benchmarks.compat`" in text
     assert "- torch 2.14.1+cu130: `python -m benchmarks.compat --tests`" in text
     assert compat.merge(text, compat.Row("2.14.1+cu130", ("new",) * len(cells)), "python -m benchmarks.compat --tests") == text
 
 
-def test_the_command_writes_this_torch_s_row_without_running_the_tests(tmp_path, capsys):
+def test_the_command_writes_this_torch_s_column_without_running_the_tests(tmp_path, capsys):
     out = tmp_path / "compat.md"
     assert compat.main(["--out", str(out)]) == 0
     text = out.read_text()
-    assert f"| {torch.__version__} |" in text and "| not run |" in text
+    assert f"| torch | {torch.__version__} |" in text and "| not run |" in text
     assert f"- torch {torch.__version__}: `python -m benchmarks.compat --out {out}`" in text
     assert capsys.readouterr().out.startswith(f"| {torch.__version__} |")
