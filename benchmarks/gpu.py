@@ -7,7 +7,10 @@ mode, each a command of its own, and writes their output into
 later run of the same mode replaces, with the commands, torch version and
 device. Each mode fits a run of under 9 minutes on an H100/H200:
 
-* ``check``: the ``gpu``-marked tests, the kernel bandwidth of the Triton
+* ``check``: the ``gpu``-marked tests (first installing, from the wheels in
+  ``benchmarks/wheels``, the test requirements the machine lacks: pytest,
+  expecttest, hypothesis, filelock; pure Python but hypothesis, whose wheel is
+  for CPython 3.12 on x86-64), the kernel bandwidth of the Triton
   kernels and the aten path (``benchmarks.kernels``), and the host-copy
   bandwidth with the offload stress test (``benchmarks.host_copies``), whose
   asynchronous copies must keep the gradients.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import pathlib
 import re
 import shlex
@@ -39,6 +43,8 @@ import time
 import torch
 
 MODES = ("check", "frontier", "offload")
+WHEELS = pathlib.Path(__file__).parent / "wheels"  # the test requirements, for a GPU machine that lacks them
+TEST_REQUIREMENTS = ("pytest", "expecttest", "hypothesis", "filelock")
 _SECTION = re.compile(r"^## (\w+)\n", re.MULTILINE)
 
 
@@ -55,13 +61,25 @@ class Step:
     argv: tuple[str, ...]
 
 
-def steps(mode: str, size: float = 8.0, fractions: tuple[float, ...] = (0.8, 0.6)) -> list[Step]:
+def missing_test_requirements() -> tuple[str, ...]:
+    """The test requirements this Python cannot import.
+
+    Returns:
+        The names of :data:`TEST_REQUIREMENTS` without an importable module.
+    """
+    return tuple(name for name in TEST_REQUIREMENTS if importlib.util.find_spec(name) is None)
+
+
+def steps(mode: str, size: float = 8.0, fractions: tuple[float, ...] = (0.8, 0.6),
+          missing: tuple[str, ...] | None = None) -> list[Step]:  # fmt: skip
     """The commands of a mode (see the module notes).
 
     Args:
         mode: one of :data:`MODES`.
         size: the models' batch multiplier (``--size`` of the benchmark commands).
         fractions: ``frontier``'s plan budgets, fractions of the modelled no-hook peak.
+        missing: ``check``'s test requirements to install first (None: those
+            :func:`missing_test_requirements` finds).
 
     Returns:
         The steps, in the order they run.
@@ -75,7 +93,10 @@ def steps(mode: str, size: float = 8.0, fractions: tuple[float, ...] = (0.8, 0.6
         raise ValueError(f"size must be positive and fractions in (0, 1], got {size!r}, {fractions!r}")
     py, sized = sys.executable, ("--size", f"{size:g}")
     if mode == "check":
-        return [
+        missing = missing_test_requirements() if missing is None else missing
+        install = [Step("test requirements", (py, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELS),
+                                              *missing))] if missing else []  # fmt: skip
+        return install + [
             Step("gpu tests", (py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:randomly", "tests")),
             Step("kernel bandwidth", (py, "-m", "benchmarks.kernels", "--sizes", "16,256,1024")),
             Step("host copies", (py, "-m", "benchmarks.host_copies", "--steps", "10")),

@@ -20,6 +20,8 @@ def test_every_step_of_a_mode_is_a_command_of_this_repository_that_accepts_its_a
     for step in gpu.steps(mode):
         assert step.argv[0] == sys.executable and step.argv[1] == "-m"
         module, args = step.argv[2], [a.replace("{tmp}", "unused") for a in step.argv[3:]]
+        if module == "pip":
+            continue
         if module == "pytest":
             assert "gpu" in args and "tests" in args
             continue
@@ -30,6 +32,17 @@ def test_every_step_of_a_mode_is_a_command_of_this_repository_that_accepts_its_a
             code = exit_info.code
         err = capsys.readouterr().err
         assert code == 2 and "CUDA" in err and "invalid choice" not in err and "unrecognized" not in err, (module, err)
+
+
+def test_check_installs_the_test_requirements_the_machine_lacks_from_the_wheels_it_brings():
+    assert gpu.steps("check", missing=())[0].name == "gpu tests"
+    first = gpu.steps("check", missing=("expecttest", "hypothesis"))[0]
+    assert first.name == "test requirements" and first.argv[-2:] == ("expecttest", "hypothesis")
+    assert "--no-index" in first.argv and first.argv[first.argv.index("--find-links") + 1] == str(gpu.WHEELS)
+    wheels = {w.name.split("-")[0].lower() for w in gpu.WHEELS.glob("*.whl")}
+    assert set(gpu.TEST_REQUIREMENTS) <= wheels and {"pluggy", "iniconfig", "packaging", "pygments",
+                                                     "sortedcontainers"} <= wheels  # fmt: skip
+    assert gpu.missing_test_requirements() == ()  # this environment has them all
 
 
 def test_frontier_plans_at_the_fractions_it_is_given_and_offload_compares_ours_with_torchs():
