@@ -1,4 +1,4 @@
-"""The fp8 ops' CPU path for large tensors: the decomposed form compiled by inductor (kernels/fp8_inductor.py).
+"""The fp8 ops' CPU path for large tensors: the decomposed form compiled by inductor (savedhooks/kernels/fp8_inductor.py).
 
 Bit-exact with the aten reference on the cases chosen for the code paths
 (``interpret_kernels.inductor_cases``) and on a tensor above the threshold as the

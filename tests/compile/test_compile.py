@@ -81,7 +81,7 @@ def test_torch_inductor_loop_split_bug_drops_the_columns_past_the_last_whole_blo
     # Block scales expanded over 40 columns, 16 per block: the kernel's index divides the column by
     # 16, so inductor's C++ backend splits the column loop into 40 // 16 = 2 blocks of 16 and never
     # writes columns 32 to 39 (torch/_inductor/codegen/cpp.py, try_loop_split). This is why the
-    # decomposed fp8 codec never pads to whole blocks and slices back (kernels/fp8_fused.py).
+    # decomposed fp8 codec never pads to whole blocks and slices back (savedhooks/kernels/fp8_fused.py).
     rows, cols, block = 4, 40, 16
     blocks = -(-cols // block)
 

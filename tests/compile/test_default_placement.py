@@ -238,7 +238,7 @@ def test_no_freed_dequantized_buffer_is_held_for_reuse():
     layer's); freed at its last use, the backward peak is lower with the opaque
     op, which makes each dequantized activation a buffer of its own. The
     decomposed decode is fused into the kernels that read it; with its few ops
-    (kernels/fp8_fused.py) inductor does not compute it into a buffer of its own
+    (savedhooks/kernels/fp8_fused.py) inductor does not compute it into a buffer of its own
     here, and the pool costs nothing.
     """
     x = torch.randn(4, 64, 64)  # the smallest batch where the pool costs the opaque op (at 2 it costs about nothing)

@@ -1,4 +1,4 @@
-"""The decomposed fp8 form (kernels/fp8_fused.py): bit-exact with the aten reference, fused by inductor.
+"""The decomposed fp8 form (savedhooks/kernels/fp8_fused.py): bit-exact with the aten reference, fused by inductor.
 
 Eager: every fp8 case of the kernel tests (tests/interpret_kernels.py: shape
 sweep, edge values, non-contiguous inputs). Compiled with inductor (CPU): a few

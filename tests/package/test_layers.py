@@ -42,14 +42,13 @@ class Edge:
 
 
 def _modules(root: pathlib.Path = REPO) -> dict[str, pathlib.Path]:
-    """Dotted name -> file, for savedhooks/ and kernels/ (installed as savedhooks.kernels)."""
+    """Dotted name -> file, for savedhooks/."""
     modules = {}
-    for folder, prefix in (("savedhooks", ("savedhooks",)), ("kernels", ("savedhooks", "kernels"))):
-        for path in (root / folder).rglob("*.py"):
-            parts = [*prefix, *path.relative_to(root / folder).with_suffix("").parts]
-            if parts[-1] == "__init__":
-                parts.pop()
-            modules[".".join(parts)] = path
+    for path in (root / "savedhooks").rglob("*.py"):
+        parts = ["savedhooks", *path.relative_to(root / "savedhooks").with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
     return modules
 
 
@@ -186,7 +185,7 @@ def test_no_planner_step_imports_the_driver(graph):
 
 def test_the_package_never_imports_benchmarks_or_tests():
     found = []
-    for folder in ("savedhooks", "kernels"):
+    for folder in ("savedhooks",):
         for path in (REPO / folder).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 names = (
@@ -208,7 +207,6 @@ def test_the_checks_see_what_they_check(tmp_path):
     """The graph reader finds an upward import inside a function, a circle, and a silent function-level import."""
     (tmp_path / "savedhooks" / "codecs").mkdir(parents=True)
     (tmp_path / "savedhooks" / "compiler").mkdir()
-    (tmp_path / "kernels").mkdir()
     (tmp_path / "savedhooks" / "__init__.py").write_text("")
     (tmp_path / "savedhooks" / "codecs" / "__init__.py").write_text("from savedhooks.codecs.a import f\n")
     (tmp_path / "savedhooks" / "codecs" / "a.py").write_text("def f():\n    from savedhooks.compiler.api import g\n")

@@ -1,6 +1,6 @@
 """torch's internals are reached only through ``savedhooks._torch``.
 
-Read from the source (``ast``) of ``savedhooks/`` and ``kernels/``. Outside
+Read from the source (``ast``) of ``savedhooks/``. Outside
 ``savedhooks/_torch/`` none of these may appear:
 
 * an import of a torch module with a ``_``-prefixed component, or of a
@@ -28,7 +28,7 @@ import dataclasses
 import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-FOLDERS = ("savedhooks", "kernels")
+FOLDERS = ("savedhooks",)
 COMPAT = "savedhooks/_torch/"  # the package allowed to reach torch's internals
 
 
@@ -324,18 +324,17 @@ def f(t, op, trainer):
 
 def test_the_checker_fails_on_each_rule(tmp_path):
     """Each rule finds its case in a synthetic package; the compat package and allowed names pass."""
-    for folder in ("savedhooks/_torch", "kernels"):
+    for folder in ("savedhooks/_torch", "savedhooks/kernels"):
         (tmp_path / folder).mkdir(parents=True)
     (tmp_path / "savedhooks" / "__init__.py").write_text("")
     (tmp_path / "savedhooks" / "_torch" / "__init__.py").write_text(
         "import torch._dynamo\nx = torch._C\ny = x._version\n"
     )
     (tmp_path / "savedhooks" / "a.py").write_text(SYNTHETIC)
-    (tmp_path / "kernels" / "k.py").write_text("import torch\n\nc = torch._inductor.config\n")
+    (tmp_path / "savedhooks" / "kernels" / "k.py").write_text("import torch\n\nc = torch._inductor.config\n")
     allowed = (ForeignPrivate("savedhooks/a.py", "_prepare_inputs", "a test"),)
     found, used = find_accesses(_sources(tmp_path), allowed)
     assert [str(a) for a in found] == [
-        "kernels/k.py:3 torch._inductor.config (private torch attribute)",
         "savedhooks/a.py:3 import torch._dynamo (private torch module)",
         "savedhooks/a.py:4 from torch._subclasses.fake_tensor import FakeTensor (private torch module)",
         "savedhooks/a.py:5 from torch.fx.node import _side_effectful_functions (private torch name)",
@@ -346,6 +345,7 @@ def test_the_checker_fails_on_each_rule(tmp_path):
         "savedhooks/a.py:25 getattr(..., '_schema') (private attribute savedhooks does not define)",
         "savedhooks/a.py:26 hasattr(..., '_schema') (private attribute savedhooks does not define)",
         "savedhooks/a.py:27 <expr>._cdata (private attribute savedhooks does not define)",
+        "savedhooks/kernels/k.py:3 torch._inductor.config (private torch attribute)",
     ]
     assert used == set(allowed)
     assert compat_imports_of_savedhooks(_sources(tmp_path)) == []
