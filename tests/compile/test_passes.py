@@ -77,7 +77,12 @@ def test_reorder_pass_is_a_cache_safe_custom_graph_pass():
         sh.backend("eager")
 
 
+# On torch 2.11 and 2.12 inductor stores full-size intermediates of the first layer's GELU backward that the
+# memory model counts as fused (and 2.13 computes in place): with the fused codec the reordered backward
+# peaks above inductor's own order there (docs/compatibility.md).
 @pytest.mark.slow
+@pytest.mark.xfail(release() < (2, 13), strict=True,
+                   reason="torch < 2.13: the fused codec's reordered backward peaks above inductor's own order")
 def test_inductor_with_the_pass_is_never_above_inductors_own_order():
     """Measured on CPU (deterministic): forward as inductor's own, backward lower.
 
