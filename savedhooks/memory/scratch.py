@@ -31,8 +31,9 @@ Measured in the layout of the arguments: under inductor (``fused``) the
 strides it passed the op where the compile was recorded (:data:`EXTERN_STRIDES`),
 else the graph's. The two can differ, and the scratch with them: a depthwise
 convolution's CPU backward on a channels_last input (the graph's layout where
-the input is a permuted NHWC tensor) allocates 17 times what it does on the
-layout inductor gives the input it computes.
+the input is a permuted NHWC tensor) allocates several times what it does on
+the layout inductor gives the input it computes (how many times depends on the
+CPU's convolution kernels).
 
 On CUDA the same holds for other ops (:data:`MEASURED_CUDA_ATEN`): a reduction
 that aten splits across thread blocks (``sum(x, [0])`` of a tall tensor, a

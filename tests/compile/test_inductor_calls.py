@@ -5,7 +5,7 @@ import torch
 from torch._inductor import config as inductor_config
 
 import savedhooks as sh
-from savedhooks.memory.scratch import EXTERN_STRIDES
+from savedhooks.memory.scratch import EXTERN_STRIDES, op_scratch_bytes
 from savedhooks.planner.census import step_timeline, timeline_of
 from savedhooks.planner.recording import COPIED_INPUTS, GraphRecorder, KernelCall, kernel_calls
 from savedhooks.planner.step import graph_timelines
@@ -153,8 +153,9 @@ class _DepthwiseBlock(torch.nn.Module):
 def test_a_convolution_s_scratch_is_measured_with_the_strides_inductor_passes_it():
     """The depthwise convolution's backward gets, in the FX graph, a gradient in the channels_last strides of
     the permuted MLP output; inductor computes that gradient itself and passes it contiguous. On the CPU the
-    op allocates many times as much on the graph's strides: modelled with them, a step (the zoo's ConvNeXt)
-    would be predicted far above its measured peak."""
+    op allocates several times as much on the graph's strides (how much depends on the CPU's kernels): the
+    step is predicted at its measured peak with the strides inductor passes, and each convolution's
+    scratch is larger on the graph's."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(_DepthwiseBlock(), _DepthwiseBlock())
     x = torch.randn(8, 64, 8, 8)
@@ -166,7 +167,8 @@ def test_a_convolution_s_scratch_is_measured_with_the_strides_inductor_passes_it
     assert any(n.meta[EXTERN_STRIDES][0] != tuple(s) for n, s in zip(convs, in_graph, strict=True))
     forwards, backwards = graph_timelines(recorder, fused=True)
     assert max(step_timeline(forwards, backwards, []).live) == pytest.approx(measured, rel=0.05)
+    passed = [op_scratch_bytes(n, fused=True) for n in convs]
     for node in convs:
         del node.meta[EXTERN_STRIDES]
-    forwards, backwards = graph_timelines(recorder, fused=True)
-    assert max(step_timeline(forwards, backwards, []).live) > 1.2 * measured
+    on_graph_strides = [op_scratch_bytes(n, fused=True) for n in convs]
+    assert all(mine > theirs > 0 for mine, theirs in zip(on_graph_strides, passed, strict=True))
