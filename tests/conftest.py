@@ -8,7 +8,7 @@ import torch
 def pytest_collection_modifyitems(config, items):
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "full_zoo" in item.keywords:  # the zoo's full tier is slow too: the fast tier leaves it out
+        if "extended" in item.keywords:  # the extended tier is slow too: the fast tier leaves it out
             item.add_marker(pytest.mark.slow)
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)

@@ -6,8 +6,8 @@ against the eager step: both run, (a)'s measured peak is below the compiled
 step's, and the worst parameter gradient's SQNR against the reference is at
 least :data:`MIN_SQNR_DB`. Another runs (d), (a) under bf16 autocast against the
 compiled bf16 step without hooks, to the same bounds. Each costs two inductor
-compiles (a minute or two on 2 CPU cores); the entries outside :data:`QUICK` are
-marked ``slow``.
+compiles (a minute or two on 2 CPU cores); the entries outside :data:`QUICK`
+(:data:`QUICK_BF16` for (d)) are marked ``extended``.
 """
 
 import math
@@ -23,8 +23,10 @@ pytest.importorskip("transformers")
 # entry's figure; sh.fp8() everywhere measures below it on GQA decoders)
 MIN_SQNR_DB = 25.0
 
-# one entry per family runs in every test run; the others are marked slow
-QUICK = ("llama", "bert", "bart", "vit")
+# the quick tier runs in every test run, the other entries in the extended one: a decoder, an encoder-decoder
+# (whose encoder stands for the encoder family) and a vision model; under bf16 autocast the decoder alone
+QUICK = ("llama", "bart", "vit")
+QUICK_BF16 = ("llama",)
 
 # config keys an entry may change from its class's default config: sizes, and what the sizes determine
 SIZE_KEYS = {
@@ -40,8 +42,8 @@ SIZE_KEYS = {
 ALLOWED = {"t5": {"decoder_start_token_id"}}  # shifting the labels needs it; the default T5Config has none
 
 
-def _params(names):
-    return [pytest.param(n, marks=[] if n in QUICK else [pytest.mark.full_zoo]) for n in names]
+def _params(names, quick=QUICK):
+    return [pytest.param(n, marks=[] if n in quick else [pytest.mark.extended]) for n in names]
 
 
 @pytest.mark.parametrize("name", list(zoo.ZOO))
@@ -102,7 +104,7 @@ def test_torch_fp8_pass_measured_on_a_tiny_decoder():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", _params(zoo.ZOO))
+@pytest.mark.parametrize("name", _params(zoo.ZOO, QUICK_BF16))
 def test_policy_under_bf16_autocast_on_tiny_entry(name):
     # autocast saves the weights' bf16 copies for the matmuls: the policy keeps them (is_cast_of_input)
     row = zoo.measure_model(zoo.ZOO[name], "tiny", only=("d",))

@@ -60,11 +60,17 @@ EXAMPLE_RUNS = {
 }
 
 
+# the extended tier runs these: other tests check their paths more strictly (the compiled Trainer with
+# sh.policy(): tests/integrations/test_trainer.py; a plan read back from JSON: tests/planner/test_planner.py)
+EXTENDED = ("trainer_policy.py", "plan_json.py")
+
+
+def _marks(script: str) -> list:
+    return [pytest.mark.gpu] if script == "offload.py" else [pytest.mark.extended] if script in EXTENDED else []
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "script",
-    [pytest.param(s, marks=[pytest.mark.gpu] if s == "offload.py" else []) for s in EXAMPLE_RUNS],
-)
+@pytest.mark.parametrize("script", [pytest.param(s, marks=_marks(s)) for s in EXAMPLE_RUNS])
 def test_example_trains(script):
     extra, before, check = EXAMPLE_RUNS[script]
     if before is not None:
