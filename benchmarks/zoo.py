@@ -15,7 +15,7 @@ and their gradients), ``base`` (hidden 256, 4 layers, seq 256, batch 4) and
 4: a decoder's step of about 0.8 GiB). In all three, saved activations are most
 of the step's peak.
 
-``python -m benchmarks.zoo [--models ...] [--size tiny|base|large] [--out docs/results/zoo.md]``
+``python -m benchmarks.zoo [--models ...] [--size tiny|base|large] [--jobs N] [--out docs/results/zoo.md]``
 measures, per model, one training step (forward and backward, the gradients
 made in it counted) as the activation peak above the memory live before it
 (``sh.memory.measure_peak``):
@@ -486,11 +486,18 @@ def _versions() -> str:
     return f"torch {torch.__version__}, transformers {transformers.__version__}"
 
 
-def _device() -> str:
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+def _threads_per_job(jobs: int) -> int:
+    return max(1, torch.get_num_threads() // jobs)
 
 
-def document(rows: list[ZooRow], command: str, size: str, seconds: float) -> str:
+def _device(jobs: int = 1) -> str:
+    cpu = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    if jobs == 1:
+        return f"{cpu}, {torch.get_num_threads()} threads)"
+    return f"{cpu}; {jobs} entries at once, {_threads_per_job(jobs)} threads each)"
+
+
+def document(rows: list[ZooRow], command: str, size: str, seconds: float, jobs: int = 1) -> str:
     """The markdown page: a heading naming the command, versions and device, the table, the errors in full.
 
     Args:
@@ -498,17 +505,15 @@ def document(rows: list[ZooRow], command: str, size: str, seconds: float) -> str
         command: the command line that ran.
         size: the size tier.
         seconds: the run's wall time.
+        jobs: how many entries ran at once (as :func:`run`).
 
     Returns:
         Markdown text.
-
-    Raises:
-        Nothing.
     """
     lines = [
         f"# Model zoo, size {size}",
         "",
-        f"`{command}`; {_versions()}; device {_device()}; {seconds / 60:.1f} min.",
+        f"`{command}`; {_versions()}; device {_device(jobs)}; {seconds / 60:.1f} min.",
         "",
         f"Peaks: one training step's activation peak above the memory live before it (MiB). (a) sh.policy() around "
         f"plain torch.compile, over the compiled step without hooks; (b) the same eager, over eager; (e) torch's "
@@ -533,8 +538,14 @@ def document(rows: list[ZooRow], command: str, size: str, seconds: float) -> str
 
 
 def run(names: Iterable[str], size: str = "tiny", dropout: bool | None = None, only: Iterable[str] | None = None,
-        timeout_s: float | None = None, log: Callable[[str], None] = lambda line: None) -> list[ZooRow]:  # fmt: skip
-    """Measure each named entry in turn.
+        timeout_s: float | None = None, log: Callable[[str], None] = lambda line: None,
+        jobs: int = 1) -> list[ZooRow]:  # fmt: skip
+    """Measure each named entry, in turn or ``jobs`` at a time.
+
+    With ``jobs > 1`` each entry runs in a fresh process of its own (``spawn``),
+    at most ``jobs`` at once, each with ``torch.get_num_threads() // jobs``
+    intra-op threads (at least one). The peaks and gradient SQNRs do not depend
+    on what else runs; the wall times (``s``) do.
 
     Args:
         names: keys of :data:`ZOO`.
@@ -542,13 +553,16 @@ def run(names: Iterable[str], size: str = "tiny", dropout: bool | None = None, o
         dropout: see :func:`measure_model`.
         only: see :func:`measure_model`.
         timeout_s: see :func:`measure_model`.
-        log: gets progress lines.
+        log: gets progress lines (with ``jobs > 1``, the processes write theirs
+            to stderr, each line led by the entry's name, and ``log`` gets each table row).
+        jobs: how many entries run at once.
 
     Returns:
-        One row per entry, in order.
+        One row per entry, in the order of ``names``.
 
     Raises:
         KeyError: an unknown name or size, before anything runs.
+        ValueError: ``jobs`` below 1.
     """
     names = list(names)
     unknown = [n for n in names if n not in ZOO]
@@ -558,12 +572,45 @@ def run(names: Iterable[str], size: str = "tiny", dropout: bool | None = None, o
     unknown = set(only or ()) - set(MEASUREMENTS)
     if unknown:
         raise KeyError(f"unknown measurements {sorted(unknown)}; choose from {', '.join(MEASUREMENTS)}")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
+    if jobs > 1 and len(names) > 1:
+        return _run_in_processes(names, size, dropout, only, timeout_s, log, jobs)
     rows = []
     for name in names:
         log(f"== {name} ({size})")
         rows.append(measure_model(ZOO[name], size, dropout, only, timeout_s, log))
         log(table(rows[-1:]))
     return rows
+
+
+def _run_in_processes(names: list[str], size: str, dropout: bool | None, only: Iterable[str] | None,
+                      timeout_s: float | None, log: Callable[[str], None], jobs: int) -> list[ZooRow]:  # fmt: skip
+    """:func:`run` with one fresh ``spawn`` process per entry, ``jobs`` at once, rows in the order of ``names``."""
+    import multiprocessing
+
+    threads = _threads_per_job(jobs)
+    only = None if only is None else list(only)
+    tasks = [(name, size, dropout, only, timeout_s) for name in names]
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(min(jobs, len(names)), initializer=torch.set_num_threads, initargs=(threads,),
+                      maxtasksperchild=1) as pool:  # fmt: skip
+        rows = []
+        for row in pool.imap(_measure_in_process, tasks):
+            log(table([row]))
+            rows.append(row)
+    return rows
+
+
+def _measure_in_process(task: tuple[str, str, bool | None, list[str] | None, float | None]) -> ZooRow:
+    """One entry's :func:`measure_model` in a worker process, its progress lines on stderr led by its name."""
+    name, size, dropout, only, timeout_s = task
+
+    def log(line: str) -> None:
+        print(f"[{name}] {line}", file=sys.stderr, flush=True)
+
+    log(f"== {name} ({size})")
+    return measure_model(ZOO[name], size, dropout, only, timeout_s, log)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -577,15 +624,20 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"measurements to run (default: all; their baselines are added): {', '.join(MEASUREMENTS)}")
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="stop a measurement running longer and record it as failed (default: no limit)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="entries measured at once, each in a process of its own (default 1: in turn); "
+                        "the peaks and SQNRs do not depend on it, the wall times do")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     command = "python -m benchmarks.zoo " + " ".join(sys.argv[1:] if argv is None else argv)
     began = time.perf_counter()
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    rows = run(args.models, args.size, False if args.no_dropout else None, args.only, args.timeout, log)
-    text = document(rows, command.strip(), args.size, time.perf_counter() - began)
+    rows = run(args.models, args.size, False if args.no_dropout else None, args.only, args.timeout, log, args.jobs)
+    text = document(rows, command.strip(), args.size, time.perf_counter() - began, args.jobs)
     print(text)
     if args.out:
         path = pathlib.Path(args.out)

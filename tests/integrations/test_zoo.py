@@ -86,6 +86,22 @@ def test_table_shows_figures_and_errors():
 
 
 @pytest.mark.slow
+def test_jobs_measure_each_entry_in_a_process_of_its_own_and_keep_the_order():
+    names = ["llama", "gpt2", "bert"]
+    alone = zoo.run(names, only=())
+    at_once = zoo.run(names, only=(), jobs=2)
+    assert [r.model for r in at_once] == names
+    assert [r.params_mib for r in at_once] == [r.params_mib for r in alone]
+    assert all(r.params_mib > 0 and not r.errors for r in at_once)
+
+
+@pytest.mark.parametrize("jobs", [0, -1, 1.5, True])
+def test_jobs_below_one_or_not_an_int_are_refused(jobs):
+    with pytest.raises(ValueError, match="jobs"):
+        zoo.run(["gpt2"], only=(), jobs=jobs)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _params(zoo.ZOO))
 def test_policy_compiled_and_eager_on_tiny_entry(name):
     row = zoo.measure_model(zoo.ZOO[name], "tiny", only=("a", "b"))
