@@ -10,6 +10,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from models import planner_mlp
+
 import savedhooks as sh
 from benchmarks.zoo import step_fn as step
 from benchmarks.zoo_entries import LORA_TARGETS, ZOO
@@ -157,6 +159,28 @@ def test_evaluation_runs_without_the_hooks(tmp_path):
     with sh.saved_tensors_hooks(pair):  # the probe sees hooks that are in force
         trainer.evaluate()
     assert calls
+
+
+class _WithLoss(torch.nn.Module):
+    """The planner tests' MLP returning its loss as a transformers model does when given labels (``outputs[0]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, _ = planner_mlp()
+
+    def forward(self, x, labels):
+        return (torch.nn.functional.mse_loss(self.body(x), labels),)
+
+
+@pytest.mark.slow
+def test_plan_on_first_batch_with_a_fraction_plans_for_that_share_of_the_modelled_peak_without_hooks():
+    model = _WithLoss()
+    batch = {"x": torch.randn(512, 64), "labels": torch.randn(512, 64)}
+    kwargs = {"backend": "aot_eager", "blocks": ()}
+    plan = PlanOnFirstBatch(fraction=0.6, plan_kwargs={**kwargs, "check": False}).make(model, batch)
+    baseline = sh.planner.Planner(model, batch, loss_fn=lambda out: out[0], **kwargs).baseline_bytes
+    assert plan.budget_bytes == int(0.6 * baseline)
+    assert 0 < plan.predicted_peak_bytes <= plan.budget_bytes
 
 
 @pytest.mark.parametrize(

@@ -61,8 +61,9 @@ EXAMPLE_RUNS = {
 
 
 # the extended tier runs these: other tests check their paths more strictly (the compiled Trainer with
-# sh.policy(): tests/integrations/test_trainer.py; a plan read back from JSON: tests/planner/test_planner.py)
-EXTENDED = ("trainer_policy.py", "plan_json.py")
+# sh.policy(), and with a plan made on its first batch, for a budget or a fraction of the modelled peak:
+# tests/integrations/test_trainer.py; a plan read back from JSON: tests/planner/test_planner.py)
+EXTENDED = ("trainer_policy.py", "trainer_plan.py", "plan_json.py")
 
 
 def _marks(script: str) -> list:
