@@ -113,7 +113,7 @@ def test_policy_compiled_and_eager_on_tiny_entry(name):
 
 @pytest.mark.slow
 def test_torch_fp8_pass_measured_on_a_tiny_decoder():
-    row = zoo.measure_model(zoo.ZOO["llama"], "tiny", only=("a", "e"))
+    row = zoo.measure_model(zoo.ZOO["llama"], "tiny", only=("e",))
     assert not row.errors, row.errors
     assert row.e_ratio < 1.0, row  # the pass packs saved activations: the compiled step's peak is lower
     assert row.e_sqnr is not None, row  # a figure, or NaN where a gradient is not finite

@@ -60,10 +60,12 @@ EXAMPLE_RUNS = {
 }
 
 
-# the extended tier runs these: other tests check their paths more strictly (the compiled Trainer with
-# sh.policy(), and with a plan made on its first batch, for a budget or a fraction of the modelled peak:
-# tests/integrations/test_trainer.py; a plan read back from JSON: tests/planner/test_planner.py)
-EXTENDED = ("trainer_policy.py", "trainer_plan.py", "plan_json.py")
+# the extended tier runs these: other tests check their paths more strictly (a compiled Llama from its
+# default config with sh.policy() against the same compile without hooks: tests/integrations/test_zoo.py;
+# the compiled Trainer with sh.policy(), and with a plan made on its first batch, for a budget or a fraction
+# of the modelled peak: tests/integrations/test_trainer.py; a plan read back from JSON:
+# tests/planner/test_planner.py)
+EXTENDED = ("quickstart.py", "trainer_policy.py", "trainer_plan.py", "plan_json.py")
 
 
 def _marks(script: str) -> list:
