@@ -544,8 +544,11 @@ def run(names: Iterable[str], size: str = "tiny", dropout: bool | None = None, o
 
     With ``jobs > 1`` each entry runs in a fresh process of its own (``spawn``),
     at most ``jobs`` at once, each with ``torch.get_num_threads() // jobs``
-    intra-op threads (at least one). The peaks and gradient SQNRs do not depend
-    on what else runs; the wall times (``s``) do.
+    intra-op threads (at least one; the page's heading says so). The peaks and
+    gradient SQNRs are those of a run in turn, but where an op's scratch depends
+    on the thread count (a CPU convolution's); a plan (c) is chosen from times
+    measured as it runs. The wall times (``s``) grow with the load, and so does
+    the time a measurement takes against ``timeout_s``.
 
     Args:
         names: keys of :data:`ZOO`.
@@ -625,8 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="stop a measurement running longer and record it as failed (default: no limit)")
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
-                        help="entries measured at once, each in a process of its own (default 1: in turn); "
-                        "the peaks and SQNRs do not depend on it, the wall times do")
+                        help="entries measured at once, each in a process of its own with its share of the "
+                        "threads (default 1: in turn); the wall times grow with the load, so give a longer --timeout")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
