@@ -11,6 +11,7 @@ are public and used directly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
@@ -21,11 +22,33 @@ from torch._dynamo import OptimizedModule, config
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._guards import TracingContext
 
-__all__ = ["HAS_ISOLATE_RECOMPILES", "OptimizedModule", "aot_eager", "boxed_nop", "config", "has_aot_compile",
-           "is_compiled_module", "isolated", "tracing_context"]
+__all__ = ["HAS_ISOLATE_RECOMPILES", "OptimizedModule", "aot_eager", "boxed_nop", "checkpoint_side_effects_once",
+           "config", "has_aot_compile", "is_compiled_module", "isolated", "tracing_context"]
 
 # torch.compile(..., isolate_recompiles=True): torch 2.13 and later
 HAS_ISOLATE_RECOMPILES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+
+
+def checkpoint_side_effects_once() -> contextlib.AbstractContextManager:
+    """Let dynamo trace a checkpointed forward that mutates Python state, the mutation run once.
+
+    By default dynamo cannot trace a ``torch.utils.checkpoint`` region whose
+    forward mutates an object from outside it (eager checkpointing replays the
+    mutation in the recompute; a compiled backward cannot), and breaks the
+    graph around the region. transformers' attention layers (with the
+    ``kernels`` package, which transformers 5.25 requires) set and reset a
+    module-level registry in every forward: without the option each
+    checkpointed decoder block splits the compiled model. With ``skip_fwd_side_effects_in_bwd_under_checkpoint``
+    the mutation runs in the forward only, as torchtitan compiles its
+    checkpointed blocks.
+
+    Returns:
+        The ``torch._dynamo.config`` patch, a context manager; a null context on
+        a torch without the option.
+    """
+    if not hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return contextlib.nullcontext()
+    return config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 def tracing_context() -> TracingContext | None:

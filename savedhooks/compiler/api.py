@@ -26,7 +26,7 @@ import torch.fx
 
 import savedhooks.kernels.offload  # noqa: F401  (registers savedhooks::offload, which the pass looks for)
 from savedhooks._torch import aot, fixes, inductor
-from savedhooks._torch.dynamo import aot_eager, boxed_nop
+from savedhooks._torch.dynamo import aot_eager, boxed_nop, checkpoint_side_effects_once
 from savedhooks.compiler.input_layout import keep_input_layout, recorded_weights, restore_input_layout
 from savedhooks.compiler.overlap import overlap_transfers
 from savedhooks.compiler.passes import has_hook_chains, is_backward_graph, place_hooks, reorder_for_memory
@@ -288,6 +288,13 @@ class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors 
     compiled before entering (no hooks) are not recompiled for it; the hook
     guard recompiles them when the hooks change.
 
+    Checkpointed regions compiled inside the block (a plan's recomputed
+    blocks, transformers' gradient checkpointing) are traced into the graph
+    even when their forward mutates Python state, such as the kernel registry
+    transformers' attention layers set and reset: the mutation runs in the
+    forward only, not again in the recompute
+    (:func:`savedhooks._torch.dynamo.checkpoint_side_effects_once`).
+
     Args:
         hooks: a HookPair, e.g. from :func:`hook` or a codec such as ``savedhooks.fp8()``.
         reorder: False leaves inductor's configuration alone (no placement, lazy
@@ -312,6 +319,7 @@ class saved_tensors_hooks(contextlib.ContextDecorator):  # noqa: N801 - mirrors 
         with contextlib.ExitStack() as stack:
             stack.enter_context(inductor_placement(self.reorder))
             stack.enter_context(aot.every_saved_value_hooked())
+            stack.enter_context(checkpoint_side_effects_once())
             stack.enter_context(applied(self.hooks))
             self._entered.append(stack.pop_all())
         return self.hooks

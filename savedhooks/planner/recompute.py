@@ -182,9 +182,13 @@ def checkpoint_blocks(model: torch.nn.Module, paths: Sequence[str], mode: str = 
 def _no_cache(
     block: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], positions: dict[int, str]
 ) -> Any:
-    """A checkpointed block's forward pre-hook: its KV cache arguments dropped when a backward will recompute it."""
-    kept_args, kept = without_cache_arguments(block, args, kwargs, positions)
-    return None if kept_args is args and kept is kwargs else (kept_args, kept)
+    """A checkpointed block's forward pre-hook: its KV cache arguments dropped when a backward will recompute it.
+
+    Returns the arguments in every case (unchanged ones included): dynamo
+    cannot trace an identity test of two tuples, and a graph break here would
+    split the compiled model around every checkpointed block.
+    """
+    return without_cache_arguments(block, args, kwargs, positions)
 
 
 def checkpointed_blocks(model: torch.nn.Module) -> dict[str, str]:

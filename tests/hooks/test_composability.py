@@ -149,6 +149,59 @@ def test_checkpoint_selective_compiled_packs_what_the_policy_saves():
     assert len(kept) >= 6 and packed == set(kept)
 
 
+class _Registry:
+    """Module-level state a forward sets and resets, as transformers' attention layers do with the kernels registry."""
+
+    active: object = None
+
+
+_REGISTRY = _Registry()
+
+
+class _MutatingBlock(torch.nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        # not a constant: torch lets a constant set and restored inside a checkpoint pass
+        previous, _REGISTRY.active = _REGISTRY.active, {"block": self}
+        try:
+            return torch.nn.functional.gelu(self.linear(x))
+        finally:
+            _REGISTRY.active = previous
+
+
+class _CheckpointedMutating(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_MutatingBlock() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+@pytest.mark.skipif(
+    not hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"),
+    reason="this torch has no skip_fwd_side_effects_in_bwd_under_checkpoint",
+)
+def test_a_checkpointed_block_that_mutates_python_state_compiles_in_one_graph_inside_the_hooks():
+    torch.manual_seed(0)
+    model, x = _CheckpointedMutating(), torch.randn(8, 32)
+    want = _grads(model, model, x)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="side effect"):  # torch's default: a graph break
+        _grads(model, torch.compile(model, backend="aot_eager", fullgraph=True), x)
+    torch._dynamo.reset()
+    hooks, packed = _recorder()
+    got = _grads(model, torch.compile(model, backend="aot_eager", fullgraph=True), x, hooks=hooks)
+    _assert_equal(got, want)
+    assert packed, "the compiled graph's saved values went through the hooks"
+    assert _REGISTRY.active is None, "set and reset once, in the forward"
+    assert not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint, "restored on leaving the block"
+
+
 class _CheckpointedMLP(torch.nn.Module):
     """4 x (Linear + GELU), each block checkpointed: only the block inputs stay saved, all alive at the peak."""
 

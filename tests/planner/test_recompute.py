@@ -109,6 +109,75 @@ def test_checkpointed_restores_only_what_it_checkpointed_and_paths_are_checked()
     assert "forward" not in vars(model.layers[1])  # nothing changed when a path is bad
 
 
+class _Registry:
+    """Module-level state a forward sets and resets, as transformers' kernels registry."""
+
+    def __init__(self) -> None:
+        self.active = None
+
+
+_REGISTRY = _Registry()
+
+
+@sh.hook(name="float64")
+def _float64(x):
+    return x.to(torch.float64) if x.dtype == torch.float32 else x
+
+
+@_float64.unpack
+def _float64(p):
+    return p.to(torch.float32) if p.dtype == torch.float64 else p
+
+
+class _DecoderBlock(torch.nn.Module):
+    """Called with cache keywords, and sets and resets a module-level registry, as transformers' decoder layers."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x, past_key_values=None, use_cache=False):
+        previous, _REGISTRY.active = _REGISTRY.active, {"block": self}
+        try:
+            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+        finally:
+            _REGISTRY.active = previous
+
+
+class _DecoderNet(torch.nn.Module):
+    def __init__(self, width: int = 16, blocks: int = 2) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_DecoderBlock(width) for _ in range(blocks))
+
+    def forward(self, x, use_cache=True):
+        for layer in self.layers:
+            x = layer(x, past_key_values=None, use_cache=use_cache)
+        return x
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache-asked", "no-cache"])
+def test_checkpointed_blocks_called_with_cache_arguments_compile_in_one_graph(use_cache):
+    torch.manual_seed(0)
+    model, x = _DecoderNet(), torch.randn(4, 16)
+    reference = [p.clone() for p in torch.autograd.grad(model(x, use_cache).square().sum(), model.parameters())]
+    checkpoint_blocks(model, find_blocks(model))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # a graph break raises
+    with sh.saved_tensors_hooks(_float64):  # lossless; the registry is traced once, in the forward
+        got = torch.autograd.grad(compiled(x, use_cache).square().sum(), model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(reference, got))
+    assert _REGISTRY.active is None
+
+
+@pytest.mark.slow
+def test_the_planner_surveys_recompute_on_blocks_that_mutate_python_state_and_take_cache_arguments():
+    torch.manual_seed(0)
+    model, x = _DecoderNet(width=64), torch.randn(512, 64)
+    planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
+    assert planner.blocks == ("layers.0", "layers.1")
+    recomputed = planner.survey(2)  # raises NotCompiledError where a checkpointed block breaks the graph
+    assert recomputed.floor_bytes < planner.survey(0).floor_bytes
+
+
 def test_block_seconds_times_each_block_in_one_forward():
     model, x = _net()
     seconds = block_seconds(model, (x,), find_blocks(model), repeats=2)
