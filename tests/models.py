@@ -64,6 +64,16 @@ def cast_hook(dtype: torch.dtype) -> sh.HookPair:
     return cast
 
 
+class Registry:
+    """Module-level state a forward sets and resets, as transformers' attention layers do with the kernels registry."""
+
+    def __init__(self) -> None:
+        self.active = None
+
+
+REGISTRY = Registry()  # set to a non-constant inside a forward: torch lets a constant set and restored pass
+
+
 def mlp(width: int = 16) -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),

@@ -38,9 +38,9 @@ def checkpoint_side_effects_once() -> contextlib.AbstractContextManager:
     graph around the region. transformers' attention layers (with the
     ``kernels`` package, which transformers 5.25 requires) set and reset a
     module-level registry in every forward: without the option each
-    checkpointed decoder block splits the compiled model. With ``skip_fwd_side_effects_in_bwd_under_checkpoint``
-    the mutation runs in the forward only, as torchtitan compiles its
-    checkpointed blocks.
+    checkpointed decoder block splits the compiled model. With
+    ``skip_fwd_side_effects_in_bwd_under_checkpoint`` the mutation runs in the
+    forward only, as torchtitan compiles its checkpointed blocks.
 
     Returns:
         The ``torch._dynamo.config`` patch, a context manager; a null context on

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import savedhooks as sh
 from savedhooks._torch.fixes import rng_state_outputs
-from tests.models import POLICY_DB, GraphCapture, TransformerBlock, torch_bug, transformer, worst_sqnr
+from tests.models import POLICY_DB, REGISTRY, GraphCapture, TransformerBlock, torch_bug, transformer, worst_sqnr
 
 # the recorder's list makes its identity process-local (savedhooks warns): nothing else depends on it here
 pytestmark = pytest.mark.filterwarnings("ignore:savedhooks hook 'record'")
@@ -149,27 +149,17 @@ def test_checkpoint_selective_compiled_packs_what_the_policy_saves():
     assert len(kept) >= 6 and packed == set(kept)
 
 
-class _Registry:
-    """Module-level state a forward sets and resets, as transformers' attention layers do with the kernels registry."""
-
-    active: object = None
-
-
-_REGISTRY = _Registry()
-
-
 class _MutatingBlock(torch.nn.Module):
     def __init__(self, width: int = 32) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(width, width)
 
     def forward(self, x):
-        # not a constant: torch lets a constant set and restored inside a checkpoint pass
-        previous, _REGISTRY.active = _REGISTRY.active, {"block": self}
+        previous, REGISTRY.active = REGISTRY.active, {"block": self}
         try:
             return torch.nn.functional.gelu(self.linear(x))
         finally:
-            _REGISTRY.active = previous
+            REGISTRY.active = previous
 
 
 class _CheckpointedMutating(torch.nn.Module):
@@ -198,7 +188,7 @@ def test_a_checkpointed_block_that_mutates_python_state_compiles_in_one_graph_in
     got = _grads(model, torch.compile(model, backend="aot_eager", fullgraph=True), x, hooks=hooks)
     _assert_equal(got, want)
     assert packed, "the compiled graph's saved values went through the hooks"
-    assert _REGISTRY.active is None, "set and reset once, in the forward"
+    assert REGISTRY.active is None, "set and reset once, in the forward"
     assert not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint, "restored on leaving the block"
 
 

@@ -19,6 +19,7 @@ from savedhooks.planner.recompute import (
     restore_blocks,
     save_products,
 )
+from tests.models import REGISTRY, cast_hook
 
 
 class _Net(torch.nn.Module):
@@ -109,26 +110,6 @@ def test_checkpointed_restores_only_what_it_checkpointed_and_paths_are_checked()
     assert "forward" not in vars(model.layers[1])  # nothing changed when a path is bad
 
 
-class _Registry:
-    """Module-level state a forward sets and resets, as transformers' kernels registry."""
-
-    def __init__(self) -> None:
-        self.active = None
-
-
-_REGISTRY = _Registry()
-
-
-@sh.hook(name="float64")
-def _float64(x):
-    return x.to(torch.float64) if x.dtype == torch.float32 else x
-
-
-@_float64.unpack
-def _float64(p):
-    return p.to(torch.float32) if p.dtype == torch.float64 else p
-
-
 class _DecoderBlock(torch.nn.Module):
     """Called with cache keywords, and sets and resets a module-level registry, as transformers' decoder layers."""
 
@@ -137,11 +118,11 @@ class _DecoderBlock(torch.nn.Module):
         self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
 
     def forward(self, x, past_key_values=None, use_cache=False):
-        previous, _REGISTRY.active = _REGISTRY.active, {"block": self}
+        previous, REGISTRY.active = REGISTRY.active, {"block": self}
         try:
             return x + self.down(torch.nn.functional.gelu(self.up(x)))
         finally:
-            _REGISTRY.active = previous
+            REGISTRY.active = previous
 
 
 class _DecoderNet(torch.nn.Module):
@@ -162,10 +143,10 @@ def test_checkpointed_blocks_called_with_cache_arguments_compile_in_one_graph(us
     reference = [p.clone() for p in torch.autograd.grad(model(x, use_cache).square().sum(), model.parameters())]
     checkpoint_blocks(model, find_blocks(model))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # a graph break raises
-    with sh.saved_tensors_hooks(_float64):  # lossless; the registry is traced once, in the forward
+    with sh.saved_tensors_hooks(cast_hook(torch.float64)):  # lossless; the registry is traced once, in the forward
         got = torch.autograd.grad(compiled(x, use_cache).square().sum(), model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(reference, got))
-    assert _REGISTRY.active is None
+    assert REGISTRY.active is None
 
 
 @pytest.mark.slow
