@@ -14,6 +14,7 @@ that moves one of them is met in one place:
 * :mod:`~savedhooks._torch.ops`: operator overloads, their schemas, dispatch modes.
 * :mod:`~savedhooks._torch.fx`: FX internals (symbolic tracing, side-effectful ops, shape config).
 * :mod:`~savedhooks._torch.nn`: ``torch.nn.Module`` internals.
+* :mod:`~savedhooks._torch.autograd`: what an autograd node saved, read without unpacking it.
 * :mod:`~savedhooks._torch.profiler`: whether the autograd profiler runs.
 * :mod:`~savedhooks._torch.dynamo`: dynamo's config, backends and tracing context.
 * :mod:`~savedhooks._torch.aot`: functorch / AOTAutograd: its config, hook context, rng prims.

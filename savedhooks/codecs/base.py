@@ -45,6 +45,16 @@ class Codec:
         """Whether this codec packs ``x`` (default: non-empty floating tensors)."""
         return x.is_floating_point() and x.numel() > 0
 
+    @property
+    def lossy(self) -> bool:
+        """Whether decoding may return other values than were packed (default True: unknown codecs count as lossy).
+
+        :func:`savedhooks.policy` sends a floating tensor to a lossy codec only
+        where every backward reader tolerates its error
+        (:mod:`savedhooks.codecs.tolerance`); lossless codecs apply everywhere.
+        """
+        return True
+
     def encode(self, x: torch.Tensor) -> Any:  # pragma: no cover - abstract
         """The payload kept for backward in place of ``x``: a pytree of tensors and Python values."""
         raise NotImplementedError

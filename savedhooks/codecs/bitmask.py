@@ -18,6 +18,11 @@ __all__ = ["Bitmask", "bitmask"]
 class Bitmask(Codec):
     """Configuration of the bitmask codec (see :func:`bitmask`): only where its kernels come from."""
 
+    @property
+    def lossy(self) -> bool:
+        """False: decoding returns the packed values bit for bit."""
+        return False
+
     backend: str = "auto"
 
     def __post_init__(self) -> None:

@@ -102,6 +102,11 @@ class PoolIndices(Codec):
     Lossless; see the module notes.
     """
 
+    @property
+    def lossy(self) -> bool:
+        """False: decoding returns the packed values bit for bit."""
+        return False
+
     def accepts(self, x: torch.Tensor) -> bool:
         """int64 indices of a max pool whose plane fits int32, or int8 offsets of a window of at most 16, under compile."""
         if _is_pool_offsets(x):

@@ -30,6 +30,11 @@ __all__ = ["Offload", "offload"]
 class Offload(Codec):
     """Configuration of the offload codec (see :func:`offload`)."""
 
+    @property
+    def lossy(self) -> bool:
+        """Whether the inner codec is lossy (a move alone is exact)."""
+        return self.inner is not None and self.inner.lossy
+
     inner: Codec | None = None
     device: torch.device = torch.device("cpu")
     pin_memory: bool = True

@@ -23,7 +23,8 @@ from savedhooks.codecs.fp8 import Float8
 from savedhooks.codecs.indices import PoolIndices
 from savedhooks.codecs.int8 import Int8Rows
 from savedhooks.codecs.placement import decodes_twice, saved_for_an_eager_loss
-from savedhooks.hooks import eager_readers, hook_context
+from savedhooks.codecs.tolerance import compiled_tolerates, eager_tolerates, normalized
+from savedhooks.hooks import eager_readers, eager_savers, hook_context
 from savedhooks.hooks.contract import HookContext
 from savedhooks.hooks.eager import VIEW_NODES
 from savedhooks.memory.graph import backward_uses, op_name, producing_op, through_aliases, uses_through_aliases
@@ -44,6 +45,7 @@ __all__ = [
     "largest_saved_bytes",
     "policy",
     "producing_op",
+    "readers_tolerate",
 ]
 
 # The SDPA kernels (each returns its output, then its logsumexp)
@@ -338,6 +340,27 @@ def _feeds_a_matmul(node: torch.fx.Node) -> bool:
     return False
 
 
+def readers_tolerate(x: torch.Tensor, allow: tuple[str, ...] = ()) -> bool:
+    """Whether every backward reader of the saved tensor being packed tolerates a lossy codec.
+
+    Under compile, the forward ops whose backward (or recomputation) reads it
+    in the backward graph; in eager mode, the autograd nodes that saved it,
+    known only while a codec's ``eager_window`` held it
+    (:func:`savedhooks.hooks.eager_savers`).
+
+    Args:
+        x: the tensor a pack hook received.
+        allow: op names allowed besides :data:`savedhooks.codecs.tolerance.FAMILIES`.
+
+    Returns:
+        True when the readers are known and each is tolerant; False otherwise.
+    """
+    ctx = hook_context()
+    if ctx is not None:
+        return compiled_tolerates(ctx, allow)
+    return eager_tolerates(x, eager_savers(), allow)
+
+
 def largest_saved_bytes(bw_graph: torch.fx.Graph, fw_graph: torch.fx.Graph | None = None) -> int | None:
     """Bytes of the largest tensor a compiled forward saves for its backward that a pack hook packs.
 
@@ -411,6 +434,7 @@ class Policy(Codec):
     relative_bytes: float = 1 / 16
     centered: Codec | None = Centered()
     attention: Codec | None = Int8Rows()
+    allow: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("floating", "boolean", "integer", "centered", "attention"):
@@ -426,20 +450,27 @@ class Policy(Codec):
             raise ValueError(f"policy: narrow_softmax must be a non-negative int, got {self.narrow_softmax!r}")
         if not isinstance(self.relative_bytes, (int, float)) or not 0 <= self.relative_bytes < 1:
             raise ValueError(f"policy: relative_bytes must be a number in [0, 1), got {self.relative_bytes!r}")
+        if isinstance(self.allow, str) or not all(isinstance(op, str) and op.strip("_") for op in self.allow):
+            raise ValueError(f"policy: allow must be a tuple of op names, got {self.allow!r}")
+        object.__setattr__(self, "allow", tuple(sorted({normalized(op) for op in self.allow})))
 
     @property
     def eager_window(self) -> int:
-        """In eager mode, how many saved tensors are held before packing, until the op reading them is known.
+        """In eager mode, how many saved tensors are held before packing, until the nodes that saved them are known.
 
-        Fused attention saves its query, key and value before it runs, and then
-        its output (:mod:`savedhooks.hooks.eager`): three; none without an ``attention``
-        codec. Only tensors bound for ``floating`` are held (:meth:`eager_holds`).
+        A lossy codec needs every node that saved a tensor to be known
+        (:func:`savedhooks.hooks.eager_savers`); autograd saves a node's inputs
+        before the node exists, so a tensor is held until later saves show
+        its savers: at most 6 at a time (a layer's query, key and value
+        projections save one input three times, fused attention its query,
+        key, value and output). None without a lossy codec.
         """
-        return 3 if self.attention is not None and self.floating is not None else 0
+        return 6 if any(c.lossy for c in self.codecs() if c in (self.floating, self.centered, self.attention)) else 0
 
     def eager_holds(self, x: torch.Tensor) -> bool:
-        """Whether eager mode holds ``x`` until its readers are known: it would go to ``floating``."""
-        return self.floating is not None and self.choose(x) == 0
+        """Whether eager mode holds ``x`` until its savers are known: its codec would be lossy."""
+        codec = self._candidate(x)
+        return codec is not None and codec.lossy and codec.accepts(x)
 
     def codecs(self) -> tuple[Codec, ...]:
         """The configured codecs, in the fixed order floating, boolean, integer, centered, attention."""
@@ -486,26 +517,43 @@ class Policy(Codec):
             and is_batch_norm_input(ctx.node)
         )
 
-    def choose(self, x: torch.Tensor) -> int:
-        """Pick the codec for ``x`` (index into :meth:`codecs`), or -1 to keep it as is."""
+    def _candidate(self, x: torch.Tensor) -> Codec | None:
+        """The codec for ``x`` by the rules above, before asking whether its backward readers tolerate it."""
         if self.keeps(x):
-            return -1
+            return None
         if x.dtype == torch.bool:
-            codec = self.boolean
-        elif x.is_floating_point():
-            codec = self.floating
-            ctx = hook_context()
-            if codec is not None and self._centers(x, ctx):
-                codec = self.centered
-            elif (
-                codec is not None
-                and self.attention is not None
-                and is_attention_operand(x, ctx.node if ctx is not None else None)
-            ):
-                codec = self.attention
-        else:
-            codec = self.integer
+            return self.boolean
+        if not x.is_floating_point():
+            return self.integer
+        codec = self.floating
+        ctx = hook_context()
+        if codec is not None and self._centers(x, ctx):
+            return self.centered
+        if codec is not None and self.attention is not None and is_attention_operand(x, ctx.node if ctx else None):
+            return self.attention
+        return codec
+
+    def tolerated(self, x: torch.Tensor) -> bool:
+        """Whether every backward reader of ``x`` tolerates a lossy codec (:mod:`savedhooks.codecs.tolerance`).
+
+        Under compile, the forward ops whose backward (or recomputation)
+        reads the value in the backward graph; in eager mode, the autograd
+        nodes that saved it, all of them known (:attr:`eager_window`). Each
+        must be in :data:`savedhooks.codecs.tolerance.FAMILIES` or ``allow``.
+        Unknown readers, custom ``autograd.Function`` s among them: False.
+        """
+        return readers_tolerate(x, self.allow)
+
+    def choose(self, x: torch.Tensor) -> int:
+        """Pick the codec for ``x`` (index into :meth:`codecs`), or -1 to keep it as is.
+
+        A lossy codec is picked only where :meth:`tolerated` says its readers
+        tolerate it; lossless ones wherever they accept ``x``.
+        """
+        codec = self._candidate(x)
         if codec is None or not codec.accepts(x):
+            return -1
+        if codec.lossy and not self.tolerated(x):
             return -1
         return self.codecs().index(codec)
 
@@ -520,6 +568,7 @@ def policy(
     relative_bytes: float = 1 / 16,
     centered: Any = Centered(),
     attention: Any = Int8Rows(),
+    allow: tuple[str, ...] = (),
 ):
     """Hooks that pick a codec for each saved tensor, and keep the ones that lossy packing hurts.
 
@@ -538,6 +587,11 @@ def policy(
     :func:`is_cast_of_input`); in eager mode, a log-softmax's output (an
     eager loss's, which every codec stores as it is: packing it only adds memory
     at the loss's peak, :func:`savedhooks.codecs.placement.saved_for_an_eager_loss`).
+    Every lossy choice below is made only where each op that reads the tensor in
+    the backward is on :data:`savedhooks.codecs.tolerance.FAMILIES` or ``allow``
+    (:meth:`Policy.tolerated`): under compile the readers come from the
+    backward graph, in eager mode from the autograd nodes that saved it; where
+    they cannot be told, the tensor is kept.
     The rest: fp8 for floating tensors (under inductor, a batch norm's input as
     its deviation from each channel's mean: ``centered``), the query, key, value
     and output of fused attention in ``attention`` (int8 rows: :func:`is_attention_operand`;
@@ -578,6 +632,9 @@ def policy(
             (int8 codes, a float32 scale per head vector; rows under 8
             values are kept as they are). None: ``floating``. Unused
             when ``floating`` is None.
+        allow: further forward op names (aten names, leading underscores
+            optional: ``("cumprod",)``) whose backward may read lossy values,
+            in any role; pick them from a measurement (``sh.fidelity.check``).
 
     Returns:
         The cached :class:`~savedhooks.HookPair`.
@@ -585,9 +642,10 @@ def policy(
     Raises:
         TypeError: a codec argument is not a savedhooks codec, or ``centered``
             is not a :class:`~savedhooks.codecs.Centered`.
-        ValueError: ``min_bytes``, ``keep_ops``, ``narrow_softmax`` or
-            ``relative_bytes`` is malformed.
+        ValueError: ``min_bytes``, ``keep_ops``, ``narrow_softmax``,
+            ``relative_bytes`` or ``allow`` is malformed.
     """
     return Policy(
-        floating, boolean, integer, min_bytes, tuple(keep_ops), narrow_softmax, relative_bytes, centered, attention
+        floating, boolean, integer, min_bytes, tuple(keep_ops), narrow_softmax, relative_bytes, centered, attention,
+        allow if isinstance(allow, str) else tuple(allow),
     ).hooks()

@@ -25,6 +25,7 @@ import torch
 
 from savedhooks.codecs.base import Codec
 from savedhooks.hooks import hook_context
+from savedhooks.hooks.eager import settle_innermost
 from savedhooks.memory.graph import producing_op
 
 __all__ = ["Census", "SavedTensor", "Selected", "keyed_run", "mark_loss"]
@@ -91,8 +92,12 @@ def keyed_run() -> Iterator[_Run]:
 
 def mark_loss() -> None:
     """Mark that the loss starts: the eager saves from here on are the loss's (no-op outside a keyed run).
+
+    The tensors the innermost hooks context still holds (``eager_window``) are
+    the model's: they are packed first, so that their keys come before the mark.
     """
     if _RUN is not None:
+        settle_innermost()
         _RUN.loss_from = _RUN.eager_calls
 
 
@@ -126,14 +131,36 @@ def concrete_size(s: object) -> int | str:
     return int(hint) if hint is not None else str(s)
 
 
-@dataclasses.dataclass(frozen=True)
-class Census(Codec):
-    """Packs nothing; records every saved tensor that ``inner`` would pack, with the codec it would pick."""
+class _Wrapper(Codec):
+    """A codec around ``inner`` that holds in eager mode what ``inner`` holds (its savers are then known)."""
 
     inner: Codec
 
+    @property
+    def lossy(self) -> bool:
+        """Whether ``inner`` is lossy."""
+        return self.inner.lossy
+
+    @property
+    def eager_window(self) -> int:
+        """``inner``'s eager window (0 when it has none): the same tensors are held, so eager keys line up."""
+        return getattr(self.inner, "eager_window", 0)
+
+    def eager_holds(self, x: torch.Tensor) -> bool:
+        """Whether ``inner`` holds ``x`` in eager mode (True when it does not say)."""
+        holds = getattr(self.inner, "eager_holds", None)
+        return holds is None or holds(x)
+
     def codecs(self) -> tuple[Codec, ...]:
+        """``inner``'s codecs."""
         return self.inner.codecs()
+
+
+@dataclasses.dataclass(frozen=True)
+class Census(_Wrapper):
+    """Packs nothing; records every saved tensor that ``inner`` would pack, with the codec it would pick."""
+
+    inner: Codec
 
     def choose(self, x: torch.Tensor) -> int:
         key, op = _key(x)
@@ -146,15 +173,12 @@ class Census(Codec):
 
 
 @dataclasses.dataclass(frozen=True)
-class Selected(Codec):
+class Selected(_Wrapper):
     """Applies ``inner`` to the saved tensors named in ``keys`` (or, with ``invert``, to all others)."""
 
     inner: Codec
     keys: frozenset[str]
     invert: bool = False
-
-    def codecs(self) -> tuple[Codec, ...]:
-        return self.inner.codecs()
 
     def choose(self, x: torch.Tensor) -> int:
         key, _ = _key(x)

@@ -19,14 +19,19 @@ Design notes
   cache holds the tensor weakly and is cleared when backward starts unpacking.
 * Eager autograd saves a node's inputs before the node exists, so a pack hook
   cannot tell which op reads them. A codec with ``eager_window = n > 0`` has the
-  last ``n`` tensors packed in its context that its ``eager_holds(x)`` accepts
-  (default: all) held as they are and packed late:
-  when an op that also saves an output saves it (its inputs were saved just
-  before), the held tensors that are inputs of that op's autograd node (directly
-  or through a view) learn it as a reader, and the codec sees those readers
-  while packing them (:func:`eager_readers`; fused attention's query, key and
-  value). Held tensors are packed when ``n`` newer ones are held, when the
-  context exits, or not at all when backward reads them first.
+  tensors packed in its context that its ``eager_holds(x)`` accepts (default: all)
+  held as they are and packed late, the last ``n`` at most: each later pack walks
+  the autograd graph back from the new tensor's ``grad_fn`` and finds, in the
+  nodes it has not seen, the saved variables whose payload (``SavedTensor.data``,
+  read without unpacking) is a held tensor's: the nodes that saved it. When as
+  many savers are found as times the tensor was saved, they are all known, and
+  the codec sees them while packing it (:func:`eager_savers`; None while some
+  are unknown). A held tensor is packed as soon as its savers are all found (at a
+  later pack), else when ``n`` newer ones are held, when the context exits or a
+  backward inside it starts unpacking (the forward is over), or not at all when
+  that backward reads it first. A tensor saved
+  again after it was packed into something new gets a payload of its own: the
+  codec did not see that saver.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Any, Callable
 import torch
 
 from savedhooks._torch import pytree
+from savedhooks._torch.autograd import saved_payloads
 from savedhooks._torch.fixes import align_rng_state_names
 from savedhooks._torch.tensors import base_of, is_traced, is_view, version_counter
 from savedhooks.hooks.contract import HookError, _HookFunctions, _pack_checked, _unpack_checked, hook_context
@@ -68,22 +74,22 @@ class _Aliasing:
 
 
 class _Held:
-    """Eager-mode payload of a tensor held as it is until its readers are known (``eager_window``)."""
+    """Eager-mode payload of a tensor held as it is until the nodes that saved it are known (``eager_window``)."""
 
-    __slots__ = ("tensor", "version", "edge", "readers", "packed")
+    __slots__ = ("tensor", "version", "saves", "savers", "packed")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor: torch.Tensor | None = tensor
         self.version = version_counter(tensor)
-        self.edge = (tensor.grad_fn, tensor.output_nr)
-        self.readers: set[str] = set()
+        self.saves = 1  # how many times autograd saved it: one saver each
+        self.savers: list[Any] = []  # the autograd nodes found holding this payload
         self.packed: Any = None
 
 
 class _Frame:
     """One active ``savedhooks.saved_tensors_hooks`` context: its hook functions and eager-mode state."""
 
-    __slots__ = ("fns", "cache", "window", "holds", "held")
+    __slots__ = ("fns", "cache", "window", "holds", "held", "seen", "pending")
 
     def __init__(self, fns: _HookFunctions | None, codec: Any = None) -> None:
         self.fns = fns
@@ -92,6 +98,8 @@ class _Frame:
         self.window: int = getattr(codec, "eager_window", 0) if fns is not None else 0
         self.holds: Callable[[torch.Tensor], bool] = getattr(codec, "eager_holds", lambda x: True)
         self.held: list[_Held] = []
+        self.seen: set[Any] = set()  # autograd nodes already searched for held payloads
+        self.pending: Any = None  # the last pack's grad_fn, searched at the next pack (complete by then)
 
 
 class _ViewOf:
@@ -124,17 +132,28 @@ VIEW_NODES = frozenset(
 )  # fmt: skip
 
 
-def eager_readers() -> frozenset[str]:
-    """The autograd nodes known to read the tensor being packed, in eager mode (empty when none is known).
+def eager_savers() -> tuple[Any, ...] | None:
+    """The autograd nodes that saved the tensor being packed, in eager mode, when all of them are known.
 
-    Set only while a tensor held under a codec's ``eager_window`` is packed late:
-    the class names (``type(node).__name__``) of the nodes that saved an output
-    while it was held and read it, directly or through a view.
+    Set while a tensor held under a codec's ``eager_window`` is packed late:
+    every node that saved it (one per time autograd saved it), found by their
+    saved variables' payloads. Outside such a late pack, or while some saver
+    was not found, None: the codec cannot tell who reads the tensor.
+
+    Returns:
+        A tuple of autograd nodes, or None.
+    """
+    return getattr(_active, "savers", None)
+
+
+def eager_readers() -> frozenset[str]:
+    """The class names of :func:`eager_savers` (``"MmBackward0"``); empty when they are not all known.
 
     Returns:
         A frozenset of autograd node class names.
     """
-    return getattr(_active, "readers", frozenset())
+    savers = eager_savers()
+    return frozenset(type(node).__name__ for node in savers) if savers else frozenset()
 
 
 # --- trampolines: the only functions the hook GraphModules call --------------------
@@ -209,13 +228,22 @@ def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
 
 
 def _pack_cached(frame: _Frame, x: torch.Tensor) -> Any:
+    if frame.window:
+        _find_savers(frame, x.grad_fn)
+        _settle_complete(frame, x)
     hit = frame.cache.get(id(x))
     if hit is not None and hit[0]() is x and hit[1] == version_counter(x):
-        return hit[2]
-    if frame.window:
-        _note_readers(frame, x)
-        if frame.holds(x):
-            return _hold(frame, x)
+        payload = hit[2]
+        if not isinstance(payload, _Held):
+            return payload
+        if payload.tensor is not None:  # still held: one more saver to find
+            payload.saves += 1
+            return payload
+        if payload.packed is None or isinstance(payload.packed, _Aliasing):
+            return payload  # changed in place (unpack refuses it), or stored as it is: nothing to decide again
+        # packed into something new for the savers the codec saw: this one it did not see
+    if frame.window and frame.holds(x):
+        return _hold(frame, x)
     return _pack_now(frame.fns, x, frame.cache)
 
 
@@ -229,15 +257,45 @@ def _pack_now(fns: _HookFunctions, x: torch.Tensor, cache: dict[int, tuple[Any, 
     return packed
 
 
-def _note_readers(frame: _Frame, x: torch.Tensor) -> None:
-    """Tell the held tensors that the autograd node which made ``x`` reads them, where it does."""
-    if x.grad_fn is None or not frame.held:
-        return
-    inputs = _input_edges(x.grad_fn)
-    name = type(x.grad_fn).__name__
-    for held in frame.held:
-        if held.edge[0] is not None and any(held.edge[0] is fn and held.edge[1] == nr for fn, nr in inputs):
-            held.readers.add(name)
+def _find_savers(frame: _Frame, start: Any) -> None:
+    """Search the autograd nodes behind ``start`` not searched before for saved variables holding held payloads.
+
+    ``start`` itself is searched at the next call (or when the context exits):
+    it may be the node saving the tensor being packed now, its saved variables
+    not all set yet; every node behind it is complete.
+    """
+    todo = [frame.pending] if frame.pending is not None else []
+    frame.pending = start
+    if start is not None:
+        todo.extend(fn for fn, _ in start.next_functions if fn is not None)
+    while todo and frame.held:
+        node = todo.pop()
+        if node in frame.seen:
+            continue
+        frame.seen.add(node)
+        _note_savers(frame, node)
+        todo.extend(fn for fn, _ in node.next_functions if fn is not None)
+
+
+def _note_savers(frame: _Frame, node: Any) -> None:
+    """Count ``node`` as a saver of each held tensor whose payload one of its saved variables holds."""
+    for payload in saved_payloads(node):
+        if isinstance(payload, _ViewOf):
+            payload = payload.packed
+        if isinstance(payload, _Held) and payload.tensor is not None:
+            payload.savers.append(node)
+
+
+def _settle_complete(frame: _Frame, x: torch.Tensor) -> None:
+    """Pack each held tensor but ``x`` whose savers are all found: its codec can decide now, and frees it sooner.
+
+    A tensor is saved once per reader, its pack hook called each time; as many
+    savers found as saves means none is missing so far. A later save of it gets
+    a payload of its own (:func:`_pack_cached`).
+    """
+    for held in [h for h in frame.held if h.tensor is not None and h.tensor is not x and len(h.savers) == h.saves]:
+        frame.held.remove(held)
+        _settle(frame, held)
 
 
 def _hold(frame: _Frame, x: torch.Tensor) -> _Held:
@@ -250,35 +308,48 @@ def _hold(frame: _Frame, x: torch.Tensor) -> _Held:
     return held
 
 
-def _input_edges(node: Any) -> list[tuple[Any, int]]:
-    """The edges to ``node``'s inputs, and below each input, the edges through views down to the viewed tensor."""
-    edges = []
-    for fn, nr in node.next_functions:
-        while fn is not None:
-            edges.append((fn, nr))
-            if type(fn).__name__ not in VIEW_NODES or not fn.next_functions:
-                break
-            fn, nr = fn.next_functions[0]
-    return edges
-
-
 def _settle(frame: _Frame, held: _Held) -> None:
-    """Pack a held tensor now, its readers visible to the codec; one changed in place stays for unpack to refuse."""
+    """Pack a held tensor now, its savers visible to the codec; one changed in place stays for unpack to refuse."""
     x = held.tensor
     if x is None or version_counter(x) != held.version:
         return
-    _active.readers = frozenset(held.readers)
+    _active.savers = tuple(held.savers) if len(held.savers) == held.saves else None
     try:
         held.packed = _pack_now(frame.fns, x, None)
     finally:
-        _active.readers = frozenset()
-    held.tensor, held.edge = None, (None, 0)
+        _active.savers = None
+    held.tensor, held.savers = None, []
 
 
 def settle_held(frame: _Frame) -> None:
-    """Pack every tensor ``frame`` holds (its context exits: the forward that saved them is over)."""
+    """Pack every tensor ``frame`` holds and drop the frame's sharing: the forward is over.
+
+    Called when the context exits, and when a backward inside it unpacks a
+    first saved tensor (the one it reads then, still held, stays as it is).
+    """
+    for held in frame.held:  # every node is complete now: the last pack's, and those that saved their output
+        _find_savers(frame, held.tensor.grad_fn if held.tensor is not None else None)
+    _find_savers(frame, None)
     while frame.held:
         _settle(frame, frame.held.pop(0))
+    frame.seen.clear()
+    frame.pending = None
+    # the forward's sharing is over: a held tensor's entry would keep it alive (as its payload, when it was
+    # stored as it is) until the cache's reference cycle is collected, past the backward's release of it
+    frame.cache.clear()
+
+
+def settle_innermost() -> None:
+    """Pack what the innermost active ``savedhooks.saved_tensors_hooks`` context holds, as if its forward ended.
+
+    A step that computes its loss inside the context calls it where the
+    model's forward ends (:func:`savedhooks.fidelity.select.mark_loss`): the
+    model's held tensors are then packed with the savers found so far, before
+    the loss saves anything. No-op outside such a context.
+    """
+    stack = getattr(_active, "stack", None)
+    if stack:
+        settle_held(stack[-1])
 
 
 def _covers(view: torch.Tensor, base: torch.Tensor) -> bool:
@@ -296,13 +367,13 @@ def _unpack(fns: _HookFunctions, packed: Any) -> torch.Tensor:
     if isinstance(packed, torch.Tensor) and not _is_eager(packed) and _saves_a_graph_input():
         return packed  # what _pack stored as it is
     if isinstance(packed, _Held):
-        if packed.tensor is not None:  # backward reads it before it was packed
+        if packed.tensor is not None:  # backward reads it before it was packed: kept as it is
             _check_version(fns, packed.tensor, packed.version)
             frame = _eager_frame(fns)
-            if frame is not None:  # backward has started: the forward's sharing is over
-                frame.cache.clear()
+            if frame is not None:
                 if packed in frame.held:
                     frame.held.remove(packed)
+                settle_held(frame)  # backward has started: the forward is over, as when the context exits
             return packed.tensor
         packed = packed.packed
     if isinstance(packed, _ViewOf):
@@ -314,8 +385,8 @@ def _unpack(fns: _HookFunctions, packed: Any) -> torch.Tensor:
             return packed.tensor
         packed = packed.packed
     frame = _eager_frame(fns)
-    if frame is not None:  # backward has started: the forward's sharing is over, drop the entries
-        frame.cache.clear()
+    if frame is not None:  # backward has started: the forward is over, as when the context exits
+        settle_held(frame)
     return _unpack_checked(fns, packed)
 
 

@@ -49,6 +49,7 @@ from savedhooks.hooks.eager import (
     _run_pack,
     _run_unpack,
     eager_readers,
+    eager_savers,
     settle_held,
 )
 from savedhooks.hooks.identity import UnfingerprintableError, fingerprint_details, source_digest
@@ -64,6 +65,7 @@ __all__ = [
     "applied",
     "check_hook_pair",
     "eager_readers",
+    "eager_savers",
     "hook",
     "hook_context",
     "make_hook_pair",

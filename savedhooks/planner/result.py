@@ -12,6 +12,7 @@ import torch
 
 from savedhooks.codecs import Bitmask, Downcast, Float8, Offload, Policy
 from savedhooks.codecs.base import Codec
+from savedhooks.codecs.policy import readers_tolerate
 from savedhooks.hooks import HookPair, hook_context
 from savedhooks.planner.caches import restore_caches, turn_caches_off
 from savedhooks.planner.census import plan_key, ranked_name
@@ -162,7 +163,17 @@ class Planned(Codec):
     def codecs(self) -> tuple[Codec, ...]:
         return tuple(CODECS.values()) + (self.fallback.codecs() if self.fallback is not None else ())
 
+    @property
+    def eager_window(self) -> int:
+        """In eager mode, floating tensors are held until their savers are known, as the policy holds them."""
+        return Policy().eager_window
+
+    def eager_holds(self, x: torch.Tensor) -> bool:
+        """Whether eager mode holds ``x`` until its savers are known: a floating tensor."""
+        return x.is_floating_point()
+
     def choose(self, x: torch.Tensor) -> int:
+        """The plan's codec for ``x``; a lossy one only where its backward readers tolerate it, as in the policy."""
         key = plan_key(x)
         name = self._lookup.get(key)
         if name is None:
@@ -170,7 +181,10 @@ class Planned(Codec):
         if name is None:
             index = self.fallback.choose(x) if self.fallback is not None else -1
             return -1 if index < 0 else len(CODECS) + index
-        if name == "keep" or not CODECS[name].accepts(x):
+        codec = CODECS.get(name)
+        if codec is None or not codec.accepts(x):
+            return -1
+        if codec.lossy and not readers_tolerate(x, getattr(self.fallback, "allow", ())):
             return -1
         return list(CODECS).index(name)
 

@@ -21,6 +21,7 @@ from savedhooks.codecs.fp8 import Float8
 from savedhooks.codecs.policy import Policy
 from savedhooks.compiler.api import ReorderPass
 from savedhooks.compiler.passes import has_hook_chains, is_backward_graph
+from savedhooks.fidelity import Census, keyed_run
 from savedhooks.memory.fusion import inlined_nodes, is_view
 from savedhooks.planner.census import plan_key
 from savedhooks.planner.result import Planned
@@ -301,11 +302,24 @@ def test_every_codec_stores_an_eager_log_softmax_as_it_is_and_packs_other_eager_
     x = torch.randn(64, 300, requires_grad=True) * 2  # made by an op that records grad: not a leaf
     log_probs, probs, scaled = x.log_softmax(-1), x.softmax(-1), x * 3
     # the policy's narrow-softmax rule is about rows of at most 256 values: these rows have 300
-    for codec in (Float8(), Downcast(), Policy(), Planned(choices=())):
+    for codec in (Float8(), Downcast()):
         assert codec.choose(log_probs) == -1, codec
         assert codec.choose(probs) >= 0 and codec.choose(scaled) >= 0, codec
-    # a plan's explicit choice names its tensor and is kept
-    assert Planned(choices=((plan_key(log_probs), "fp8"),)).choose(log_probs) >= 0
+    # the policy and a plan pack lossy only what readers they know tolerate: outside a hooks context none
+    w = torch.randn(300, 8, requires_grad=True)
+    for codec in (Policy(), Planned(choices=())):
+        assert codec.choose(probs) == -1 and codec.choose(scaled) == -1, codec
+        with keyed_run() as run, sh.saved_tensors_hooks(Census(codec).hooks()):
+            # mm reads each (a product); the squares' saves show the mm nodes as their savers
+            sum((t @ w).square().sum() for t in (log_probs, probs, scaled))
+        packed = sorted(t.op for t in run.census if t.shape == (64, 300))
+        assert packed == ["Mul", "Softmax"], (codec, packed)  # log_probs kept
+    # a plan's explicit choice names its tensor: taken where its readers are known to tolerate it
+    planned = Planned(choices=((plan_key(log_probs), "fp8"),))
+    assert planned.choose(log_probs) == -1
+    with keyed_run() as run, sh.saved_tensors_hooks(Census(planned).hooks()):
+        (log_probs @ w).square().sum()
+    assert [t.op for t in run.census if t.shape == (64, 300)] == ["LogSoftmax"]
 
 
 def _fp8_forward(x, w):

@@ -233,12 +233,19 @@ _PACKED: list[torch.Tensor] = []
 
 @dataclasses.dataclass(frozen=True)
 class _Watching(Codec):
-    """The policy, recording each saved tensor it packs."""
+    """The policy, recording each saved tensor it packs; it holds in eager mode what the policy holds."""
 
-    inner: Codec = dataclasses.field(default_factory=sh.codecs.Policy)
+    inner: Codec = sh.codecs.Policy()
 
     def codecs(self):
         return self.inner.codecs()
+
+    @property
+    def eager_window(self):
+        return self.inner.eager_window
+
+    def eager_holds(self, x):
+        return self.inner.eager_holds(x)
 
     def choose(self, x):
         index = self.inner.choose(x)

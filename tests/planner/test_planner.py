@@ -340,14 +340,14 @@ class _EagerMiddle(torch.nn.Module):
 
 
 def test_the_eager_loss_s_saves_are_kept_and_the_model_s_own_eager_saves_stay_candidates():
-    """The loss's saved tensor (the output, which ``square`` saves) is unpacked at the loss's peak: kept.
-    The tanh output that the model's eager middle saves is packed until its own backward: a candidate."""
+    """The loss's saved tensor (the output, which ``square`` saves) is unpacked at the loss's peak: kept, no
+    candidate (held as it is until its saver is known, and the backward reads it first). The tanh output
+    that the model's eager middle saves is packed until its own backward: a candidate."""
     torch.manual_seed(0)
     model, x = _EagerMiddle(), torch.randn(512, 64)
     survey = sh.planner.survey(model, (x,), loss_fn=_loss, backend="aot_eager")
     eager = {u.key: [o.name for o in u.options] for u in survey.units if u.key.startswith("eager|")}
-    assert survey.loss_saved == {"eager|CompiledFunctionBackward|512x64|float32"}
-    assert eager["eager|CompiledFunctionBackward|512x64|float32"] == ["keep"]
+    assert not survey.loss_saved and "eager|CompiledFunctionBackward|512x64|float32" not in eager
     assert {"bf16", "fp8"} <= set(eager["eager|Tanh|512x256|float32"])
     with sh.fidelity.keyed_run() as run:
         assert not run.saved_by_loss("eager:0")
