@@ -24,7 +24,7 @@ from savedhooks.codecs.indices import PoolIndices
 from savedhooks.codecs.int8 import Int8Rows
 from savedhooks.codecs.placement import decodes_twice, saved_for_an_eager_loss
 from savedhooks.codecs.tolerance import compiled_tolerates, eager_tolerates, normalized
-from savedhooks.hooks import eager_readers, eager_savers, hook_context
+from savedhooks.hooks import eager_largest_saved, eager_readers, eager_savers, hook_context
 from savedhooks.hooks.contract import HookContext
 from savedhooks.hooks.eager import VIEW_NODES
 from savedhooks.memory.graph import backward_uses, op_name, producing_op, through_aliases, uses_through_aliases
@@ -340,7 +340,7 @@ def _feeds_a_matmul(node: torch.fx.Node) -> bool:
     return False
 
 
-def readers_tolerate(x: torch.Tensor, allow: tuple[str, ...] = ()) -> bool:
+def readers_tolerate(x: torch.Tensor, allow: tuple[str, ...] = (), centred: bool = False) -> bool:
     """Whether every backward reader of the saved tensor being packed tolerates a lossy codec.
 
     Under compile, the forward ops whose backward (or recomputation) reads it
@@ -351,14 +351,16 @@ def readers_tolerate(x: torch.Tensor, allow: tuple[str, ...] = ()) -> bool:
     Args:
         x: the tensor a pack hook received.
         allow: op names allowed besides :data:`savedhooks.codecs.tolerance.FAMILIES`.
+        centred: the codec packs the value's deviation from its mean (a layer,
+            group or batch norm's input is tolerated only then).
 
     Returns:
         True when the readers are known and each is tolerant; False otherwise.
     """
     ctx = hook_context()
     if ctx is not None:
-        return compiled_tolerates(ctx, allow)
-    return eager_tolerates(x, eager_savers(), allow)
+        return compiled_tolerates(ctx, allow, centred)
+    return eager_tolerates(x, eager_savers(), allow, centred)
 
 
 def largest_saved_bytes(bw_graph: torch.fx.Graph, fw_graph: torch.fx.Graph | None = None) -> int | None:
@@ -492,8 +494,9 @@ class Policy(Codec):
             return True
         if x.is_floating_point() and is_cast_of_input(x, node, ctx.bw_graph if ctx is not None else None):
             return True
-        if ctx is None:
-            return False
+        if ctx is None:  # eager: small next to the largest tensor saved so far
+            largest = eager_largest_saved() if self.relative_bytes and x.is_floating_point() else None
+            return largest is not None and nbytes < self.relative_bytes * largest
         if is_statistic_of(ctx.node, self.keep_ops):
             return True
         if x.is_floating_point() and is_periodic_argument(ctx.node.name, ctx.bw_graph):
@@ -533,7 +536,7 @@ class Policy(Codec):
             return self.attention
         return codec
 
-    def tolerated(self, x: torch.Tensor) -> bool:
+    def tolerated(self, x: torch.Tensor, codec: Codec | None = None) -> bool:
         """Whether every backward reader of ``x`` tolerates a lossy codec (:mod:`savedhooks.codecs.tolerance`).
 
         Under compile, the forward ops whose backward (or recomputation)
@@ -541,8 +544,10 @@ class Policy(Codec):
         nodes that saved it, all of them known (:attr:`eager_window`). Each
         must be in :data:`savedhooks.codecs.tolerance.FAMILIES` or ``allow``.
         Unknown readers, custom ``autograd.Function`` s among them: False.
+        ``codec``: the codec that would pack ``x`` (a :class:`Centered` one
+        is tolerated by a layer, group or batch norm too).
         """
-        return readers_tolerate(x, self.allow)
+        return readers_tolerate(x, self.allow, centred=isinstance(codec, Centered))
 
     def choose(self, x: torch.Tensor) -> int:
         """Pick the codec for ``x`` (index into :meth:`codecs`), or -1 to keep it as is.
@@ -553,7 +558,7 @@ class Policy(Codec):
         codec = self._candidate(x)
         if codec is None or not codec.accepts(x):
             return -1
-        if codec.lossy and not self.tolerated(x):
+        if codec.lossy and not self.tolerated(x, codec):
             return -1
         return self.codecs().index(codec)
 
@@ -576,11 +581,13 @@ def policy(
     models, which ``python -m benchmarks.sensitivity`` runs): tensors under ``min_bytes``; normalization and
     attention statistics (``keep_ops``); a (log-)softmax over at most
     ``narrow_softmax`` classes (a classifier's loss head; under compile, not
-    one that feeds a matrix product: attention's probabilities); under compile, tensors
+    one that feeds a matrix product: attention's probabilities); tensors
     smaller than ``relative_bytes`` of the largest one the same graph saves (a
     rotary table shared by the whole batch: its error is the same in every
-    sequence; the largest counted is the largest that a codec packs, not a
-    parameter or a value the forward also returns); under compile, the argument
+    sequence; a classifier's pooled input, whose few rows the weight's gradient
+    sums without averaging; the largest counted is the largest that a codec
+    packs, not a parameter or a value the forward also returns; in eager mode
+    the largest floating one saved so far); under compile, the argument
     of a sine, cosine or tangent that the backward recomputes (rotary angles:
     :func:`is_periodic_argument`); a parameter's copy through casts and views
     (autocast's bf16 weight: its rounding error is the same for every token,
@@ -616,8 +623,11 @@ def policy(
             probabilities). Known only under ``torch.compile``.
         narrow_softmax: (log-)softmax outputs whose last dim is at most this are
             stored as they are (0: none).
-        relative_bytes: under compile, tensors smaller than this fraction of the
-            largest tensor saved by the same graph are stored as they are (0: none).
+        relative_bytes: tensors smaller than this fraction of the largest
+            tensor saved by the same graph (in eager mode: floating tensors, and
+            the largest saved so far in the context) are stored as they are
+            (0: none): packing them saves little, and a small tensor is often
+            one a reduction reads whole (a classifier's pooled input).
         centered: the codec for a batch norm's input instead of ``floating``
             while the codec's decomposed form is traced (under inductor, which
             fuses the subtraction into the quantize kernel and recomputes batch

@@ -40,6 +40,7 @@ from savedhooks._torch.autograd import is_custom_function_node, saved_exponent
 from savedhooks.memory.graph import backward_uses, op_name, through_aliases
 
 __all__ = [
+    "CENTRED_NORMS",
     "FAMILIES",
     "Family",
     "Reader",
@@ -62,8 +63,9 @@ class Family:
         ops: forward op names as :func:`normalized` spells them (aten
             overload-packet names without leading underscores).
         role: which saved values of the op: ``"any"``, ``"input"`` (a value the
-            op read, made elsewhere) or ``"result"`` (a value the op made,
-            including its intermediates under a decomposition).
+            op read, made elsewhere), ``"result"`` (a value the op made,
+            including its intermediates under a decomposition) or
+            ``"centred"`` (any, packed by a codec that centres it).
         reason: why the error is tolerated.
     """
 
@@ -72,6 +74,13 @@ class Family:
     role: str
     reason: str
 
+
+# Normalizations that subtract a mean: their input tolerates only a codec that packs its deviation from the mean.
+CENTRED_NORMS: frozenset[str] = frozenset({
+    "native_layer_norm", "layer_norm", "native_group_norm", "group_norm", "native_batch_norm", "batch_norm",
+    "native_batch_norm_legit", "native_batch_norm_legit_functional", "cudnn_batch_norm", "miopen_batch_norm",
+    "native_layer_norm_backward", "native_group_norm_backward", "native_batch_norm_backward",
+})  # fmt: skip
 
 FAMILIES: tuple[Family, ...] = (
     Family(
@@ -87,12 +96,13 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "smooth activations", frozenset({
             "gelu", "silu", "mish", "softplus", "elu", "celu", "selu", "hardswish", "hardsigmoid", "glu",
-            "sigmoid", "tanh", "log_sigmoid", "log_sigmoid_forward",
+            "log_sigmoid", "log_sigmoid_forward",
         }), "any",
         "the derivative f'(x) is smooth and x * f''(x) is bounded, so an error relative to x moves f'(x) by a "
-        "bounded multiple of that error; sigmoid and tanh save their output, whose derivative s * (1 - s) or "
-        "1 - t**2 moves by at most 1 or 2 times its absolute error (its relative error grows near saturation, "
-        "where the derivative itself vanishes)",
+        "bounded multiple of that error (sigmoid and tanh are not on the list: they save their output s, and "
+        "near saturation an error relative to s is a large error relative to 1 - s, so to the derivative "
+        "s * (1 - s) or 1 - s**2, the only gradient of a parameter that sets the saturation, such as a "
+        "learned attention sink)",
     ),  # fmt: skip
     Family(
         "masks", frozenset({
@@ -127,17 +137,17 @@ FAMILIES: tuple[Family, ...] = (
         "(p - 1) times the value's (a smaller or a tensor exponent is not on the list)",
     ),
     Family(
-        "normalization", frozenset({
-            "native_layer_norm", "layer_norm", "native_group_norm", "group_norm", "native_batch_norm",
-            "batch_norm", "native_batch_norm_legit", "native_batch_norm_legit_functional", "cudnn_batch_norm",
-            "miopen_batch_norm", "rms_norm", "fused_rms_norm", "native_layer_norm_backward",
-            "native_group_norm_backward", "native_batch_norm_backward", "fused_rms_norm_backward",
-        }), "any",
-        "the backward reads (x - mean) * rstd, whose error is the value's relative error times |x| / std: "
-        "small where the input is centred (the residual stream of every transformer in the zoo); a batch "
-        "norm's input is packed as its deviation from each channel's mean (Centered); the statistics "
-        "themselves are kept (keep_ops)",
-    ),  # fmt: skip
+        "RMS normalization", frozenset({"rms_norm", "fused_rms_norm", "fused_rms_norm_backward"}), "any",
+        "the backward reads x * rstd: each value keeps its own relative error, and rstd, a mean of squares, "
+        "averages the errors out; the statistics themselves are kept (keep_ops)",
+    ),
+    Family(
+        "centred normalization", CENTRED_NORMS, "centred",
+        "layer, group and batch norm read (x - mean) * rstd, whose error is the value's relative error times "
+        "|x| / std: unbounded where the input's mean is large against its spread (a post-norm residual "
+        "stream, embeddings scaled up). Tolerated only from a codec that packs the deviation from the mean "
+        "(Centered: a batch norm's input under inductor); otherwise kept",
+    ),
     Family(
         "fused attention", frozenset({
             "scaled_dot_product_flash_attention", "scaled_dot_product_flash_attention_for_cpu",
@@ -175,23 +185,27 @@ def normalized(name: str | None) -> str | None:
     return None if name is None else name.lstrip("_")
 
 
-def tolerates(op: str | None, role: str, extra: Iterable[str] = ()) -> bool:
+def tolerates(op: str | None, role: str, extra: Iterable[str] = (), centred: bool = False) -> bool:
     """Whether ``op``'s backward tolerates a relative error in a saved value of this role.
 
     Args:
         op: the reader's forward op, :func:`normalized`.
         role: ``"input"`` or ``"result"``.
         extra: further op names a user allowed (``sh.policy(allow=...)``), any role.
+        centred: the codec packs the value's deviation from its mean (:class:`~savedhooks.codecs.Centered`).
 
     Returns:
-        True when the op is in a family of :data:`FAMILIES` for that role, or in ``extra``.
+        True when the op is in a family of :data:`FAMILIES` for that role
+        (a ``"centred"`` family only with ``centred``), or in ``extra``.
     """
     if op is None:
         return False
     if op in extra:
         return True
     family = _BY_OP.get(op)
-    return family is not None and family.role in ("any", role)
+    if family is None:
+        return False
+    return centred if family.role == "centred" else family.role in ("any", role)
 
 
 # --- under torch.compile ----------------------------------------------------------
@@ -295,10 +309,10 @@ def _exponent(nodes: list[torch.fx.Node]) -> Any:
     return None
 
 
-def _tolerated(reader: Reader, extra: Iterable[str]) -> bool:
+def _tolerated(reader: Reader, extra: Iterable[str], centred: bool = False) -> bool:
     if reader.op == "pow" and "pow" not in extra:
         return isinstance(reader.exponent, (int, float)) and reader.exponent >= 1
-    return tolerates(reader.op, reader.role, extra)
+    return tolerates(reader.op, reader.role, extra, centred)
 
 
 def compiled_readers(
@@ -345,18 +359,19 @@ def compiled_readers(
     return readers
 
 
-def compiled_tolerates(ctx: Any, extra: Iterable[str] = ()) -> bool:
+def compiled_tolerates(ctx: Any, extra: Iterable[str] = (), centred: bool = False) -> bool:
     """Whether every backward reader of the value being packed under compile tolerates a lossy codec.
 
     Args:
         ctx: the :class:`~savedhooks.hooks.HookContext` of the value.
         extra: op names the user allowed besides :data:`FAMILIES`.
+        centred: the codec packs the value's deviation from its mean.
 
     Returns:
         True when the readers are known, there is at least one, and each is tolerant.
     """
     readers = compiled_readers(ctx.node.name, ctx.node, ctx.bw_graph, ctx.fw_graph)
-    return bool(readers) and all(_tolerated(r, extra) for r in readers)
+    return bool(readers) and all(_tolerated(r, extra, centred) for r in readers)
 
 
 # --- in eager mode ---------------------------------------------------------------------
@@ -384,13 +399,16 @@ def eager_reader(node: Any) -> Reader | None:
     return Reader(op, "input", saved_exponent(node) if op == "pow" else None)
 
 
-def eager_tolerates(x: torch.Tensor, savers: Iterable[Any] | None, extra: Iterable[str] = ()) -> bool:
+def eager_tolerates(
+    x: torch.Tensor, savers: Iterable[Any] | None, extra: Iterable[str] = (), centred: bool = False
+) -> bool:
     """Whether every autograd node that saved ``x`` tolerates a lossy codec (eager mode).
 
     Args:
         x: the saved tensor.
         savers: the nodes that saved it (every one), or None when they are not all known.
         extra: op names the user allowed besides :data:`FAMILIES`.
+        centred: the codec packs the value's deviation from its mean.
 
     Returns:
         True when the savers are known, there is at least one, and each is tolerant
@@ -407,6 +425,6 @@ def eager_tolerates(x: torch.Tensor, savers: Iterable[Any] | None, extra: Iterab
             return False
         if node is x.grad_fn:
             reader = dataclasses.replace(reader, role="result")
-        if not _tolerated(reader, extra):
+        if not _tolerated(reader, extra, centred):
             return False
     return True

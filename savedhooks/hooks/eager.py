@@ -89,7 +89,7 @@ class _Held:
 class _Frame:
     """One active ``savedhooks.saved_tensors_hooks`` context: its hook functions and eager-mode state."""
 
-    __slots__ = ("fns", "cache", "window", "holds", "held", "seen", "pending")
+    __slots__ = ("fns", "cache", "window", "holds", "held", "seen", "pending", "largest")
 
     def __init__(self, fns: _HookFunctions | None, codec: Any = None) -> None:
         self.fns = fns
@@ -100,6 +100,7 @@ class _Frame:
         self.held: list[_Held] = []
         self.seen: set[Any] = set()  # autograd nodes already searched for held payloads
         self.pending: Any = None  # the last pack's grad_fn, searched at the next pack (complete by then)
+        self.largest = 0  # bytes of the largest floating tensor packed in this context so far
 
 
 class _ViewOf:
@@ -144,6 +145,21 @@ def eager_savers() -> tuple[Any, ...] | None:
         A tuple of autograd nodes, or None.
     """
     return getattr(_active, "savers", None)
+
+
+def eager_largest_saved() -> int | None:
+    """Bytes of the largest floating tensor saved so far in the innermost ``savedhooks.saved_tensors_hooks`` context.
+
+    Eager mode's counterpart of the largest value a compiled graph saves:
+    what was saved before (and, for a tensor held under ``eager_window``,
+    until it is packed). Leaves and parameters, which packing does not
+    free, are not counted.
+
+    Returns:
+        The byte count, or None outside such a context (or before anything was saved).
+    """
+    stack = getattr(_active, "stack", None)
+    return (stack[-1].largest or None) if stack else None
 
 
 def eager_readers() -> frozenset[str]:
@@ -228,6 +244,8 @@ def _pack(fns: _HookFunctions, x: torch.Tensor) -> Any:
 
 
 def _pack_cached(frame: _Frame, x: torch.Tensor) -> Any:
+    if x.is_floating_point():
+        frame.largest = max(frame.largest, x.numel() * x.element_size())
     if frame.window:
         _find_savers(frame, x.grad_fn)
         _settle_complete(frame, x)

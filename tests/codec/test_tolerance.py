@@ -95,13 +95,37 @@ def test_ops_that_share_a_reader_s_sequence_number_without_a_gradient_do_not_hid
         nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8 * 64, 10),
     )  # fmt: skip
     x = torch.randn(32, 3, 8, 8)
+    norms = ("native_batch_norm_legit_functional",)
     try:
         torch._dynamo.reset()
-        packed = _census(sh.codecs.Policy(), torch.compile(net, backend="aot_eager"), x)
+        packed = _census(sh.codecs.Policy(allow=norms), torch.compile(net, backend="aot_eager"), x)
+        torch._dynamo.reset()
+        plain = _census(sh.codecs.Policy(), torch.compile(net, backend="aot_eager"), x)
     finally:
         torch._dynamo.reset()
-    # the first conv's output, relu's (the second conv's input), the linear's input
+    # the first conv's output (batch norm's input, allowed), relu's (the second conv's input), the linear's input
     assert packed.count((32, 16, 8, 8)) == 2 and (32, 512) in packed, packed
+    # without the allowance batch norm's input is kept: under aot_eager no codec centres it
+    assert plain.count((32, 16, 8, 8)) == 1 and (32, 512) in plain, plain
+
+
+def test_a_mean_subtracting_norm_s_input_is_kept_unless_centred_and_rms_norm_s_is_packed():
+    from savedhooks.codecs.tolerance import Reader, _tolerated
+
+    for op in ("native_layer_norm", "native_group_norm", "native_batch_norm_legit_functional"):
+        assert not _tolerated(Reader(op, "input"), ()) and _tolerated(Reader(op, "input"), (), centred=True)
+    assert _tolerated(Reader("rms_norm", "input"), ())
+    for op in ("sigmoid", "tanh"):  # they save their output: saturation
+        assert not _tolerated(Reader(op, "result"), ())
+    torch.manual_seed(0)
+    shifted = torch.randn(64, 256, 128) + 20.0  # a mean large against the spread (a post-norm residual stream)
+    ln = nn.LayerNorm(128)
+    mlp = nn.Linear(128, 128)
+    with sh.saved_tensors_hooks(sh.policy()):
+        y = ln(mlp(shifted))
+    ref = ln(mlp(shifted))
+    grads = [torch.autograd.grad(out.square().sum(), ln.weight)[0] for out in (y, ref)]
+    assert sh.metrics.sqnr(grads[1], grads[0]) > 60  # kept: only the reassociation of the sums
 
 
 def test_allow_extends_the_list_by_op_name():
@@ -126,7 +150,7 @@ def test_eager_reader_names_autograd_nodes_and_refuses_custom_functions():
 def test_every_family_states_a_reason_and_ops_appear_once():
     seen = [op for f in FAMILIES for op in f.ops]
     assert len(seen) == len(set(seen)) == len(TOLERANT_OPS)
-    assert all(f.reason and f.role in ("any", "input", "result") for f in FAMILIES)
+    assert all(f.reason and f.role in ("any", "input", "result", "centred") for f in FAMILIES)
 
 
 def _plan_keys(fn, x) -> tuple[str, ...]:

@@ -202,7 +202,7 @@ def test_policy_packs_attention_probabilities_however_short_the_sequence_and_kee
 
 
 class _Rotary(nn.Module):
-    """A batch-independent (T, C) table multiplies every sequence, as rotary embeddings do (tanh, not
+    """A batch-independent (T, C) table multiplies every sequence, as rotary embeddings do (a gelu, not
     sin: the table's argument would otherwise be kept as a periodic function's, whatever its size)."""
 
     def __init__(self) -> None:
@@ -212,8 +212,30 @@ class _Rotary(nn.Module):
 
     def forward(self, x):
         positions = torch.arange(x.shape[1], dtype=x.dtype).view(-1, 1)
-        table = torch.tanh(positions @ self.freq)  # a matmul: saved, not recomputed in backward
+        table = nn.functional.gelu(positions @ self.freq)  # from a matmul: saved, not recomputed in backward
         return nn.functional.gelu(self.lin(x) * table)
+
+
+class _Pooled(nn.Module):
+    """A classifier on the mean of a sequence: its few pooled rows are all the head's weight gradient sums."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(128, 128), nn.Linear(128, 8)
+
+    def forward(self, x):
+        return self.head(nn.functional.gelu(self.body(x)).mean(1))
+
+
+def test_eager_policy_keeps_what_is_small_next_to_the_largest_tensor_saved_so_far():
+    torch.manual_seed(0)
+    model, x = _Pooled(), torch.randn(4, 512, 128)  # pooled rows 2 KiB, activations 1 MiB
+
+    def step(x):
+        return model(x).square().sum()  # a later save finds the head that saved the pooled rows
+
+    assert sorted(_census(sh.codecs.Policy(), step, x)) == [(2048, 128)]  # the body's output, gelu's input
+    assert sorted(_census(sh.codecs.Policy(relative_bytes=0), step, x)) == [(4, 128), (2048, 128)]
 
 
 def test_policy_keeps_what_is_small_next_to_the_graphs_largest_saved_tensor():
