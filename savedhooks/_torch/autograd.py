@@ -15,21 +15,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_custom_function_node", "saved_exponent", "saved_payloads"]
+__all__ = ["is_custom_function_node", "named_payloads", "saved_exponent"]
 
 _SAVED_PREFIX = "_raw_saved_"
 _ATTRIBUTES: dict[type, tuple[str, ...]] = {}
 
 
-def saved_payloads(node: Any) -> list[Any]:
+def named_payloads(node: Any) -> list[tuple[str, Any]]:
     """What a node's saved variables hold: the pack hooks' payloads, never unpacked.
 
     Args:
         node: an autograd node (``tensor.grad_fn`` and the nodes behind it).
 
     Returns:
-        One entry per saved variable (a payload, or the tensor itself where no
-        hook packed it); a variable released by a backward or never set is
+        ``(name, payload)`` per saved variable, ``name`` the variable's name
+        (``"query"``, ``"self"``; ``"tensors"`` for a custom function's), the
+        payload that the pack hook returned, or the tensor itself where no
+        hook packed it; a variable released by a backward or never set is
         left out.
     """
     names = _ATTRIBUTES.get(type(node))
@@ -43,7 +45,7 @@ def saved_payloads(node: Any) -> list[Any]:
             continue
         for saved in value if isinstance(value, (list, tuple)) else (value,):
             try:
-                payloads.append(saved.data)
+                payloads.append((name[len(_SAVED_PREFIX) :], saved.data))
             except (AttributeError, RuntimeError):
                 continue
     return payloads

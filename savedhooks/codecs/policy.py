@@ -24,7 +24,7 @@ from savedhooks.codecs.indices import PoolIndices
 from savedhooks.codecs.int8 import Int8Rows
 from savedhooks.codecs.placement import decodes_twice, saved_for_an_eager_loss
 from savedhooks.codecs.tolerance import compiled_tolerates, eager_tolerates, normalized
-from savedhooks.hooks import eager_largest_saved, eager_readers, eager_savers, hook_context
+from savedhooks.hooks import eager_largest_saved, eager_readers, eager_saved_as, eager_savers, hook_context
 from savedhooks.hooks.contract import HookContext
 from savedhooks.hooks.eager import VIEW_NODES
 from savedhooks.memory.graph import backward_uses, op_name, producing_op, through_aliases, uses_through_aliases
@@ -360,7 +360,7 @@ def readers_tolerate(x: torch.Tensor, allow: tuple[str, ...] = (), centred: bool
     ctx = hook_context()
     if ctx is not None:
         return compiled_tolerates(ctx, allow, centred)
-    return eager_tolerates(x, eager_savers(), allow, centred)
+    return eager_tolerates(x, eager_savers(), allow, centred, eager_saved_as())
 
 
 def largest_saved_bytes(bw_graph: torch.fx.Graph, fw_graph: torch.fx.Graph | None = None) -> int | None:

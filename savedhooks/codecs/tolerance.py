@@ -155,8 +155,12 @@ FAMILIES: tuple[Family, ...] = (
             "scaled_dot_product_fused_attention_overrideable", "flash_attention_forward",
             "efficient_attention_forward", "cudnn_attention_forward",
         }), "any",
-        "query, key, value and output go to int8 rows (a scale per head vector, 2**-8 of its largest), which "
-        "the zoo's decoders and encoders hold above 25 dB; the logsumexp is kept (keep_ops)",
+        "the value only: a factor of a product (the output's gradient times the value gives the "
+        "probabilities' gradient), packed in int8 rows, a scale per head vector, 2**-8 of its largest. Not "
+        "the query and the key: the backward recomputes exp(q . k * scale - logsumexp), and an error relative "
+        "to q and k is an error of the logits' magnitude in an exponent (exp's input, off the list). Not the "
+        "output: the backward subtracts rowsum(grad_out * out) from each probability's gradient, a difference "
+        "that cancels where attention is spread evenly. The logsumexp is kept (keep_ops)",
     ),  # fmt: skip
 )
 
@@ -171,6 +175,7 @@ _MOVES = frozenset({
 })  # fmt: skip
 
 _BY_OP: dict[str, Family] = {op: f for f in FAMILIES for op in f.ops}
+_ATTENTION = next(f for f in FAMILIES if f.name == "fused attention")
 
 
 def normalized(name: str | None) -> str | None:
@@ -220,11 +225,14 @@ class Reader:
         role: ``"result"`` when the value is the op's own output (or, under a
             decomposition, one of its intermediates), else ``"input"``.
         exponent: for ``pow``, its scalar exponent where known.
+        operand: for fused attention, which operand the value is
+            (``"query"``, ``"key"``, ``"value"``, ``"output"``; empty where not told).
     """
 
     op: str | None
     role: str
     exponent: Any = None
+    operand: str = ""
 
 
 # forward graph -> (its node count, its nodes by seq_nr): built once per graph, not once per saved value
@@ -309,7 +317,14 @@ def _exponent(nodes: list[torch.fx.Node]) -> Any:
     return None
 
 
+# the attention operands in the positions every fused attention backward takes them: (grad_out, query, key, value)
+_ATTENTION_OPERANDS = {1: "query", 2: "key", 3: "value"}
+_UNSAFE_OPERANDS = frozenset({"query", "key", "output"})  # the value alone is a product's factor
+
+
 def _tolerated(reader: Reader, extra: Iterable[str], centred: bool = False) -> bool:
+    if reader.operand in _UNSAFE_OPERANDS and reader.op not in extra:
+        return False
     if reader.op == "pow" and "pow" not in extra:
         return isinstance(reader.exponent, (int, float)) and reader.exponent >= 1
     return tolerates(reader.op, reader.role, extra, centred)
@@ -335,10 +350,11 @@ def compiled_readers(
     """
     by_seq = _forward_ops(fw_graph)
     readers: list[Reader] = []
-    todo = [(user, fw_node) for user, _ in backward_uses(name, bw_graph)]
+    # (backward node, the forward value it reads, the backward node that holds that value)
+    todo = [(user, fw_node, read) for user, read in backward_uses(name, bw_graph)]
     seen: set[torch.fx.Node] = set()
     while todo:
-        user, value = todo.pop()
+        user, value, read = todo.pop()
         if user in seen:
             continue
         seen.add(user)
@@ -353,10 +369,21 @@ def compiled_readers(
                 return None
             if reader.op not in _MOVES:
                 readers.append(reader)
-            todo.extend((u, user) for u in user.users)
+            todo.extend((u, user, user) for u in user.users)
         else:
-            readers.append(reader)
+            readers.append(_with_operand(reader, user, read))
     return readers
+
+
+def _with_operand(reader: Reader, user: torch.fx.Node, read: torch.fx.Node) -> Reader:
+    """``reader`` with the attention operand the value is, where ``user`` is a fused attention's backward."""
+    if _BY_OP.get(reader.op or "") is not _ATTENTION:
+        return reader
+    held = through_aliases(read)
+    positions = [i for i, a in enumerate(user.args) if isinstance(a, torch.fx.Node) and through_aliases(a) is held]
+    names = {_ATTENTION_OPERANDS.get(i, "output") for i in positions}
+    operand = "query" if "query" in names else "key" if "key" in names else names.pop() if names else ""
+    return dataclasses.replace(reader, operand=operand)
 
 
 def compiled_tolerates(ctx: Any, extra: Iterable[str] = (), centred: bool = False) -> bool:
@@ -400,7 +427,11 @@ def eager_reader(node: Any) -> Reader | None:
 
 
 def eager_tolerates(
-    x: torch.Tensor, savers: Iterable[Any] | None, extra: Iterable[str] = (), centred: bool = False
+    x: torch.Tensor,
+    savers: Iterable[Any] | None,
+    extra: Iterable[str] = (),
+    centred: bool = False,
+    saved_as: Iterable[tuple[Any, str]] | None = None,
 ) -> bool:
     """Whether every autograd node that saved ``x`` tolerates a lossy codec (eager mode).
 
@@ -409,6 +440,9 @@ def eager_tolerates(
         savers: the nodes that saved it (every one), or None when they are not all known.
         extra: op names the user allowed besides :data:`FAMILIES`.
         centred: the codec packs the value's deviation from its mean.
+        saved_as: ``(node, saved variable name)`` of each saver
+            (:func:`savedhooks.hooks.eager_saved_as`): which operand of fused
+            attention the tensor is (its value alone is tolerated).
 
     Returns:
         True when the savers are known, there is at least one, and each is tolerant
@@ -425,6 +459,10 @@ def eager_tolerates(
             return False
         if node is x.grad_fn:
             reader = dataclasses.replace(reader, role="result")
+        if _BY_OP.get(reader.op or "") is _ATTENTION:
+            names = {name for saver, name in saved_as or () if saver is node}
+            reader = dataclasses.replace(reader, operand="query" if "query" in names else "key" if "key" in names
+                                         else "value" if "value" in names else "output")  # fmt: skip
         if not _tolerated(reader, extra, centred):
             return False
     return True

@@ -43,7 +43,7 @@ from typing import Any, Callable
 import torch
 
 from savedhooks._torch import pytree
-from savedhooks._torch.autograd import saved_payloads
+from savedhooks._torch.autograd import named_payloads
 from savedhooks._torch.fixes import align_rng_state_names
 from savedhooks._torch.tensors import base_of, is_traced, is_view, version_counter
 from savedhooks.hooks.contract import HookError, _HookFunctions, _pack_checked, _unpack_checked, hook_context
@@ -76,13 +76,14 @@ class _Aliasing:
 class _Held:
     """Eager-mode payload of a tensor held as it is until the nodes that saved it are known (``eager_window``)."""
 
-    __slots__ = ("tensor", "version", "saves", "savers", "packed")
+    __slots__ = ("tensor", "version", "saves", "savers", "names", "packed")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor: torch.Tensor | None = tensor
         self.version = version_counter(tensor)
         self.saves = 1  # how many times autograd saved it: one saver each
         self.savers: list[Any] = []  # the autograd nodes found holding this payload
+        self.names: list[str] = []  # the saved variable of each saver that holds it ("query", "self")
         self.packed: Any = None
 
 
@@ -160,6 +161,16 @@ def eager_largest_saved() -> int | None:
     """
     stack = getattr(_active, "stack", None)
     return (stack[-1].largest or None) if stack else None
+
+
+def eager_saved_as() -> tuple[tuple[Any, str], ...] | None:
+    """:func:`eager_savers` with the name of the saved variable each one holds the tensor in.
+
+    Returns:
+        ``(node, name)`` pairs (``(ScaledDotProductFlashAttentionForCpuBackward0, "query")``),
+        or None when :func:`eager_savers` is None.
+    """
+    return getattr(_active, "saved_as", None)
 
 
 def eager_readers() -> frozenset[str]:
@@ -297,11 +308,12 @@ def _find_savers(frame: _Frame, start: Any) -> None:
 
 def _note_savers(frame: _Frame, node: Any) -> None:
     """Count ``node`` as a saver of each held tensor whose payload one of its saved variables holds."""
-    for payload in saved_payloads(node):
+    for name, payload in named_payloads(node):
         if isinstance(payload, _ViewOf):
             payload = payload.packed
         if isinstance(payload, _Held) and payload.tensor is not None:
             payload.savers.append(node)
+            payload.names.append(name)
 
 
 def _settle_complete(frame: _Frame, x: torch.Tensor) -> None:
@@ -331,12 +343,14 @@ def _settle(frame: _Frame, held: _Held) -> None:
     x = held.tensor
     if x is None or version_counter(x) != held.version:
         return
-    _active.savers = tuple(held.savers) if len(held.savers) == held.saves else None
+    complete = len(held.savers) == held.saves
+    _active.savers = tuple(held.savers) if complete else None
+    _active.saved_as = tuple(zip(held.savers, held.names)) if complete else None
     try:
         held.packed = _pack_now(frame.fns, x, None)
     finally:
-        _active.savers = None
-    held.tensor, held.savers = None, []
+        _active.savers = _active.saved_as = None
+    held.tensor, held.savers, held.names = None, [], []
 
 
 def settle_held(frame: _Frame) -> None:

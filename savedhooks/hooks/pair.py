@@ -50,6 +50,7 @@ from savedhooks.hooks.eager import (
     _run_unpack,
     eager_largest_saved,
     eager_readers,
+    eager_saved_as,
     eager_savers,
     settle_held,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "check_hook_pair",
     "eager_largest_saved",
     "eager_readers",
+    "eager_saved_as",
     "eager_savers",
     "hook",
     "hook_context",

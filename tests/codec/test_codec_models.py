@@ -189,16 +189,17 @@ def _layer_norm_stats_and_packed(keep_ops, relative_bytes: float = 0.0) -> tuple
 def test_policy_keeps_layer_norm_statistics_and_packs_the_rest():
     stats, packed = _layer_norm_stats_and_packed(sh.codecs.DEFAULT_KEEP_OPS)
     assert len(stats) == 6 and all(name.endswith("_hook_1") for name in stats)  # 3 norms x (mean, rstd)
-    assert len(packed) >= 6 and not set(packed) & set(stats)
+    assert len(packed) >= 5 and not set(packed) & set(stats)
 
 
-def test_policy_without_keep_ops_packs_the_attention_statistics():
-    """The contrast: keep_ops=() quantizes sdpa's (B, heads, T) logsumexp; layer norm's
-    (B, T, 1) mean and rstd stay as they are even then (fp8 declines columns of scalars)."""
+def test_policy_without_keep_ops_still_keeps_the_attention_statistics():
+    """keep_ops=() would let fp8 take sdpa's (B, heads, T) logsumexp, but it sits in an exponent of the
+    backward, which the tolerance rules keep; layer norm's (B, T, 1) mean and rstd stay as they are too
+    (fp8 declines columns of scalars)."""
     stats, packed = _layer_norm_stats_and_packed(())
     assert len(stats) == 6 and all(name.endswith("_hook_1") for name in stats)
     _, packed_with_keep = _layer_norm_stats_and_packed(sh.codecs.DEFAULT_KEEP_OPS)
-    assert len(packed) == len(packed_with_keep) + 1
+    assert sorted(packed) == sorted(packed_with_keep)
 
 
 def test_policy_min_bytes_and_dtypes_in_eager():

@@ -12,6 +12,7 @@ are committed (``python -m benchmarks.sweep --tier compiled|plan``).
 from __future__ import annotations
 
 import math
+from typing import Any
 import pathlib
 
 import pytest
@@ -32,17 +33,19 @@ _ARCHS = {a.name: a for a in sweep_models.architectures()}
 _NOT_SIZES = set(sweep_models._TOKEN_IDS) | set(sweep_models._MASKING)
 
 
-def _changed(default: dict, config: dict, prefix: str = "") -> set[str]:
+def _keys(changes: dict, default: Any, prefix: str = "") -> set[str]:
+    """The fields ``changes`` sets to a value other than ``default``'s, nested configs' fields by dotted path."""
     out = set()
-    for key, value in config.items():
-        if isinstance(value, dict) and isinstance(default.get(key), dict):
-            out |= _changed(default[key], value, f"{prefix}{key}.")
-        elif default.get(key) != value:
+    for key, value in changes.items():
+        before = vars(default).get(key)
+        if isinstance(value, dict) and hasattr(before, "to_dict"):
+            out |= _keys({k: v for k, v in value.items() if before.to_dict().get(k) != v}, before, f"{prefix}{key}.")
+        elif before != value:
             out.add(prefix + key)
     return out
 
 
-def _is_size_or_id(key: str, layer_lists: set[str]) -> bool:
+def _is_size_or_id(key: str) -> bool:
     field = key.rsplit(".", 1)[-1]
     return (
         field in sweep_models._FIELDS
@@ -50,27 +53,34 @@ def _is_size_or_id(key: str, layer_lists: set[str]) -> bool:
         or field in sweep_models._ROPE_DIMS
         or field in _NOT_SIZES
         or field == "conv_dim"
-        or "drop" in field
-        or field in layer_lists
-        or any(field in fields for fields in sweep_models.OVERRIDES.values())
     )
 
 
 @pytest.mark.parametrize("model_type", sorted({a.model_type for a in _ARCHS.values()}))
-def test_a_shrunk_config_changes_sizes_token_ids_dropout_and_masking_only(model_type):
-    transformers = sweep_models._transformers()
+def test_the_builder_changes_sizes_token_ids_masking_and_layer_patterns_only(model_type):
     try:
-        config = sweep_models.shrunk_config(model_type)
-    except Exception as exc:  # the architecture does not build: the eager tier's file records it
+        default = sweep_models._transformers().CONFIG_MAPPING[model_type]()
+    except Exception as exc:  # the class's own defaults do not build: nothing to shrink
         pytest.skip(f"{model_type}: {type(exc).__name__}")
-    default = transformers.CONFIG_MAPPING[model_type]()
-    lists = {f for c in sweep_models.configs_of(default) for f, v in vars(c).items() if isinstance(v, (list, tuple, str))}
-    changed = _changed(default.to_dict(), config.to_dict())
-    assert {k for k in changed if not _is_size_or_id(k, lists)} == set()
+    changes = sweep_models.shrink(default)
+    pattern = set(sweep_models._layer_pattern(default, sweep_models.SIZES["layers"]))
+    overrides = {f for fields in sweep_models.OVERRIDES.values() for f in fields}
+    assert {k for k in _keys(changes, default) if not _is_size_or_id(k) and k not in pattern} == set()
+    assert all(_is_size_or_id(f) for f in overrides), overrides
+
+
+def _eager_params():
+    """Every recorded architecture past building; a recorded failure is a strict xfail (fixed: update the file)."""
+    return [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=RECORDED[n].error))
+        if RECORDED[n].status == "failure"
+        else n
+        for n in BUILT
+    ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", BUILT)
+@pytest.mark.parametrize("name", _eager_params())
 def test_sweep_eager_tier_still_builds_trains_and_holds(name):
     assert name in _ARCHS, f"{name}: transformers no longer maps this architecture to its head"
     row = sweep.measure(_ARCHS[name], "eager", timeout_s=300)

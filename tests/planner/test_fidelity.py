@@ -454,27 +454,32 @@ def _chosen(fn, x, **rules) -> dict[tuple[int, ...], set]:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:savedhooks hook")
-def test_policy_packs_fused_attentions_query_key_value_and_output_in_int8_rows():
+def test_policy_packs_fused_attention_s_value_in_int8_rows_and_keeps_query_key_and_output():
     torch.manual_seed(0)
     model, x = _Attention(), torch.randn(4, 256, 128)
     heads = (4, 4, 256, 32)
+
+    def codecs(shape):
+        return sorted(type(c).__name__ for s, c in _CHOSEN if s == shape)
+
     try:
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="aot_eager")
-        chosen = _chosen(compiled, x)
-        # the query, key, value and output of the fused op: int8 rows; its logsumexp: kept
-        assert chosen == {heads: {"Int8Rows"}, (4, 4, 256): {None}}
+        # the value: int8 rows; the query and key (an exponent's input in the backward), the output (a
+        # cancelling rowsum) and the logsumexp: kept
+        assert _chosen(compiled, x) == {heads: {"Int8Rows", None}, (4, 4, 256): {None}}
+        assert codecs(heads).count("Int8Rows") * 2 == codecs(heads).count("NoneType")  # the value, of q, k, v, out
         torch._dynamo.reset()
-        assert _chosen(torch.compile(model, backend="aot_eager"), x, attention=None)[heads] == {"Float8"}
+        assert _chosen(torch.compile(model, backend="aot_eager"), x, attention=None)[heads] == {"Float8", None}
     finally:
         torch._dynamo.reset()
-    # eager: the output is recognized by its autograd node; the query, key and value, saved before it runs as views
-    # of the projections' outputs, by that node reading them (held until it saves its output); the output
-    # projection's input is kept: its saver is the last node that saves anything before the context exits,
-    # and no later save shows it
-    assert _chosen(model, x) == {heads: {"Int8Rows"}, (1024, 128): {"Int8Rows", None}}
-    assert [type(c).__name__ for shape, c in _CHOSEN if shape == (1024, 128)] == ["Int8Rows"] * 3 + ["NoneType"]
-    assert _chosen(model, x, attention=None) == {heads: {"Float8"}, (1024, 128): {"Float8", None}}
+    # eager: the query, key and value are saved before the op runs, as views of the projections' outputs, and
+    # told apart by the saved variable of the node that reads them (held until it saves its output); the
+    # output, and the output projection's input (its saver is the last node that saves anything before the
+    # context exits, and no later save shows it), are kept
+    assert _chosen(model, x) == {heads: {None}, (1024, 128): {"Int8Rows", None}}
+    assert codecs((1024, 128)) == ["Int8Rows"] + ["NoneType"] * 3
+    assert _chosen(model, x, attention=None) == {heads: {None}, (1024, 128): {"Float8", None}}
 
 
 def _autocast_grads(model, x, hooks, compiled):
