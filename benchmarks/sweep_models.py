@@ -34,7 +34,7 @@ from torch import nn
 
 from benchmarks.zoo_entries import SEED, _transformers, configs_of, without_dropout
 
-__all__ = ["HEADS", "OVERRIDES", "SIZES", "Architecture", "architectures", "build", "loss_of", "make_inputs", "shrunk_config"]
+__all__ = ["HEADS", "OVERRIDES", "SIZES", "Architecture", "architectures", "build", "loss_of", "make_inputs", "shrink", "shrunk_config"]
 
 # head -> transformers' auto mapping of the model classes for it
 HEADS: dict[str, str] = {
@@ -185,8 +185,34 @@ def _token_ids(config: Any, vocab: int) -> dict[str, Any]:
     return changed
 
 
+def shrink(default: Any, sizes: dict[str, int] | None = None) -> dict[str, Any]:
+    """The keyword arguments that rebuild ``default`` with its sizes shrunk: what the builder changes.
+
+    Args:
+        default: a config class's default instance.
+        sizes: :data:`SIZES` or a variant of it.
+
+    Returns:
+        ``{field: value}``: size fields, special token ids, per-layer lists of
+        a hybrid pattern and the layer count, masking probabilities; a nested
+        config's changes as a dict of its own values with them applied.
+    """
+    sizes = dict(SIZES, **(sizes or {}))
+    kwargs = _shrunk_values(default, sizes)
+    for field, value in vars(default).items():  # nested configs: shrunk as dicts, which config classes accept
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            kwargs[field] = dict(value.to_dict(), **_shrunk_values(value, sizes), **_token_ids(value, sizes["vocab"]))
+    kwargs.update(_token_ids(default, sizes["vocab"]))
+    kwargs.update(_layer_pattern(default, sizes["layers"]))
+    return kwargs
+
+
 def shrunk_config(model_type: str, sizes: dict[str, int] | None = None) -> Any:
     """The config class's defaults with the sizes shrunk (see the module docstring).
+
+    :func:`shrink`'s arguments rebuild the config (so that the fields the
+    class derives from sizes follow), per-layer lists are cut to the new layer
+    count, :data:`OVERRIDES` apply, and dropout goes to zero.
 
     Args:
         model_type: a key of transformers' ``CONFIG_MAPPING``.
@@ -199,17 +225,9 @@ def shrunk_config(model_type: str, sizes: dict[str, int] | None = None) -> Any:
         KeyError: an unknown model type.
         Exception: what the config class raises for the shrunk values.
     """
-    transformers = _transformers()
-    sizes = dict(SIZES, **(sizes or {}))
-    cls = transformers.CONFIG_MAPPING[model_type]
+    cls = _transformers().CONFIG_MAPPING[model_type]
     default = cls()
-    kwargs = _shrunk_values(default, sizes)
-    for field, value in vars(default).items():  # nested configs: shrunk as dicts, which config classes accept
-        if hasattr(value, "to_dict") and hasattr(value, "model_type"):
-            kwargs[field] = dict(value.to_dict(), **_shrunk_values(value, sizes), **_token_ids(value, sizes["vocab"]))
-    kwargs.update(_token_ids(default, sizes["vocab"]))
-    kwargs.update(_layer_pattern(default, sizes["layers"]))
-    config = cls(**kwargs)
+    config = cls(**shrink(default, sizes))
     _cut_layer_lists(default, config)
     for c in configs_of(config):
         for field, value in OVERRIDES.get(getattr(c, "model_type", ""), {}).items():
