@@ -48,7 +48,17 @@ import torch
 
 import savedhooks as sh
 from benchmarks.sweep_models import HEADS, Architecture, architectures, build, loss_of
-from benchmarks.zoo import MIB, PLAN_FRACTION, _compiled, _measure, _policy, _time_limit, error_text, step_fn
+from benchmarks.zoo import (
+    MIB,
+    PLAN_FRACTION,
+    MeasurementTimeout,
+    _compiled,
+    _measure,
+    _policy,
+    _time_limit,
+    error_text,
+    step_fn,
+)
 
 __all__ = ["GRADIENT_DB", "PLAN_LIMIT", "STATUSES", "TIERS", "SweepRow", "document", "measure", "run"]
 
@@ -117,6 +127,8 @@ def _is_savedhooks_error(exc: BaseException) -> bool:
 def _reference(body: Callable[[], Any]) -> Any:
     try:
         return body()
+    except MeasurementTimeout:
+        raise
     except Exception as exc:
         raise _Transformers(error_text(exc)) from exc
 
@@ -176,6 +188,8 @@ def measure(arch: Architecture, tier: str, timeout_s: float | None = None) -> Sw
 def _measure_into(row: SweepRow, arch: Architecture, tier: str) -> None:
     try:
         model, inputs = build(arch)
+    except MeasurementTimeout:
+        raise
     except Exception as exc:
         row.status, row.error = "unbuilt", error_text(exc)
         return

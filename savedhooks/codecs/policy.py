@@ -600,10 +600,11 @@ def policy(
     backward graph, in eager mode from the autograd nodes that saved it; where
     they cannot be told, the tensor is kept.
     The rest: fp8 for floating tensors (under inductor, a batch norm's input as
-    its deviation from each channel's mean: ``centered``), the query, key, value
-    and output of fused attention in ``attention`` (int8 rows: :func:`is_attention_operand`;
-    in eager mode the query, key and value are held until the op saves its
-    output: :attr:`Policy.eager_window`), bitmasks for bool ones, max-pool
+    its deviation from each channel's mean: ``centered``), the value of fused
+    attention in ``attention`` (int8 rows: :func:`is_attention_operand`; its
+    query, key and output are kept by the tolerance rules; in eager mode the
+    operands are held until the op saves its output: :attr:`Policy.eager_window`),
+    bitmasks for bool ones, max-pool
     indices in int16 or int32 and inductor's
     max-pool window offsets in 2 or 4 bits (lossless).
 
@@ -636,9 +637,9 @@ def policy(
             float32 (fp8's error then scales with each channel's spread, not
             its mean). None: ``floating``. Unused when
             ``floating`` is None.
-        attention: the codec for the query, key, value and output of a
-            fused attention op (:func:`is_attention_operand`), instead of
-            ``floating``; default :class:`~savedhooks.codecs.Int8Rows`
+        attention: the codec for the value of a fused attention op
+            (:func:`is_attention_operand`; the tolerance rules keep its
+            query, key and output), instead of ``floating``; default :class:`~savedhooks.codecs.Int8Rows`
             (int8 codes, a float32 scale per head vector; rows under 8
             values are kept as they are). None: ``floating``. Unused
             when ``floating`` is None.

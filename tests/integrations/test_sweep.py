@@ -140,6 +140,9 @@ def test_measure_statuses_a_crash_with_hooks_and_a_gradient_below_the_bar(monkey
     monkeypatch.setattr(sweep, "_policy", crashes)
     row = sweep.measure(llama, "eager")
     assert row.status == "failure" and row.error == "RuntimeError: boom"
+    # a time-out, in the step without hooks too, is a failure, not transformers' own
+    row = sweep.measure(llama, "eager", timeout_s=0.01)
+    assert row.status == "failure" and row.error.startswith("MeasurementTimeout"), row
 
 
 def test_the_page_counts_statuses_and_round_trips_the_rows(tmp_path):
