@@ -23,7 +23,7 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._guards import TracingContext
 
 __all__ = ["HAS_ISOLATE_RECOMPILES", "OptimizedModule", "aot_eager", "boxed_nop", "checkpoint_side_effects_once",
-           "config", "has_aot_compile", "is_compiled_module", "isolated", "tracing_context"]
+           "config", "graph_breaks", "has_aot_compile", "is_compiled_module", "isolated", "tracing_context"]
 
 # torch.compile(..., isolate_recompiles=True): torch 2.13 and later
 HAS_ISOLATE_RECOMPILES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
@@ -108,3 +108,27 @@ def has_aot_compile() -> bool:
         True where the compiled function has ``aot_compile``.
     """
     return hasattr(torch.compile(lambda x: x), "aot_compile")
+
+
+@contextlib.contextmanager
+def graph_breaks():
+    """Collect the graph breaks dynamo meets inside the block: the first line of each reason, once each.
+
+    Reads dynamo's ``counters["graph_break"]`` (cumulative over the process)
+    before and after the block.
+
+    Yields:
+        A list, filled when the block ends.
+    """
+    from torch._dynamo.utils import counters
+
+    before = dict(counters["graph_break"])
+    reasons: list[str] = []
+    try:
+        yield reasons
+    finally:
+        for reason, count in counters["graph_break"].items():
+            if count > before.get(reason, 0):
+                lines = [line.strip() for line in str(reason).strip().splitlines() if line.strip()]
+                reasons.append(lines[0] if lines else "")
+

@@ -304,8 +304,10 @@ def record_step(
 
     Raises:
         ValueError: ``backend`` is unknown, or a ``recompute`` path names no submodule.
-        NotCompiledError: the model did not compile (dynamo ran it eagerly), or
-            fewer checkpointed regions ran in its graphs than blocks were checkpointed.
+        NotCompiledError: the model did not compile (dynamo ran it eagerly), it
+            has graph breaks that leave a forward graph without a backward one
+            (the message lists them), or fewer checkpointed regions ran in
+            its graphs than blocks were checkpointed.
     """
     recording, recorder, fused = recording_backend(backend, unhook=unhook)
     runs: list[int] = []
@@ -316,11 +318,19 @@ def record_step(
         inductor.config.patch(fx_graph_cache=False),
     ):
         try:
-            with within(), recorder.kernel_order():
+            with within(), recorder.kernel_order(), dynamo.graph_breaks() as breaks:
                 compiled = torch.compile(model, backend=counting_runs(recording, recorder, runs))
                 output = train_step(compiled, model, example_inputs, loss_fn, seed, grads)
         finally:
             torch.compiler.reset()
+    if recorder.forwards and breaks and len(recorder.forwards) != len(recorder.backwards):
+        shown = "; ".join(f"'{reason}'" for reason in breaks[:3]) + ("; ..." if len(breaks) > 3 else "")
+        raise NotCompiledError(
+            f"plan: the model has graph breaks: dynamo compiled it into {len(recorder.forwards)} forward graphs, "
+            f"{len(recorder.backwards)} of them with a backward graph, and the planner needs a backward for every "
+            f"forward graph. Dynamo broke the graph at: {shown}. torch._dynamo.explain(model)(*inputs) shows "
+            "where; remove the breaks, or plan the blocks that compile whole (plan each as its own module)."
+        )
     if not recorder.forwards or len(recorder.forwards) != len(recorder.backwards):
         raise NotCompiledError(
             f"plan: the model did not compile into forward and backward graphs under {backend!r} "
