@@ -69,11 +69,11 @@ def test_two_processes_match_without_hooks_and_one_process(how, tmp_path):
     for got, want in zip(grads["no hooks"], single, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     assert worst_sqnr(grads["policy"], single) >= POLICY_DB
-    # and packs: float64 doubles exactly what goes through the hooks; the policy removes most of it
-    # (fp8 with its scales keeps 0.28x of a float32 tensor, int8 rows about as much for attention's operands; LN statistics
-    # and small tensors stay as they are)
+    # and packs: float64 doubles exactly what goes through the hooks; the policy removes a part of it (fp8 with
+    # its scales keeps 0.28x of a float32 tensor, int8 rows about as much for attention's value; the layer norms'
+    # inputs, attention's query, key and output, statistics and small tensors stay as they are: 0.39x measured)
     through_hooks = saved["lossless"] - saved["no hooks"]
-    assert through_hooks > 0 and saved["no hooks"] - saved["policy"] >= 0.55 * through_hooks
+    assert through_hooks > 0 and saved["no hooks"] - saved["policy"] >= 0.33 * through_hooks
 
 
 @pytest.mark.slow

@@ -83,7 +83,12 @@ def _eager_params():
 @pytest.mark.parametrize("name", _eager_params())
 def test_sweep_eager_tier_still_builds_trains_and_holds(name):
     assert name in _ARCHS, f"{name}: transformers no longer maps this architecture to its head"
-    row = sweep.measure(_ARCHS[name], "eager", timeout_s=300)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the recorded run's workers (--jobs 2 on 2 cores): the same sums, the same figures
+    try:
+        row = sweep.measure(_ARCHS[name], "eager", timeout_s=300)
+    finally:
+        torch.set_num_threads(threads)
     assert row.status != "unbuilt", f"{name} built before and no longer builds: {row.error}"
     if RECORDED[name].status == "transformers":
         return  # the step without hooks failed before too: transformers' own failure

@@ -281,7 +281,9 @@ def test_bf16_conv_batch_norm_step_peaks_no_higher_than_without_hooks():
     no hooks); the opaque op, which "auto" keeps for 16-bit tensors on the CPU, does not."""
     plain = _bf16_step_peak(None)
     assert _bf16_step_peak(sh.policy()) <= plain
-    assert _bf16_step_peak(sh.policy(floating=sh.fp8(backend="fused"))) > 1.1 * plain  # why the rule exists
+    # the batch norms' inputs allowed plain fp8 (the tolerance rules would keep them), decoded by the fused form
+    norms = ("native_batch_norm_legit_functional",)
+    assert _bf16_step_peak(sh.policy(floating=sh.fp8(backend="fused"), allow=norms)) > 1.1 * plain  # why the rule exists
 
 
 def _code_reads(code: str) -> dict[str, int]:
@@ -298,7 +300,7 @@ def _code_reads(code: str) -> dict[str, int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "hooks", [sh.fp8(), sh.policy(centered=None), sh.policy()], ids=["fp8", "uncentered", "policy"]
+    "hooks", [sh.fp8(), sh.policy()], ids=["fp8", "policy"]
 )
 def test_each_convolution_outputs_codes_are_read_by_one_backward_kernel(hooks):
     """The decode is inlined into each backward kernel that reads the value, and inductor realizes

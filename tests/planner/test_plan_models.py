@@ -95,7 +95,7 @@ class _Other(torch.nn.Module):
         self.linear = torch.nn.Linear(64, 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.linear(x))
+        return x + torch.exp(self.linear(x).clamp(max=0.0))
 
 
 @pytest.mark.slow
@@ -106,7 +106,7 @@ def test_interleaved_runs_of_two_reused_graphs_pair_each_backward_with_its_forwa
     model, x = _Wrapped(), torch.randn(256, 64, requires_grad=True)  # both outer blocks' inputs need grad
     planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager", blocks=())
     survey = planner.survey(0)
-    assert {t.op for ts in survey.saved.values() for t in ts} >= {"gelu", "tanh"}
+    assert {t.op for ts in survey.saved.values() for t in ts} >= {"gelu", "exp"}
     kept, _ = _measured_peak(model, x, planner.plan(1 << 40).hooks)
     assert abs(planner.baseline_bytes - kept) <= 0.02 * kept, (planner.baseline_bytes, kept)
     plan = planner.plan((planner.baseline_bytes + planner.floor_bytes) // 2)
