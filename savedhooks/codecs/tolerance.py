@@ -319,12 +319,11 @@ def _exponent(nodes: list[torch.fx.Node]) -> Any:
 
 # the attention operands in the positions every fused attention backward takes them: (grad_out, query, key, value)
 _ATTENTION_OPERANDS = {1: "query", 2: "key", 3: "value"}
-_UNSAFE_OPERANDS = frozenset({"query", "key", "output"})  # the value alone is a product's factor
 
 
 def _tolerated(reader: Reader, extra: Iterable[str], centred: bool = False) -> bool:
-    if reader.operand in _UNSAFE_OPERANDS and reader.op not in extra:
-        return False
+    if _BY_OP.get(reader.op or "") is _ATTENTION and reader.op not in extra:
+        return reader.operand == "value"  # the value alone is a product's factor; an operand not told: kept
     if reader.op == "pow" and "pow" not in extra:
         return isinstance(reader.exponent, (int, float)) and reader.exponent >= 1
     return tolerates(reader.op, reader.role, extra, centred)

@@ -117,6 +117,10 @@ def test_a_mean_subtracting_norm_s_input_is_kept_unless_centred_and_rms_norm_s_i
     assert _tolerated(Reader("rms_norm", "input"), ())
     for op in ("sigmoid", "tanh"):  # they save their output: saturation
         assert not _tolerated(Reader(op, "result"), ())
+    sdpa = "scaled_dot_product_flash_attention_for_cpu"  # the value alone; an operand not told is kept
+    assert [_tolerated(Reader(sdpa, "input", operand=o), ()) for o in ("value", "query", "key", "output", "")] == [
+        True, False, False, False, False]
+    assert _tolerated(Reader(sdpa, "input", operand="query"), (sdpa,))
     torch.manual_seed(0)
     shifted = torch.randn(64, 256, 128) + 20.0  # a mean large against the spread (a post-norm residual stream)
     ln = nn.LayerNorm(128)
