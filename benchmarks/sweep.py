@@ -124,6 +124,10 @@ def _is_savedhooks_error(exc: BaseException) -> bool:
     return type(exc).__module__.startswith("savedhooks.")
 
 
+class _Transformers(Exception):
+    """The step without hooks failed."""
+
+
 def _reference(body: Callable[[], Any]) -> Any:
     try:
         return body()
@@ -131,10 +135,6 @@ def _reference(body: Callable[[], Any]) -> Any:
         raise
     except Exception as exc:
         raise _Transformers(error_text(exc)) from exc
-
-
-class _Transformers(Exception):
-    """The step without hooks failed."""
 
 
 def _hooked(body: Callable[[], Any]) -> Any:
@@ -385,10 +385,6 @@ def document(tiers: dict[str, dict[str, SweepRow]], command: str) -> str:
 # ---------------------------------------------------------------------------------------------------- running
 
 
-def _worker_init(threads: int) -> None:
-    torch.set_num_threads(threads)
-
-
 def _measure_task(task: tuple[Architecture, str, float | None]) -> SweepRow:
     arch, tier, timeout_s = task
     print(f"[{arch.name}] {tier}", file=sys.stderr, flush=True)
@@ -423,7 +419,7 @@ def run(archs: list[Architecture], tier: str, jobs: int = 1, timeout_s: float | 
     context = multiprocessing.get_context("spawn")
     rows: list[SweepRow] = []
     # a fresh process per architecture past the eager tier (dynamo's and inductor's state); eager ones share
-    with context.Pool(jobs, initializer=_worker_init, initargs=(threads,),
+    with context.Pool(jobs, initializer=torch.set_num_threads, initargs=(threads,),
                       maxtasksperchild=1 if tier != "eager" else 20) as pool:  # fmt: skip
         pending = {a.name: pool.apply_async(_measure_task, ((a, tier, timeout_s),)) for a in archs}
         last = time.perf_counter()

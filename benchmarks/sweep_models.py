@@ -143,7 +143,7 @@ def _size_of(field: str, value: Any, sizes: dict[str, int]) -> Any:
         key = _FIELDS[field]
         if key == "top_k":
             return min(value, sizes["top_k"])
-        if key in ("kv_heads",):
+        if key == "kv_heads":
             return min(value, sizes["kv_heads"]) if value > 1 else value
         return sizes[key] if value > sizes[key] or key in ("width", "heads") else value
     if field in _HEAD_DIMS:
