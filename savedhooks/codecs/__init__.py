@@ -6,7 +6,7 @@ from savedhooks.codecs.centered import Centered
 from savedhooks.codecs.downcast import Downcast, downcast
 from savedhooks.codecs.fp8 import Float8, fp8
 from savedhooks.codecs.indices import PoolIndices
-from savedhooks.codecs.int8 import Int8Rows
+from savedhooks.codecs.int8 import Int8Blocks, Int8Rows
 from savedhooks.codecs.offload import Offload, offload
 from savedhooks.codecs.policy import DEFAULT_KEEP_OPS, Policy, policy, producing_op
 
@@ -17,6 +17,7 @@ __all__ = [
     "Codec",
     "Downcast",
     "Float8",
+    "Int8Blocks",
     "Int8Rows",
     "Offload",
     "Policy",

@@ -21,9 +21,9 @@ from savedhooks.codecs.bitmask import Bitmask
 from savedhooks.codecs.centered import Centered
 from savedhooks.codecs.fp8 import Float8
 from savedhooks.codecs.indices import PoolIndices
-from savedhooks.codecs.int8 import Int8Rows
+from savedhooks.codecs.int8 import Int8Blocks, Int8Rows
 from savedhooks.codecs.placement import decodes_twice, saved_for_an_eager_loss
-from savedhooks.codecs.tolerance import compiled_tolerates, eager_tolerates, normalized
+from savedhooks.codecs.tolerance import compiled_error, eager_error, normalized
 from savedhooks.hooks import eager_largest_saved, eager_readers, eager_saved_as, eager_savers, hook_context
 from savedhooks.hooks.contract import HookContext
 from savedhooks.hooks.eager import VIEW_NODES
@@ -45,6 +45,7 @@ __all__ = [
     "largest_saved_bytes",
     "policy",
     "producing_op",
+    "readers_error",
     "readers_tolerate",
 ]
 
@@ -357,10 +358,27 @@ def readers_tolerate(x: torch.Tensor, allow: tuple[str, ...] = (), centred: bool
     Returns:
         True when the readers are known and each is tolerant; False otherwise.
     """
+    return readers_error(x, allow, centred) is not None
+
+
+def readers_error(x: torch.Tensor, allow: tuple[str, ...] = (), centred: bool = False) -> str | None:
+    """The error every backward reader of the saved tensor being packed tolerates (see :func:`readers_tolerate`).
+
+    Args:
+        x: the tensor a pack hook received.
+        allow: op names allowed besides :data:`savedhooks.codecs.tolerance.FAMILIES`.
+        centred: the codec packs the value's deviation from its mean.
+
+    Returns:
+        ``"block"`` (each reader is linear in the value: an error relative to
+        its block's largest will do), ``"relative"`` (some reader needs each
+        value's own relative precision), or None (some reader is not known to
+        tolerate either, or cannot be told).
+    """
     ctx = hook_context()
     if ctx is not None:
-        return compiled_tolerates(ctx, allow, centred)
-    return eager_tolerates(x, eager_savers(), allow, centred, eager_saved_as())
+        return compiled_error(ctx, allow, centred)
+    return eager_error(x, eager_savers(), allow, centred, eager_saved_as())
 
 
 def largest_saved_bytes(bw_graph: torch.fx.Graph, fw_graph: torch.fx.Graph | None = None) -> int | None:
@@ -437,9 +455,10 @@ class Policy(Codec):
     centered: Codec | None = Centered()
     attention: Codec | None = Int8Rows()
     allow: tuple[str, ...] = ()
+    blocks: Codec | None = Int8Blocks()
 
     def __post_init__(self) -> None:
-        for name in ("floating", "boolean", "integer", "centered", "attention"):
+        for name in ("floating", "boolean", "integer", "centered", "attention", "blocks"):
             object.__setattr__(self, name, as_codec(getattr(self, name), f"policy({name}=...)"))
         if self.centered is not None and not isinstance(self.centered, Centered):
             raise TypeError(f"policy: centered must be a savedhooks.codecs.Centered codec or None, got {self.centered!r}")
@@ -467,7 +486,8 @@ class Policy(Codec):
         projections save one input three times, fused attention its query,
         key, value and output). None without a lossy codec.
         """
-        return 6 if any(c.lossy for c in self.codecs() if c in (self.floating, self.centered, self.attention)) else 0
+        lossy = (self.floating, self.centered, self.attention, self.blocks)
+        return 6 if any(c.lossy for c in self.codecs() if c in lossy) else 0
 
     def eager_holds(self, x: torch.Tensor) -> bool:
         """Whether eager mode holds ``x`` until its savers are known: its codec would be lossy."""
@@ -475,10 +495,9 @@ class Policy(Codec):
         return codec is not None and codec.lossy and codec.accepts(x)
 
     def codecs(self) -> tuple[Codec, ...]:
-        """The configured codecs, in the fixed order floating, boolean, integer, centered, attention."""
-        return tuple(
-            c for c in (self.floating, self.boolean, self.integer, self.centered, self.attention) if c is not None
-        )
+        """The configured codecs, in the fixed order floating, boolean, integer, centered, attention, blocks."""
+        every = (self.floating, self.boolean, self.integer, self.centered, self.attention, self.blocks)
+        return tuple(c for c in every if c is not None)
 
     def keeps(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is stored as it is whatever its dtype (the rules of :func:`policy`)."""
@@ -553,13 +572,19 @@ class Policy(Codec):
         """Pick the codec for ``x`` (index into :meth:`codecs`), or -1 to keep it as is.
 
         A lossy codec is picked only where :meth:`tolerated` says its readers
-        tolerate it; lossless ones wherever they accept ``x``.
+        tolerate it, and ``blocks`` instead of ``floating`` where every reader
+        is linear in the value (:func:`readers_error` is ``"block"``);
+        lossless ones wherever they accept ``x``.
         """
         codec = self._candidate(x)
         if codec is None or not codec.accepts(x):
             return -1
-        if codec.lossy and not self.tolerated(x, codec):
-            return -1
+        if codec.lossy:
+            error = readers_error(x, self.allow, centred=isinstance(codec, Centered))
+            if error is None:
+                return -1
+            if error == "block" and codec is self.floating and self.blocks is not None and self.blocks.accepts(x):
+                codec = self.blocks
         return self.codecs().index(codec)
 
 
@@ -574,6 +599,7 @@ def policy(
     centered: Any = Centered(),
     attention: Any = Int8Rows(),
     allow: tuple[str, ...] = (),
+    blocks: Any = Int8Blocks(),
 ):
     """Hooks that pick a codec for each saved tensor, and keep the ones that lossy packing hurts.
 
@@ -599,7 +625,11 @@ def policy(
     (:meth:`Policy.tolerated`): under compile the readers come from the
     backward graph, in eager mode from the autograd nodes that saved it; where
     they cannot be told, the tensor is kept.
-    The rest: fp8 for floating tensors (under inductor, a batch norm's input as
+    The rest: int8 blocks for floating tensors whose every reader is linear
+    in the value (a product's factor, a smooth activation's input, a sum, RMS
+    norm: ``blocks``, an error of at most 1/254 of each block's largest, at
+    least 30 dB a block), fp8 for the other floating tensors (each value to
+    2**-4 of itself, what a mask or exp's output needs; under inductor, a batch norm's input as
     its deviation from each channel's mean: ``centered``), the value of fused
     attention in ``attention`` (int8 rows: :func:`is_attention_operand`; its
     query, key and output are kept by the tolerance rules; in eager mode the
@@ -646,6 +676,14 @@ def policy(
         allow: further forward op names (aten names, leading underscores
             optional: ``("cumprod",)``) whose backward may read lossy values,
             in any role; pick them from a measurement (``sh.fidelity.check``).
+            Their values get ``floating``.
+        blocks: the codec for floating tensors whose every backward reader
+            tolerates an error relative to its block's largest
+            (:attr:`savedhooks.codecs.tolerance.Family.error` ``"block"``:
+            products, smooth activations, sums, powers, RMS norm), instead of
+            ``floating``; default :class:`~savedhooks.codecs.Int8Blocks`
+            (int8 codes, a float32 scale per 64 values). None: ``floating``.
+            Unused when ``floating`` is None.
 
     Returns:
         The cached :class:`~savedhooks.HookPair`.
@@ -658,5 +696,5 @@ def policy(
     """
     return Policy(
         floating, boolean, integer, min_bytes, tuple(keep_ops), narrow_softmax, relative_bytes, centered, attention,
-        allow if isinstance(allow, str) else tuple(allow),
+        allow if isinstance(allow, str) else tuple(allow), blocks,
     ).hooks()

@@ -45,12 +45,16 @@ __all__ = [
     "Family",
     "Reader",
     "TOLERANT_OPS",
+    "compiled_error",
     "compiled_readers",
     "compiled_tolerates",
+    "eager_error",
     "eager_reader",
+    "eager_readers_of",
     "eager_tolerates",
     "normalized",
     "tolerates",
+    "verdict",
 ]
 
 
@@ -67,12 +71,19 @@ class Family:
             including its intermediates under a decomposition) or
             ``"centred"`` (any, packed by a codec that centres it).
         reason: why the error is tolerated.
+        error: which error: ``"relative"`` (each value off by a fraction of
+            itself: fp8, bf16) or ``"block"`` (off by a fraction of its
+            block's largest, small values to 0: int8 blocks, as well as
+            relative). A backward linear in the value (a product's factor)
+            takes either; one that compares it with 0 or reads its
+            logarithmic range takes only ``"relative"``.
     """
 
     name: str
     ops: frozenset[str]
     role: str
     reason: str
+    error: str = "relative"
 
 
 # Normalizations that subtract a mean: their input tolerates only a codec that packs its deviation from the mean.
@@ -91,7 +102,7 @@ FAMILIES: tuple[Family, ...] = (
             "convolution_overrideable", "mul", "addcmul", "scaled_mm", "grouped_mm",
         }), "any",
         "the saved value is a factor: the gradient it forms is a sum of products, each off by the value's own "
-        "relative error, and independent roundings average out over the sum",
+        "relative error, and independent roundings average out over the sum", "block",
     ),  # fmt: skip
     Family(
         "smooth activations", frozenset({
@@ -102,7 +113,7 @@ FAMILIES: tuple[Family, ...] = (
         "bounded multiple of that error (sigmoid and tanh are not on the list: they save their output s, and "
         "near saturation an error relative to s is a large error relative to 1 - s, so to the derivative "
         "s * (1 - s) or 1 - s**2, the only gradient of a parameter that sets the saturation, such as a "
-        "learned attention sink)",
+        "learned attention sink)", "block",
     ),  # fmt: skip
     Family(
         "masks", frozenset({
@@ -117,7 +128,7 @@ FAMILIES: tuple[Family, ...] = (
         "a sum of values with relative errors is off by at most those errors times the terms' magnitudes: "
         "small against the sum unless the terms cancel, and a cancelling difference matters only where an op "
         "amplifies it (exp, a division), which is off the list and checked as the sum's reader (only a "
-        "recomputed sum reads its operands in the backward)",
+        "recomputed sum reads its operands in the backward)", "block",
     ),
     Family(
         "exponential's output", frozenset({"exp"}), "result",
@@ -134,12 +145,12 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "powers of at least 1", frozenset({"pow"}), "any",
         "x ** p with p >= 1 (square in RMS norm): the derivative p * x ** (p - 1) has a relative error of "
-        "(p - 1) times the value's (a smaller or a tensor exponent is not on the list)",
+        "(p - 1) times the value's (a smaller or a tensor exponent is not on the list)", "block",
     ),
     Family(
         "RMS normalization", frozenset({"rms_norm", "fused_rms_norm", "fused_rms_norm_backward"}), "any",
         "the backward reads x * rstd: each value keeps its own relative error, and rstd, a mean of squares, "
-        "averages the errors out; the statistics themselves are kept (keep_ops)",
+        "averages the errors out; the statistics themselves are kept (keep_ops)", "block",
     ),
     Family(
         "centred normalization", CENTRED_NORMS, "centred",
@@ -160,7 +171,7 @@ FAMILIES: tuple[Family, ...] = (
         "the query and the key: the backward recomputes exp(q . k * scale - logsumexp), and an error relative "
         "to q and k is an error of the logits' magnitude in an exponent (exp's input, off the list). Not the "
         "output: the backward subtracts rowsum(grad_out * out) from each probability's gradient, a difference "
-        "that cancels where attention is spread evenly. The logsumexp is kept (keep_ops)",
+        "that cancels where attention is spread evenly. The logsumexp is kept (keep_ops)", "block",
     ),  # fmt: skip
 )
 
@@ -329,6 +340,35 @@ def _tolerated(reader: Reader, extra: Iterable[str], centred: bool = False) -> b
     return tolerates(reader.op, reader.role, extra, centred)
 
 
+def _error(reader: Reader, extra: Iterable[str], centred: bool) -> str | None:
+    """The error ``reader`` tolerates (``"block"`` or ``"relative"``), or None."""
+    if not _tolerated(reader, extra, centred):
+        return None
+    family = _BY_OP.get(reader.op or "")
+    return "block" if family is not None and family.error == "block" and family.role != "centred" else "relative"
+
+
+def verdict(readers: Iterable[Reader] | None, extra: Iterable[str] = (), centred: bool = False) -> str | None:
+    """The error every reader tolerates: ``"block"``, ``"relative"``, or None (a reader tolerates neither).
+
+    Args:
+        readers: the value's backward readers, or None when they cannot be told.
+        extra: op names the user allowed besides :data:`FAMILIES` (they get ``"relative"``).
+        centred: the codec packs the value's deviation from its mean.
+
+    Returns:
+        None when ``readers`` is None or empty or one is not tolerant;
+        ``"block"`` when each tolerates an error relative to its block's
+        largest (:attr:`Family.error`); else ``"relative"``.
+    """
+    if readers is None:
+        return None
+    errors = [_error(r, extra, centred) for r in readers]
+    if not errors or None in errors:
+        return None
+    return "block" if all(e == "block" for e in errors) else "relative"
+
+
 def compiled_readers(
     name: str, fw_node: torch.fx.Node, bw_graph: torch.fx.Graph, fw_graph: torch.fx.Graph, limit: int = 64
 ) -> list[Reader] | None:
@@ -396,8 +436,21 @@ def compiled_tolerates(ctx: Any, extra: Iterable[str] = (), centred: bool = Fals
     Returns:
         True when the readers are known, there is at least one, and each is tolerant.
     """
-    readers = compiled_readers(ctx.node.name, ctx.node, ctx.bw_graph, ctx.fw_graph)
-    return bool(readers) and all(_tolerated(r, extra, centred) for r in readers)
+    return compiled_error(ctx, extra, centred) is not None
+
+
+def compiled_error(ctx: Any, extra: Iterable[str] = (), centred: bool = False) -> str | None:
+    """The error every backward reader of the value being packed under compile tolerates (:func:`verdict`).
+
+    Args:
+        ctx: the :class:`~savedhooks.hooks.HookContext` of the value.
+        extra: op names the user allowed besides :data:`FAMILIES`.
+        centred: the codec packs the value's deviation from its mean.
+
+    Returns:
+        ``"block"``, ``"relative"`` or None.
+    """
+    return verdict(compiled_readers(ctx.node.name, ctx.node, ctx.bw_graph, ctx.fw_graph), extra, centred)
 
 
 # --- in eager mode ---------------------------------------------------------------------
@@ -447,21 +500,57 @@ def eager_tolerates(
         True when the savers are known, there is at least one, and each is tolerant
         (a node that saved ``x`` as its own output reads it in the role ``"result"``).
     """
+    return eager_error(x, savers, extra, centred, saved_as) is not None
+
+
+def eager_readers_of(
+    x: torch.Tensor, savers: Iterable[Any] | None, saved_as: Iterable[tuple[Any, str]] | None = None
+) -> list[Reader] | None:
+    """The readers of ``x`` in eager mode: one per autograd node that saved it; None where one cannot be told.
+
+    Args:
+        x: the saved tensor.
+        savers: the nodes that saved it (every one), or None when they are not all known.
+        saved_as: ``(node, saved variable name)`` of each saver: which operand of fused attention it is.
+
+    Returns:
+        The readers (a node that saved ``x`` as its own output reads it in the
+        role ``"result"``), or None.
+    """
     if savers is None:
-        return False
-    savers = list(savers)
-    if not savers:
-        return False
+        return None
+    readers = []
     for node in savers:
         reader = eager_reader(node)
         if reader is None:
-            return False
+            return None
         if node is x.grad_fn:
             reader = dataclasses.replace(reader, role="result")
         if _BY_OP.get(reader.op or "") is _ATTENTION:
             names = {name for saver, name in saved_as or () if saver is node}
             reader = dataclasses.replace(reader, operand="query" if "query" in names else "key" if "key" in names
                                          else "value" if "value" in names else "output")  # fmt: skip
-        if not _tolerated(reader, extra, centred):
-            return False
-    return True
+        readers.append(reader)
+    return readers
+
+
+def eager_error(
+    x: torch.Tensor,
+    savers: Iterable[Any] | None,
+    extra: Iterable[str] = (),
+    centred: bool = False,
+    saved_as: Iterable[tuple[Any, str]] | None = None,
+) -> str | None:
+    """The error every autograd node that saved ``x`` tolerates (:func:`verdict` of :func:`eager_readers_of`).
+
+    Args:
+        x: the saved tensor.
+        savers: the nodes that saved it (every one), or None when they are not all known.
+        extra: op names the user allowed besides :data:`FAMILIES`.
+        centred: the codec packs the value's deviation from its mean.
+        saved_as: ``(node, saved variable name)`` of each saver.
+
+    Returns:
+        ``"block"``, ``"relative"`` or None.
+    """
+    return verdict(eager_readers_of(x, savers, saved_as), extra, centred)

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from savedhooks.codecs import Bitmask, Downcast, Float8, Offload, Policy
+from savedhooks.codecs import Bitmask, Downcast, Float8, Int8Blocks, Offload, Policy
 from savedhooks.codecs.base import Codec
-from savedhooks.codecs.policy import readers_tolerate
+from savedhooks.codecs.policy import readers_error
 from savedhooks.hooks import HookPair, hook_context
 from savedhooks.planner.caches import restore_caches, turn_caches_off
 from savedhooks.planner.census import plan_key, ranked_name
@@ -36,6 +36,7 @@ CODECS: dict[str, Codec] = {
     "bf16": Downcast(torch.bfloat16),
     "fp8": Float8(),
     "bitmask": Bitmask(),
+    "int8": Int8Blocks(),  # appended: the indices of the others stay those of older plans
     "offload": Offload(keep_needed_soon=False),
 }
 
@@ -184,8 +185,10 @@ class Planned(Codec):
         codec = CODECS.get(name)
         if codec is None or not codec.accepts(x):
             return -1
-        if codec.lossy and not readers_tolerate(x, getattr(self.fallback, "allow", ())):
-            return -1
+        if codec.lossy:
+            error = readers_error(x, getattr(self.fallback, "allow", ()))
+            if error is None or (isinstance(codec, Int8Blocks) and error != "block"):
+                return -1
         return list(CODECS).index(name)
 
     def _choice_elsewhere(self, key: str) -> str | None:

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 import savedhooks as sh
 from benchmarks.unlisted_ops import MODELS, _ExpNormalize, build
-from savedhooks.codecs.tolerance import FAMILIES, TOLERANT_OPS, eager_reader, tolerates
+from savedhooks.codecs.tolerance import FAMILIES, TOLERANT_OPS, Reader, eager_reader, tolerates, verdict
 from savedhooks.fidelity import Census, keyed_run
 from savedhooks.planner import Planned
 from savedhooks.planner.census import plan_key
@@ -155,6 +155,36 @@ def test_every_family_states_a_reason_and_ops_appear_once():
     seen = [op for f in FAMILIES for op in f.ops]
     assert len(seen) == len(set(seen)) == len(TOLERANT_OPS)
     assert all(f.reason and f.role in ("any", "input", "result", "centred") for f in FAMILIES)
+    assert all(f.error in ("block", "relative") for f in FAMILIES)
+
+
+def test_the_verdict_is_block_only_where_every_reader_is_linear_in_the_value():
+    mm, gelu = Reader("mm", "input"), Reader("gelu", "input")
+    relu, exp = Reader("relu", "result"), Reader("exp", "result")
+    assert verdict([mm, gelu]) == "block"
+    assert verdict([mm, relu]) == "relative"  # ReLU compares with 0: small values must keep their sign
+    assert verdict([exp]) == "relative"  # exp's output spans decades
+    assert verdict([mm, Reader("ctc_loss", "input")]) is None and verdict([]) is None and verdict(None) is None
+    assert verdict([Reader("ctc_loss", "input")], extra=("ctc_loss",)) == "relative"  # allowed: each value's precision
+    assert verdict([Reader("native_layer_norm", "input")], centred=True) == "relative"
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_the_policy_packs_factors_in_int8_blocks_and_a_mask_s_value_in_fp8(backend):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = nn.Sequential(
+        nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 64)
+    )
+    fn = model if backend is None else torch.compile(model, backend=backend)
+    x = torch.randn(4, 64, 64)
+    with keyed_run() as run, sh.saved_tensors_hooks(Census(sh.codecs.Policy()).hooks()):
+        fn(x).sum().backward()
+    chosen = {(t.shape[-1], type(t.packed_as).__name__) for t in run.census}
+    # the hidden 256-wide values: GELU's input and the second Linear's input are read linearly (int8 blocks);
+    # ReLU's output, which the last Linear also reads, is compared with 0 (fp8)
+    assert (256, "Int8Blocks") in chosen and (256, "Float8") in chosen, chosen
+    assert all(codec in ("Int8Blocks", "Float8") for _, codec in chosen), chosen
 
 
 def _plan_keys(fn, x) -> tuple[str, ...]:
@@ -240,3 +270,5 @@ def test_the_docs_list_every_family_with_its_reason():
     table = page[page.index("| family | ops (forward) |"):]
     for family in FAMILIES:
         assert f"\n| {family.name} |" in table, family.name
+        row = table[table.index(f"\n| {family.name} |"):].split("\n")[1]
+        assert f" | {family.error} | " in row, (family.name, family.error)
