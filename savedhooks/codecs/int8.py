@@ -82,6 +82,34 @@ def torch_int8_row_dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: t
     return torch.where(codes == _NON_FINITE, float("nan"), values).to(dtype)
 
 
+# eager mode quantizes this many values at a time: its float32 temporaries stay small next to the tensor
+_CHUNK_ELEMS = 1 << 18
+
+
+def _quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`torch_int8_row_quantize`, a chunk of rows at a time outside tracing (no full-size temporaries)."""
+    step = max(1, _CHUNK_ELEMS // max(rows.shape[1], 1))
+    if torch.compiler.is_compiling() or rows.shape[0] <= step:
+        return torch_int8_row_quantize(rows)  # traced: inductor fuses it into one pass
+    codes = torch.empty(rows.shape, dtype=torch.int8, device=rows.device)
+    scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+    for start in range(0, rows.shape[0], step):
+        codes[start : start + step], scale[start : start + step] = torch_int8_row_quantize(rows[start : start + step])
+    return codes, scale
+
+
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`torch_int8_row_dequantize`, a chunk of rows at a time outside tracing."""
+    step = max(1, _CHUNK_ELEMS // max(codes.shape[1], 1))
+    if torch.compiler.is_compiling() or codes.shape[0] <= step:
+        return torch_int8_row_dequantize(codes, scale, dtype)
+    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    for start in range(0, codes.shape[0], step):
+        chunk = slice(start, start + step)
+        out[chunk] = torch_int8_row_dequantize(codes[chunk], scale[chunk], dtype)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Int8Rows(Codec):
     """int8 codes and one float32 scale per row of the saved tensor (the policy's codec for attention's operands).
@@ -112,13 +140,13 @@ class Int8Rows(Codec):
     def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
         """``(codes, scales, dtype, layout constants)``."""
         rows, layout = to_rows(x.detach())  # eager autograd records nothing: its ops would save tensors
-        codes, scale = torch_int8_row_quantize(rows)
+        codes, scale = _quantize(rows)
         return codes, scale, x.dtype, layout.as_constants()
 
     def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
         """The values in the saved tensor's dtype, shape and strides."""
         codes, scale, dtype, layout = payload
-        return from_rows(torch_int8_row_dequantize(codes, scale, dtype), Layout.from_constants(layout))
+        return from_rows(_dequantize(codes, scale, dtype), Layout.from_constants(layout))
 
 
 def _blocks_view(rows: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -160,10 +188,10 @@ class Int8Blocks(Codec):
     def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
         """``(codes, scales, dtype, layout constants)``; codes and scales in the blocks' shape."""
         rows, layout = to_rows(x.detach())
-        codes, scale = torch_int8_row_quantize(_blocks_view(rows, self.block_size))
+        codes, scale = _quantize(_blocks_view(rows, self.block_size))
         return codes, scale, x.dtype, layout.as_constants()
 
     def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
         """The values in the saved tensor's dtype, shape and strides."""
         codes, scale, dtype, layout = payload
-        return from_rows(torch_int8_row_dequantize(codes, scale, dtype), Layout.from_constants(layout))
+        return from_rows(_dequantize(codes, scale, dtype), Layout.from_constants(layout))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import savedhooks as sh
-from savedhooks.codecs.base import pack_saved
+from savedhooks.codecs.base import pack_saved, unpack_saved
 from tests.kernel_ops.test_int8_rows import roundtrip
 
 
@@ -93,6 +93,18 @@ def test_what_int8_blocks_accepts_and_their_bytes():
     assert codes.dtype == torch.int8 and codes.numel() == 16 * 256 and scale.numel() == 16 * 256 // 64
     x = torch.randn(8)
     assert pack_saved(codec, x)[1] is x  # not accepted: stored as it is
+
+
+@pytest.mark.parametrize("codec", [sh.codecs.Int8Blocks(), sh.codecs.Int8Rows()], ids=["blocks", "rows"])
+def test_eager_packing_and_unpacking_hold_a_chunk_of_temporaries_not_the_tensor_s_size(codec):
+    x = torch.randn(1 << 12, 1 << 10)  # 16 MiB; whole-tensor float32 temporaries would take several times that
+    payload = []
+    pack_peak = sh.memory.measure_peak(lambda: payload.append(pack_saved(codec, x)), device="cpu")
+    assert pack_peak < 4.5 * 2**20 + x.numel(), pack_peak  # the 1-byte codes, their scales, a few 1 MiB chunks
+    out = []
+    unpack_peak = sh.memory.measure_peak(lambda: out.append(unpack_saved(codec, payload[0])), device="cpu")
+    assert unpack_peak < 4 * 2**20 + x.numel() * 4, unpack_peak  # the float32 result and a chunk's temporaries
+    assert torch.equal(out[0], roundtrip(codec, x))
 
 
 @pytest.mark.parametrize("block_size", [0, 1, -4, 2.0, True, "64"])
