@@ -60,10 +60,11 @@ def torch_int8_row_quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         ``(rows, 1)``, each row's largest finite magnitude over 127.
     """
     x = rows.float()
-    finite = torch.isfinite(x)
-    scale = torch.where(finite, x.abs(), 0.0).amax(dim=-1, keepdim=True) / _LEVELS
+    infinite = ~torch.isfinite(x)
+    # in place where the result is a temporary: one float32 buffer the size of ``rows`` at a time
+    scale = x.abs().masked_fill_(infinite, 0.0).amax(dim=-1, keepdim=True) / _LEVELS
     inverse = torch.where(scale > 0, 1.0 / scale, 0.0)
-    codes = torch.where(finite, torch.round(x * inverse).clamp(-_LEVELS, _LEVELS), _NON_FINITE)
+    codes = (x * inverse).round_().clamp_(-_LEVELS, _LEVELS).masked_fill_(infinite, _NON_FINITE)
     return codes.to(torch.int8), scale
 
 
@@ -78,17 +79,24 @@ def torch_int8_row_dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: t
     Returns:
         ``codes * scale`` in ``dtype``, NaN where the code is -128.
     """
-    values = codes.float() * scale
-    return torch.where(codes == _NON_FINITE, float("nan"), values).to(dtype)
+    values = codes.float().mul_(scale).masked_fill_(codes == _NON_FINITE, float("nan"))
+    return values.to(dtype)
 
 
-# eager mode quantizes this many values at a time: its float32 temporaries stay small next to the tensor
-_CHUNK_ELEMS = 1 << 18
+# eager mode quantizes this many values at a time, so that its float32 temporaries stay small next to the
+# tensor: on CPU as the fp8 reference kernels chunk; elsewhere more, each chunk being a few kernel launches
+_CHUNK_ELEMS = {"cpu": 1 << 14}
+_DEVICE_CHUNK_ELEMS = 1 << 22
+
+
+def _chunk_rows(x: torch.Tensor) -> int:
+    """Rows of ``x`` (2-D) per eager chunk."""
+    return max(1, _CHUNK_ELEMS.get(x.device.type, _DEVICE_CHUNK_ELEMS) // max(x.shape[1], 1))
 
 
 def _quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`torch_int8_row_quantize`, a chunk of rows at a time outside tracing (no full-size temporaries)."""
-    step = max(1, _CHUNK_ELEMS // max(rows.shape[1], 1))
+    step = _chunk_rows(rows)
     if torch.compiler.is_compiling() or rows.shape[0] <= step:
         return torch_int8_row_quantize(rows)  # traced: inductor fuses it into one pass
     codes = torch.empty(rows.shape, dtype=torch.int8, device=rows.device)
@@ -100,7 +108,7 @@ def _quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """:func:`torch_int8_row_dequantize`, a chunk of rows at a time outside tracing."""
-    step = max(1, _CHUNK_ELEMS // max(codes.shape[1], 1))
+    step = _chunk_rows(codes)
     if torch.compiler.is_compiling() or codes.shape[0] <= step:
         return torch_int8_row_dequantize(codes, scale, dtype)
     out = torch.empty(codes.shape, dtype=dtype, device=codes.device)

@@ -100,10 +100,10 @@ def test_eager_packing_and_unpacking_hold_a_chunk_of_temporaries_not_the_tensor_
     x = torch.randn(1 << 12, 1 << 10)  # 16 MiB; whole-tensor float32 temporaries would take several times that
     payload = []
     pack_peak = sh.memory.measure_peak(lambda: payload.append(pack_saved(codec, x)), device="cpu")
-    assert pack_peak < 4.5 * 2**20 + x.numel(), pack_peak  # the 1-byte codes, their scales, a few 1 MiB chunks
+    assert pack_peak < 2**20 + x.numel(), pack_peak  # the 1-byte codes, their scales, a chunk's temporaries
     out = []
     unpack_peak = sh.memory.measure_peak(lambda: out.append(unpack_saved(codec, payload[0])), device="cpu")
-    assert unpack_peak < 4 * 2**20 + x.numel() * 4, unpack_peak  # the float32 result and a chunk's temporaries
+    assert unpack_peak < 2**20 + x.numel() * 4, unpack_peak  # the float32 result and a chunk's temporaries
     assert torch.equal(out[0], roundtrip(codec, x))
 
 
