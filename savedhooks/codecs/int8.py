@@ -28,8 +28,10 @@ Design notes
   value (a product's factor, a smooth derivative), never for one that
   compares it with 0 (ReLU's mask) or reads its logarithmic range (exp's
   output): :mod:`savedhooks.codecs.tolerance`.
-* Plain torch ops: inductor fuses the encode into the producer's kernel and
-  the decode into its reader's; eager mode runs them as they are.
+* The numerics are ``savedhooks.kernels.int8``: plain aten ops that inductor
+  fuses into the producer's and the reader's kernels while it traces the
+  hooks; elsewhere (eager mode, aot_eager) opaque ops that run them a chunk
+  of rows at a time.
 """
 
 from __future__ import annotations
@@ -39,83 +41,23 @@ from typing import Any
 
 import torch
 
+from savedhooks.codecs.backends import inductor_traces
 from savedhooks.codecs.base import Codec
 from savedhooks.codecs.layout import Layout, from_rows, innermost_size, to_rows
+from savedhooks.kernels.int8 import int8_dequantize, int8_quantize, torch_int8_row_dequantize, torch_int8_row_quantize
 
 __all__ = ["Int8Blocks", "Int8Rows", "torch_int8_row_dequantize", "torch_int8_row_quantize"]
 
-_LEVELS = 127
-_NON_FINITE = -128
-
-
-def torch_int8_row_quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a ``(rows, cols)`` floating tensor to int8 codes with one float32 scale per row.
-
-    Args:
-        rows: a 2-D float32, bf16 or fp16 tensor.
-
-    Returns:
-        ``(codes, scales)``: int8 codes of ``rows``' shape, ``round(x / scale)``
-        in [-127, 127] and -128 for a non-finite value; float32 scales of shape
-        ``(rows, 1)``, each row's largest finite magnitude over 127.
-    """
-    x = rows.float()
-    infinite = ~torch.isfinite(x)
-    # in place where the result is a temporary: one float32 buffer the size of ``rows`` at a time
-    scale = x.abs().masked_fill_(infinite, 0.0).amax(dim=-1, keepdim=True) / _LEVELS
-    inverse = torch.where(scale > 0, 1.0 / scale, 0.0)
-    codes = (x * inverse).round_().clamp_(-_LEVELS, _LEVELS).masked_fill_(infinite, _NON_FINITE)
-    return codes.to(torch.int8), scale
-
-
-def torch_int8_row_dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Invert :func:`torch_int8_row_quantize`.
-
-    Args:
-        codes: the int8 codes, ``(rows, cols)``.
-        scale: the float32 scales, ``(rows, 1)``.
-        dtype: the dtype to return.
-
-    Returns:
-        ``codes * scale`` in ``dtype``, NaN where the code is -128.
-    """
-    values = codes.float().mul_(scale).masked_fill_(codes == _NON_FINITE, float("nan"))
-    return values.to(dtype)
-
-
-# eager mode quantizes this many values at a time, so that its float32 temporaries stay small next to the
-# tensor: on CPU as the fp8 reference kernels chunk; elsewhere more, each chunk being a few kernel launches
-_CHUNK_ELEMS = {"cpu": 1 << 14}
-_DEVICE_CHUNK_ELEMS = 1 << 22
-
-
-def _chunk_rows(x: torch.Tensor) -> int:
-    """Rows of ``x`` (2-D) per eager chunk."""
-    return max(1, _CHUNK_ELEMS.get(x.device.type, _DEVICE_CHUNK_ELEMS) // max(x.shape[1], 1))
 
 
 def _quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`torch_int8_row_quantize`, a chunk of rows at a time outside tracing (no full-size temporaries)."""
-    step = _chunk_rows(rows)
-    if torch.compiler.is_compiling() or rows.shape[0] <= step:
-        return torch_int8_row_quantize(rows)  # traced: inductor fuses it into one pass
-    codes = torch.empty(rows.shape, dtype=torch.int8, device=rows.device)
-    scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
-    for start in range(0, rows.shape[0], step):
-        codes[start : start + step], scale[start : start + step] = torch_int8_row_quantize(rows[start : start + step])
-    return codes, scale
+    """The int8 codes and scales of ``rows``: fusable aten ops while inductor traces, else the chunked op."""
+    return torch_int8_row_quantize(rows) if inductor_traces() else int8_quantize(rows)
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`torch_int8_row_dequantize`, a chunk of rows at a time outside tracing."""
-    step = _chunk_rows(codes)
-    if torch.compiler.is_compiling() or codes.shape[0] <= step:
-        return torch_int8_row_dequantize(codes, scale, dtype)
-    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    for start in range(0, codes.shape[0], step):
-        chunk = slice(start, start + step)
-        out[chunk] = torch_int8_row_dequantize(codes[chunk], scale[chunk], dtype)
-    return out
+    """Invert :func:`_quantize` (either form reads either's payload: the same codes and scales)."""
+    return torch_int8_row_dequantize(codes, scale, dtype) if inductor_traces() else int8_dequantize(codes, scale, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
