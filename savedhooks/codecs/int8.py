@@ -132,8 +132,15 @@ class Int8Blocks(Codec):
             raise ValueError(f"Int8Blocks: block_size must be an int of at least 2, got {self.block_size!r}")
 
     def accepts(self, x: torch.Tensor) -> bool:
-        """Non-empty float32 / bf16 / fp16 tensors of at least ``block_size`` values."""
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.numel() >= self.block_size
+        """Float32 / bf16 / fp16 tensors of at least ``block_size`` values, of concrete sizes.
+
+        A symbolic size (dynamic shapes) is refused: which blocks a tensor
+        splits into depends on its size, and a guard on it would recompile
+        (the policy uses ``floating`` there).
+        """
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+        return all(isinstance(s, int) for s in x.shape) and x.numel() >= self.block_size
 
     def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
         """``(codes, scales, dtype, layout constants)``; codes and scales in the blocks' shape."""

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from savedhooks.codecs import Bitmask, Downcast, Float8, Int8Blocks, Offload, Policy
+from savedhooks.codecs import Bitmask, Downcast, Float8, Offload, Policy
 from savedhooks.codecs.base import Codec
-from savedhooks.codecs.policy import readers_error
+from savedhooks.codecs.policy import readers_tolerate
 from savedhooks.hooks import HookPair, hook_context
 from savedhooks.planner.caches import restore_caches, turn_caches_off
 from savedhooks.planner.census import plan_key, ranked_name
@@ -36,7 +36,6 @@ CODECS: dict[str, Codec] = {
     "bf16": Downcast(torch.bfloat16),
     "fp8": Float8(),
     "bitmask": Bitmask(),
-    "int8": Int8Blocks(),  # appended: the indices of the others stay those of older plans
     "offload": Offload(keep_needed_soon=False),
 }
 
@@ -132,7 +131,7 @@ class Planned(Codec):
     2. else, where the plan made one choice for every tensor of its op and
        dtype (among the compiled ones, or among the eager ones for an eager
        tensor: its key names no node), that choice;
-    3. else what the fallback (the policy) chooses, as for tensors the plan
+    3. else what the fallback (the policy with fp8 for int8 blocks) chooses, as for tensors the plan
        does not name.
 
     So the plan's choices, and its fidelity, hold at other shapes, and the step
@@ -143,7 +142,8 @@ class Planned(Codec):
     """
 
     choices: tuple[tuple[str, str], ...]
-    fallback: Codec | None = dataclasses.field(default_factory=Policy)
+    # the policy without int8 blocks: a plan's one-byte codec is fp8, and what it falls back on packs the same way
+    fallback: Codec | None = dataclasses.field(default_factory=lambda: Policy(blocks=None))
 
     def __post_init__(self) -> None:
         unknown = {name for _, name in self.choices if name != "keep" and name not in CODECS}
@@ -185,10 +185,8 @@ class Planned(Codec):
         codec = CODECS.get(name)
         if codec is None or not codec.accepts(x):
             return -1
-        if codec.lossy:
-            error = readers_error(x, getattr(self.fallback, "allow", ()))
-            if error is None or (isinstance(codec, Int8Blocks) and error != "block"):
-                return -1
+        if codec.lossy and not readers_tolerate(x, getattr(self.fallback, "allow", ())):
+            return -1
         return list(CODECS).index(name)
 
     def _choice_elsewhere(self, key: str) -> str | None:

@@ -4,7 +4,8 @@ Design notes
 ------------
 * The survey compiles the model once, with the target backend, and runs one
   training step (forward, loss, backward; no optimizer step):
-  1. the census: under ``Census(Policy())`` hooks, which pack nothing, it lists
+  1. the census: under ``Census(Policy(blocks=None))`` hooks (fp8: the plans'
+     one-byte codec), which pack nothing, it lists
      the saved tensors the policy would pack (the candidates; what the policy
      keeps stays kept) with their keys;
   2. the timeline: the step's AOTAutograd graphs, kept
@@ -29,13 +30,11 @@ Design notes
   compiled frame of the process: plan before compiling.
 * Units: the census entries of one plan key, or of several whose tensors are
   views of one storage (they free it together, so they get one choice).
-* Options per candidate: keep; bf16 (float32 and float64 tensors); one byte a
-  value, in the policy's codec for it: int8 (blocks of 64) where the policy
-  packs it in :class:`~savedhooks.codecs.Int8Blocks` (every backward reader
-  is linear in it), else fp8 (e4m3 blocks of 128); a bitmask for bool tensors; offload to
+* Options per candidate: keep; bf16 (float32 and float64 tensors); fp8 (the
+  policy's codec, e4m3 blocks of 128); a bitmask for bool tensors; offload to
   pinned host memory for tensors on an accelerator (no device payload). Where
   the policy holds a tensor in a 16-bit float or in int8 rows (fused
-  attention's operands, ``Policy.attention``), no one-byte option is offered (plans keep
+  attention's operands, ``Policy.attention``), fp8 is not offered (plans keep
   them or hold them in bf16): the backward recomputes the
   attention probabilities from them, and fp8's rounding there lands whole in
   the query and key gradients (:func:`savedhooks.codecs.policy.is_attention_operand`). Payload
@@ -68,7 +67,7 @@ import torch
 
 from savedhooks._torch import pytree
 from savedhooks._torch.tensors import FakeTensorMode
-from savedhooks.codecs import Downcast, Int8Blocks, Int8Rows, Policy
+from savedhooks.codecs import Downcast, Int8Rows, Policy
 from savedhooks.codecs.backends import materializes_better
 from savedhooks.compiler.api import saved_tensors_hooks
 from savedhooks.fidelity.select import Census, SavedTensor, keyed_run
@@ -85,7 +84,7 @@ from savedhooks.planner.step import NotCompiledError, device_of, loss_peak, outp
 __all__ = ["NotCompiledError", "Survey", "survey"]
 
 # the codecs whose decode inductor fuses into the readers (decomposed forms): they hold only the payload to the last read
-_FUSED_DECODES = ("bf16", "fp8", "int8")
+_FUSED_DECODES = ("bf16", "fp8")
 
 
 def _options(
@@ -94,8 +93,7 @@ def _options(
     """Keep, and each codec that accepts the tensors, with device payload bytes (fake encode) and time.
 
     Keep alone where ``by_loss`` (the eager loss saves one of them). No fp8
-    where the policy packs one of them in a 16-bit float or int8 rows; int8 blocks
-    instead of fp8 where it packs each in int8 blocks (module notes).
+    where the policy packs one of them in a 16-bit float or int8 rows (module notes).
 
     Offload is a choice for tensors on an accelerator (its payload on the device
     is 0 bytes; host bytes are not counted); its time is the copies' round trip,
@@ -112,8 +110,6 @@ def _options(
     names = ("bitmask",) if first.dtype == torch.bool else ("bf16", "fp8") if first.dtype.is_floating_point else ()
     if any(isinstance(t.packed_as, (Downcast, Int8Rows)) for t in tensors):
         names = tuple(n for n in names if n != "fp8")
-    elif names and all(isinstance(t.packed_as, Int8Blocks) for t in tensors):
-        names = ("bf16", "int8")  # the policy's one-byte codec where every reader is linear in the value
     for name in (*names, "offload"):
         codec = CODECS[name]
         if name == "bf16" and first.dtype not in (torch.float32, torch.float64):
@@ -310,7 +306,7 @@ def survey(
         seconds = blocks_recompute_seconds(model, example_inputs, recompute, recompute_mode) if recompute else ()
         recompute_seconds = sum(seconds, 0.0)
     with keyed_run() as run:
-        census = functools.partial(saved_tensors_hooks, Census(Policy()).hooks(), reorder=False)
+        census = functools.partial(saved_tensors_hooks, Census(Policy(blocks=None)).hooks(), reorder=False)
         step = record_step(model, example_inputs, loss_fn, backend, seed, census, True, recompute, recompute_mode)
     forwards, backwards, fused = step.forwards, step.backwards, step.fused
     device = device_of(example_inputs)

@@ -470,7 +470,8 @@ def test_policy_packs_fused_attention_s_value_in_int8_rows_and_keeps_query_key_a
         assert _chosen(compiled, x) == {heads: {"Int8Rows", None}, (4, 4, 256): {None}}
         assert codecs(heads).count("Int8Rows") * 2 == codecs(heads).count("NoneType")  # the value, of q, k, v, out
         torch._dynamo.reset()
-        assert _chosen(torch.compile(model, backend="aot_eager"), x, attention=None)[heads] == {"Float8", None}
+        # attention=None: the value goes to the codec of a product's factor (int8 blocks)
+        assert _chosen(torch.compile(model, backend="aot_eager"), x, attention=None)[heads] == {"Int8Blocks", None}
     finally:
         torch._dynamo.reset()
     # eager: the query, key and value are saved before the op runs, as views of the projections' outputs, and
@@ -479,7 +480,7 @@ def test_policy_packs_fused_attention_s_value_in_int8_rows_and_keeps_query_key_a
     # context exits, and no later save shows it), are kept
     assert _chosen(model, x) == {heads: {None}, (1024, 128): {"Int8Rows", None}}
     assert codecs((1024, 128)) == ["Int8Rows"] + ["NoneType"] * 3
-    assert _chosen(model, x, attention=None) == {heads: {None}, (1024, 128): {"Float8", None}}
+    assert _chosen(model, x, attention=None) == {heads: {None}, (1024, 128): {"Int8Blocks", None}}
 
 
 def _autocast_grads(model, x, hooks, compiled):
@@ -508,7 +509,8 @@ def test_policy_keeps_autocast_s_weight_copies(compiled):
     copies = [codec for shape, codec in _CHOSEN if shape in weights]
     packed = [codec for shape, codec in _CHOSEN if shape not in weights and codec is not None]
     assert copies and all(codec is None for codec in copies)
-    assert packed and all(isinstance(codec, (sh.codecs.Float8, sh.codecs.Int8Rows)) for codec in packed)
+    allowed = (sh.codecs.Float8, sh.codecs.Int8Blocks, sh.codecs.Int8Rows)
+    assert packed and all(isinstance(codec, allowed) for codec in packed)
     want = _autocast_grads(model, x, None, compiled)
     names = [name for name, _ in model.named_parameters()]
     assert all(g.isfinite().all() for g in want), [n for n, g in zip(names, want) if not g.isfinite().all()]
