@@ -15,7 +15,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from savedhooks._torch.ops import schema_of
-from savedhooks.codecs.backends import uses_fused
+from savedhooks.codecs.backends import inductor_traces, uses_fused
 from savedhooks.codecs.base import Codec, as_codec
 from savedhooks.codecs.bitmask import Bitmask
 from savedhooks.codecs.centered import Centered
@@ -573,7 +573,8 @@ class Policy(Codec):
 
         A lossy codec is picked only where :meth:`tolerated` says its readers
         tolerate it, and ``blocks`` instead of ``floating`` where every reader
-        is linear in the value (:func:`readers_error` is ``"block"``);
+        is linear in the value (:func:`readers_error` is ``"block"``), except
+        while inductor traces the hooks (fp8's fused form there);
         lossless ones wherever they accept ``x``.
         """
         codec = self._candidate(x)
@@ -583,7 +584,10 @@ class Policy(Codec):
             error = readers_error(x, self.allow, centred=isinstance(codec, Centered))
             if error is None:
                 return -1
-            if error == "block" and codec is self.floating and self.blocks is not None and self.blocks.accepts(x):
+            # not while inductor traces: the fp8 codec's decomposed form is the one it fuses without full-size
+            # buffers (the int8 blocks' raised the compiled peak of the zoo's decoders from ~0.5 to 0.7-1.1)
+            blocks = self.blocks is not None and not inductor_traces() and self.blocks.accepts(x)
+            if error == "block" and codec is self.floating and blocks:
                 codec = self.blocks
         return self.codecs().index(codec)
 
@@ -683,6 +687,8 @@ def policy(
             products, smooth activations, sums, powers, RMS norm), instead of
             ``floating``; default :class:`~savedhooks.codecs.Int8Blocks`
             (int8 codes, a float32 scale per 64 values). None: ``floating``.
+            In eager mode and graphs run op by op (aot_eager); under inductor
+            ``floating`` (its fused fp8 form holds no full-size buffers).
             Unused when ``floating`` is None.
 
     Returns:
