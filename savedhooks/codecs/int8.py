@@ -28,10 +28,9 @@ Design notes
   value (a product's factor, a smooth derivative), never for one that
   compares it with 0 (ReLU's mask) or reads its logarithmic range (exp's
   output): :mod:`savedhooks.codecs.tolerance`.
-* The numerics are ``savedhooks.kernels.int8``: plain aten ops that inductor
-  fuses into the producer's and the reader's kernels while it traces the
-  hooks; elsewhere (eager mode, aot_eager) opaque ops that run them a chunk
-  of rows at a time.
+* The numerics are ``savedhooks.kernels.int8``: plain aten ops while a graph
+  is traced (inductor fuses them into the producer's and the reader's
+  kernels); in eager mode opaque ops that run them a chunk of rows at a time.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ from typing import Any
 
 import torch
 
-from savedhooks.codecs.backends import inductor_traces
 from savedhooks.codecs.base import Codec
 from savedhooks.codecs.layout import Layout, from_rows, innermost_size, to_rows
 from savedhooks.kernels.int8 import int8_dequantize, int8_quantize, torch_int8_row_dequantize, torch_int8_row_quantize
@@ -51,13 +49,14 @@ __all__ = ["Int8Blocks", "Int8Rows", "torch_int8_row_dequantize", "torch_int8_ro
 
 
 def _quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 codes and scales of ``rows``: fusable aten ops while inductor traces, else the chunked op."""
-    return torch_int8_row_quantize(rows) if inductor_traces() else int8_quantize(rows)
+    """The int8 codes and scales of ``rows``: aten ops while a graph is traced, else the chunked op."""
+    return torch_int8_row_quantize(rows) if torch.compiler.is_compiling() else int8_quantize(rows)
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Invert :func:`_quantize` (either form reads either's payload: the same codes and scales)."""
-    return torch_int8_row_dequantize(codes, scale, dtype) if inductor_traces() else int8_dequantize(codes, scale, dtype)
+    compiling = torch.compiler.is_compiling()
+    return torch_int8_row_dequantize(codes, scale, dtype) if compiling else int8_dequantize(codes, scale, dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -584,8 +584,8 @@ class Policy(Codec):
             error = readers_error(x, self.allow, centred=isinstance(codec, Centered))
             if error is None:
                 return -1
-            # not while inductor traces: the fp8 codec's decomposed form is the one it fuses without full-size
-            # buffers (the int8 blocks' raised the compiled peak of the zoo's decoders from ~0.5 to 0.7-1.1)
+            # not while inductor traces: the fp8 codec's fused form is the one made to compile without
+            # full-size buffers (docs/results/zoo_torch_fp8.md measures it)
             blocks = self.blocks is not None and not inductor_traces() and self.blocks.accepts(x)
             if error == "block" and codec is self.floating and blocks:
                 codec = self.blocks

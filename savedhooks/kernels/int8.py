@@ -8,9 +8,9 @@ Design notes
   has scale 0 and comes back as zeros.
 * :func:`torch_int8_row_quantize` and :func:`torch_int8_row_dequantize` are
   plain aten ops: inductor fuses them into the producer's and the reader's
-  kernels (the codecs call them while inductor traces). Elsewhere, eager mode
-  and graphs run op by op (aot_eager), the ops ``savedhooks::int8_quantize``
-  and ``savedhooks::int8_dequantize`` run them a chunk of rows at a time, so
+  kernels (the codecs call them while a graph is traced). In eager mode the
+  ops ``savedhooks::int8_quantize`` and ``savedhooks::int8_dequantize`` run
+  them a chunk of rows at a time, so
   that their float32 temporaries stay small next to the tensor: on CPU chunks
   of 2**14 values (as the fp8 reference), elsewhere 2**22 (a chunk is a few
   kernel launches).
