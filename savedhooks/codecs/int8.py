@@ -147,7 +147,4 @@ class Int8Blocks(Codec):
         codes, scale = _quantize(_blocks_view(rows, self.block_size))
         return codes, scale, x.dtype, layout.as_constants()
 
-    def decode(self, payload: tuple[Any, ...]) -> torch.Tensor:
-        """The values in the saved tensor's dtype, shape and strides."""
-        codes, scale, dtype, layout = payload
-        return from_rows(_dequantize(codes, scale, dtype), Layout.from_constants(layout))
+    decode = Int8Rows.decode  # the same payload: codes and scales of any 2-D view of the memory-order data
