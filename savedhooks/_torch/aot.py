@@ -19,7 +19,7 @@ from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
 from savedhooks._torch.version import release
 
-__all__ = ["BACKWARD_FREES_GRADIENTS", "config", "every_saved_value_hooked", "offload_bandwidth_gbps",
+__all__ = ["BACKWARD_FREES_GRADIENTS", "compiling_graph", "config", "every_saved_value_hooked", "offload_bandwidth_gbps",
            "run_and_save_rng_state", "run_with_rng_state", "saved_tensor_hook_context"]
 
 # A compiled backward takes its incoming gradients as one list that it empties, so that each is
@@ -69,3 +69,24 @@ def offload_bandwidth_gbps() -> float:
         else 50.0 (its default there).
     """
     return float(getattr(config, "activation_offload_cpu_gpu_bw", _OFFLOAD_BANDWIDTH_GBPS))
+
+
+def compiling_graph() -> tuple[int, str] | None:
+    """Which AOTAutograd graph is being compiled, while one is (a graph compiler or a post-grad pass runs).
+
+    Returns:
+        ``(aot_id, kind)``: ``aot_id`` is shared by a forward and its backward
+        (one per dynamo graph), ``kind`` one of ``"forward"``, ``"backward"``,
+        ``"inference"`` (a graph with no backward: no input needs a gradient)
+        and ``"joint"``; None outside a compile, or where this release does not
+        publish it (``torch._functorch._aot_autograd.logging_utils``).
+    """
+    try:
+        from torch._functorch._aot_autograd.logging_utils import get_aot_compilation_context
+    except ImportError:  # pragma: no cover - a release without it
+        return None
+    names, _, _ = get_aot_compilation_context()
+    if not names:
+        return None
+    aot_id, _, kind = names[-1].partition("_")
+    return (int(aot_id), kind) if aot_id.isdigit() else None

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from savedhooks._torch import inductor, pytree
+from savedhooks._torch.aot import compiling_graph
 from savedhooks._torch.dynamo import boxed_nop
 from savedhooks._torch.inductor import CustomGraphPass, V
 from savedhooks._torch.inductor import ir as inductor_ir
@@ -34,6 +35,7 @@ from savedhooks.memory.fusion import is_alias
 from savedhooks.memory.scratch import EXTERN_STRIDES
 
 __all__ = [
+    "AOT_ID",
     "COPIED_INPUTS",
     "DONATED",
     "FUSED_KERNELS",
@@ -63,6 +65,7 @@ class GraphRecorder(CustomGraphPass):
     def __init__(self, before: Callable[[torch.fx.Graph], None] | None = None, unhook: bool = False) -> None:
         self.forwards: list[torch.fx.GraphModule] = []
         self.backwards: list[torch.fx.GraphModule] = []
+        self.inferences: list[torch.fx.GraphModule] = []
         self._last: torch.fx.GraphModule | None = None
         self._before = before
         self.unhook = unhook
@@ -72,9 +75,29 @@ class GraphRecorder(CustomGraphPass):
             unhook_names(graph)
         if self._before is not None:
             self._before(graph)
-        gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-        (self.backwards if is_backward_graph(graph) else self.forwards).append(gm)
-        self._last = gm
+        self._last = self.keep(torch.fx.GraphModule(torch.nn.Module(), graph))
+
+    def keep(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        """File a compiled graph under its kind: forward, backward, or inference (a graph with no backward).
+
+        Each graph's ``meta[AOT_ID]`` is AOTAutograd's id, which a forward shares
+        with its backward (None where the release does not publish it); a graph
+        AOTAutograd compiles for inference (no input needs a gradient) saves
+        nothing for a backward and is kept in :attr:`inferences`.
+
+        Args:
+            gm: the graph.
+
+        Returns:
+            ``gm``.
+        """
+        where = compiling_graph()
+        gm.meta[AOT_ID] = where[0] if where else None
+        if where and where[1] == "inference":
+            self.inferences.append(gm)
+        else:
+            (self.backwards if is_backward_graph(gm.graph) else self.forwards).append(gm)
+        return gm
 
     def uuid(self) -> None:
         return None
@@ -292,6 +315,7 @@ REALIZED = "savedhooks_realized"  # graph meta: the FX nodes whose values induct
 FUSED_KERNELS = "savedhooks_fused_kernels"  # graph meta: per kernel inductor generated, the FX nodes lowered into it
 COPIED_INPUTS = "savedhooks_copied_inputs"  # graph meta: inputs returned as inductor's copies (_copied_inputs)
 DONATED = "savedhooks_donated"  # graph meta: the inputs inductor may write in place (_donated_inputs)
+AOT_ID = "savedhooks_aot_id"  # graph module meta: AOTAutograd's id, one per forward and its backward (GraphRecorder.keep)
 
 
 def kernel_calls(gm: torch.fx.GraphModule) -> list[KernelCall]:
@@ -388,7 +412,7 @@ def fresh_backend(backend: str, **keywords: Any) -> Callable[..., Any]:
     raise ValueError(f"plan: backend must be 'inductor' or 'aot_eager', got {backend!r}")
 
 
-def _keeping(graphs: list[torch.fx.GraphModule], unhook: bool, is_backward: bool) -> Callable[..., Any]:
+def _keeping(recorder: GraphRecorder, unhook: bool, is_backward: bool) -> Callable[..., Any]:
     """An aot_eager graph compiler that keeps each graph, ordered as ``sh.backend("aot_eager")`` orders it.
 
     The plan runs under that placement, as under inductor (where the recorder runs
@@ -400,7 +424,7 @@ def _keeping(graphs: list[torch.fx.GraphModule], unhook: bool, is_backward: bool
         if unhook:
             unhook_names(gm.graph)
         reorder_for_memory(gm, is_backward)
-        graphs.append(gm)
+        recorder.keep(gm)
         return run
 
     return compiler
@@ -427,8 +451,8 @@ def recording_backend(backend: str, unhook: bool = False) -> tuple[Callable[...,
     if backend == "aot_eager":
         recorder = GraphRecorder()  # not a pass here: the compilers below keep (and rename) the graphs
         compilers = {
-            "fw_compiler": _keeping(recorder.forwards, unhook, False),
-            "bw_compiler": _keeping(recorder.backwards, unhook, True),
+            "fw_compiler": _keeping(recorder, unhook, False),
+            "bw_compiler": _keeping(recorder, unhook, True),
         }
         return fresh_backend(backend, **compilers), recorder, False
     # inductor: the backward as the plan's hooks will have it, ordered by the reorder pass (in torch's order

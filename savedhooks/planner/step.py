@@ -23,7 +23,7 @@ from savedhooks.memory.sizes import allocated_bytes, storage_key, tensor_nbytes,
 from savedhooks.planner.caches import caches_off
 from savedhooks.planner.census import GraphTimeline, timeline_of
 from savedhooks.planner.recompute import FULL, checkpointed, resolve_blocks
-from savedhooks.planner.recording import COPIED_INPUTS, GraphRecorder, recording_backend
+from savedhooks.planner.recording import AOT_ID, COPIED_INPUTS, GraphRecorder, recording_backend
 
 __all__ = [
     "NotCompiledError",
@@ -326,10 +326,12 @@ def record_step(
     if recorder.forwards and breaks and len(recorder.forwards) != len(recorder.backwards):
         shown = "; ".join(f"'{reason}'" for reason in breaks[:3]) + ("; ..." if len(breaks) > 3 else "")
         raise NotCompiledError(
-            f"plan: the model has graph breaks: dynamo compiled it into {len(recorder.forwards)} forward graphs, "
-            f"{len(recorder.backwards)} of them with a backward graph, and the planner needs a backward for every "
-            f"forward graph. Dynamo broke the graph at: {shown}. torch._dynamo.explain(model)(*inputs) shows "
-            "where; remove the breaks, or plan the blocks that compile whole (plan each as its own module)."
+            f"plan: the model has graph breaks: dynamo compiled it into {len(recorder.forwards)} forward graphs "
+            f"that need a gradient, {len(recorder.backwards)} of them with a backward graph that ran in the step, "
+            "and the planner needs a backward for every such forward graph (a graph whose outputs the loss does "
+            f"not use saves tensors that nothing frees in the step). Dynamo broke the graph at: {shown}. "
+            "torch._dynamo.explain(model)(*inputs) shows where; remove the breaks, or plan the blocks that compile "
+            "whole (plan each as its own module)."
         )
     if not recorder.forwards or len(recorder.forwards) != len(recorder.backwards):
         raise NotCompiledError(
@@ -431,8 +433,12 @@ def graph_timelines(
         ValueError: as :func:`savedhooks.planner.census.timeline_of`.
     """
     order = tuple(range(len(recorder.forwards))) if runs is None else tuple(runs)
-    # a backward compiles when it first runs: in the backward of its graph's last forward run
-    backward_of = dict(zip(dict.fromkeys(reversed(order)), recorder.backwards))
+    ids = [gm.meta.get(AOT_ID) for gm in recorder.forwards]
+    by_id = {gm.meta.get(AOT_ID): gm for gm in recorder.backwards}
+    if None not in by_id and all(i in by_id for i in ids):  # AOTAutograd's ids pair them
+        backward_of = {g: by_id[i] for g, i in enumerate(ids)}
+    else:  # a backward compiles when it first runs: in the backward of its graph's last forward run
+        backward_of = dict(zip(dict.fromkeys(reversed(order)), recorder.backwards))
     forwards, backwards = [], []
     for g, fw in enumerate(recorder.forwards):
         bw = backward_of[g]

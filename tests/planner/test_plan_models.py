@@ -114,6 +114,60 @@ def test_interleaved_runs_of_two_reused_graphs_pair_each_backward_with_its_forwa
     assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes, measured
 
 
+class _BreaksBeforeTheLayers(torch.nn.Module):
+    """A scale computed from the input alone (a graph no gradient flows through), a graph break, then two Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = (x.abs() > 0.5).float().mean(-1, keepdim=True) + 1.0
+        torch._dynamo.graph_break()
+        return self.b(torch.nn.functional.gelu(self.a(x))) * scale
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_model_with_graph_breaks_and_a_graph_without_a_backward_is_planned_within_its_budget(backend):
+    # the scale's graph compiles for inference (no input needs a gradient) and saves nothing; filed as a forward
+    # it left the forward graphs without a backward each, and the planner refused the model
+    torch.manual_seed(0)
+    model, x = _BreaksBeforeTheLayers(), torch.randn(512, 64)
+    planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend=backend)
+    kept, want = _measured_peak(model, x, planner.plan(1 << 40).hooks, backend)
+    assert abs(planner.baseline_bytes - kept) <= 0.05 * kept, (planner.baseline_bytes, kept)
+    budget = (planner.baseline_bytes + planner.floor_bytes) // 2
+    plan = planner.plan(budget)
+    assert {t.choice for t in plan.tensors} - {"keep"}, "below the baseline something is packed"
+    measured, got = _measured_peak(plan.apply(model), x, plan.hooks, backend)
+    plan.revert(model)
+    assert measured <= 1.02 * budget, (measured, budget)
+    assert min(sh.metrics.sqnr(w, g) for w, g in zip(want, got)) >= 20
+
+
+class _UnusedBranch(torch.nn.Module):
+    """Two outputs compiled apart (a graph break between them); the loss reads the first only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.nn.functional.gelu(self.a(x))
+        torch._dynamo.graph_break()
+        return y, torch.exp(self.b(x))
+
+
+def test_a_graph_whose_backward_never_runs_is_refused_with_the_breaks_named_not_a_wrapper_blamed():
+    torch.manual_seed(0)
+    with pytest.raises(sh.planner.NotCompiledError, match="has graph breaks") as caught:
+        sh.plan(_UnusedBranch(), (torch.randn(256, 64),), budget_bytes=1 << 20, loss_fn=lambda out: _loss(out[0]),
+                backend="aot_eager")
+    message = str(caught.value)
+    assert "2 forward graphs that need a gradient, 1 of them with a backward" in message
+    assert "graph_break()" in message and "DDP" not in message
+
+
 class _SpareBlock(torch.nn.Module):
     """Three blocks in the ModuleList; the forward runs the first two."""
 

@@ -390,26 +390,3 @@ def test_the_model_still_compiles_after_the_planner_compiled_it_many_times():
 
     torch.compile(model, backend=keep)(x)
     assert len(graphs) == 1
-
-
-class _BreaksBeforeTheLayers(torch.nn.Module):
-    """A scale computed from the input alone (a graph without a backward), a graph break, then two Linears."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = (x.abs() > 0.5).float().mean(-1, keepdim=True) + 1.0
-        torch._dynamo.graph_break()
-        return self.b(torch.nn.functional.gelu(self.a(x))) * scale
-
-
-def test_a_model_with_graph_breaks_is_refused_with_the_breaks_named_not_a_wrapper_blamed():
-    torch.manual_seed(0)
-    with pytest.raises(sh.planner.NotCompiledError, match="has graph breaks") as caught:
-        sh.plan(_BreaksBeforeTheLayers(), (torch.randn(512, 64),), budget_bytes=1 << 20, loss_fn=_loss,
-                backend="aot_eager")
-    message = str(caught.value)
-    assert "2 forward graphs, 1 of them with a backward" in message and "graph_break()" in message
-    assert "DDP" not in message
