@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 import savedhooks as sh
-from benchmarks.sweep_models import HEADS, Architecture, architectures, build, loss_of
+from benchmarks.sweep_models import HEADS, KINDS, Architecture, architectures, build, family_kind, loss_of
 from benchmarks.zoo import (
     MIB,
     PLAN_FRACTION,
@@ -286,12 +286,12 @@ def _fmt(value: float | None, fmt: str) -> str:
 
 def _table(rows: list[SweepRow], tier: str) -> list[str]:
     plan = tier == "plan"
-    header = ["architecture", "status", "params MiB", "base MiB", "policy / base", "policy dB", "bf16 dB"]
+    header = ["architecture", "kind", "status", "params MiB", "base MiB", "policy / base", "policy dB", "bf16 dB"]
     header += ["plan / budget", "plan dB", "predicted / measured", "plan s"] if plan else []
     header += ["s", "worst gradient, or what failed"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        cells = [r.name, r.status, _fmt(r.params_mib, "{:.2f}"), _fmt(r.base_mib, "{:.2f}"),
+        cells = [r.name, _kind(r.name), r.status, _fmt(r.params_mib, "{:.2f}"), _fmt(r.base_mib, "{:.2f}"),
                  _fmt(r.policy_ratio, "{:.2f}"), _fmt(r.policy_db, "{:.1f}"), _fmt(r.bf16_db, "{:.1f}")]  # fmt: skip
         if plan:
             cells += [_fmt(r.plan_ratio, "{:.2f}"), _fmt(r.plan_db, "{:.1f}"), _fmt(r.plan_predicted, "{:.2f}"),
@@ -300,6 +300,11 @@ def _table(rows: list[SweepRow], tier: str) -> list[str]:
         cells += [_fmt(r.seconds, "{:.0f}"), note.replace("|", "\\|")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _kind(name: str) -> str:
+    head, _, model_type = name.partition("/")
+    return family_kind(Architecture(head, model_type, ""))
 
 
 def summary(rows: Iterable[SweepRow]) -> dict[str, Any]:
@@ -313,7 +318,10 @@ def summary(rows: Iterable[SweepRow]) -> dict[str, Any]:
         ``trains`` counts rows past build and the step without hooks; ``db20``
         / ``db25`` those with a policy gradient at or above 20 / 25 dB;
         ``below`` those whose policy peak is below the step without hooks;
-        ``ill`` those whose gradient bf16 storage also puts below :data:`GRADIENT_DB`.
+        ``ill`` those whose gradient bf16 storage also puts below :data:`GRADIENT_DB`;
+        ``kinds``: per kind of :data:`benchmarks.sweep_models.KINDS`, how many train;
+        ``planned``: rows whose plan's measured peak is within :data:`PLAN_LIMIT`
+        of its budget and whose gradient holds (plan tier).
     """
     rows = list(rows)
     trains = [r for r in rows if r.status not in ("unbuilt", "transformers")]
@@ -325,6 +333,8 @@ def summary(rows: Iterable[SweepRow]) -> dict[str, Any]:
         "db25": sum(r.policy_db is not None and r.policy_db >= 25 for r in trains),
         "below": sum(r.policy_ratio is not None and r.policy_ratio < 1 for r in trains),
         "ill": sum(r.bf16_db is not None and not r.bf16_db >= GRADIENT_DB for r in trains),
+        "kinds": {k: n for k in KINDS if (n := sum(_kind(r.name) == k for r in trains))},
+        "planned": sum(r.status == "ok" and r.plan_ratio is not None and r.plan_ratio <= PLAN_LIMIT for r in trains),
     }
 
 
@@ -374,12 +384,28 @@ def document(tiers: dict[str, dict[str, SweepRow]], command: str) -> str:
             f"({s['heads']} heads): policy gradient >= 20 dB on {s['db20']} ({s['db20'] / trains:.0%}), >= 25 dB "
             f"on {s['db25']} ({s['db25'] / trains:.0%}); policy peak below the step without hooks on {s['below']} "
             f"({s['below'] / trains:.0%}); on {s['ill']} of those below {GRADIENT_DB:g} dB, bf16 storage of every "
-            f"saved tensor is below it too (bf16 dB); {sum(r.seconds or 0 for r in rows) / 60:.0f} min of work.",
+            f"saved tensor is below it too (bf16 dB); {sum(r.seconds or 0 for r in rows) / 60:.0f} min of work. "
+            f"Kinds that train: {', '.join(f'{k} {n}' for k, n in s['kinds'].items())}.",
             "",
+            *(_plan_summary(rows, s) if tier == "plan" else []),
             *_table(rows, tier),
             "",
         ]
     return "\n".join(lines)
+
+
+def _plan_summary(rows: list[SweepRow], s: dict[str, Any]) -> list[str]:
+    refused = [r for r in rows if r.status == "refused"]
+    failed = [r for r in rows if r.status == "failure"]
+    trains = max(s["trains"], 1)
+    lines = [
+        f"Plans: {s['planned']} of {s['trains']} ({s['planned'] / trains:.0%}) within {PLAN_LIMIT:g} of their budget "
+        f"with gradients at {GRADIENT_DB:g} dB or more; {len(refused)} refused ({len(refused) / trains:.0%}), "
+        f"{len(failed)} failures.",
+        "",
+    ]
+    lines += [f"- refused: {r.name}: {r.error}" for r in refused] + [f"- failure: {r.name}: {r.error}" for r in failed]
+    return [*lines, ""] if refused or failed else lines
 
 
 # ---------------------------------------------------------------------------------------------------- running

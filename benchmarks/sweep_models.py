@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,7 +35,7 @@ from torch import nn
 
 from benchmarks.zoo_entries import SEED, _transformers, configs_of, without_dropout
 
-__all__ = ["HEADS", "OVERRIDES", "SIZES", "Architecture", "architectures", "build", "loss_of", "make_inputs", "shrink", "shrunk_config"]
+__all__ = ["HEADS", "KINDS", "OVERRIDES", "SIZES", "Architecture", "architectures", "build", "family_kind", "loss_of", "make_inputs", "shrink", "shrunk_config"]
 
 # head -> transformers' auto mapping of the model classes for it
 HEADS: dict[str, str] = {
@@ -131,6 +132,48 @@ def architectures(heads: Iterable[str] | None = None) -> list[Architecture]:
                 class_name = class_name[0]
             out.append(Architecture(head, model_type, class_name))
     return out
+
+
+KINDS = ("dense", "MoE", "state-space or hybrid", "encoder", "encoder-decoder", "vision", "speech")
+_SPEECH = ("ctc", "speech-seq2seq", "audio-classification")
+_VISION = ("image-classification", "semantic-segmentation")
+# config fields that only a model with state-space, linear-attention, short-convolution or LRU layers has
+_RECURRENT = re.compile(r"ssm|mamba|state_size|d_state|lru_width|^linear_(num|key|value|conv)|conv_L_cache", re.I)
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+@functools.cache
+def family_kind(arch: Architecture) -> str:
+    """What kind of model an architecture is, from its head and its config class's default fields.
+
+    Speech and vision by head; then a model with state-space, linear-attention,
+    short-convolution or LRU layers (a config field only they have), a
+    mixture of experts (more than one expert), an encoder-decoder (the
+    config's ``is_encoder_decoder``, or a seq2seq head), an encoder (masked
+    LM); else dense.
+
+    Args:
+        arch: the architecture.
+
+    Returns:
+        One of :data:`KINDS`.
+    """
+    if arch.head in _SPEECH:
+        return "speech"
+    if arch.head in _VISION:
+        return "vision"
+    try:
+        configs = configs_of(_transformers().CONFIG_MAPPING[arch.model_type]())
+    except Exception:  # a config that does not build from its defaults: judged by its head alone
+        configs = []
+    fields = {k: v for c in configs for k, v in vars(c).items()}
+    if any(_RECURRENT.search(k) for k in fields):
+        return "state-space or hybrid"
+    if any(isinstance(fields.get(k), int) and fields[k] > 1 for k in _EXPERTS):
+        return "MoE"
+    if arch.head == "seq2seq-lm" or fields.get("is_encoder_decoder"):
+        return "encoder-decoder"
+    return "encoder" if arch.head == "masked-lm" else "dense"
 
 
 def _size_of(field: str, value: Any, sizes: dict[str, int]) -> Any:

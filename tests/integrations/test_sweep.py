@@ -164,5 +164,28 @@ def test_the_page_counts_statuses_and_round_trips_the_rows(tmp_path):
     page = sweep.document({"eager": loaded}, "python -m benchmarks.sweep")
     assert "3 architectures: 1 ok, 0 refused, 1 failure, 0 transformers, 1 unbuilt" in page
     assert "Of the 2 whose step without hooks trains (2 heads)" in page
-    assert "| ctc/b | failure |" in page and "NaN" in page
+    assert "| ctc/b | speech | failure |" in page and "NaN" in page
+    assert "Kinds that train: dense 1, speech 1." in page
     assert torch.__version__ in page
+
+
+def test_the_plan_tier_s_page_counts_plans_within_the_limit_and_lists_refusals_and_failures():
+    rows = {r.name: r for r in [
+        sweep.SweepRow("causal-lm/a", "plan", "ok", 1.0, 4.0, 0.5, 30.0, plan_ratio=0.98),
+        sweep.SweepRow("causal-lm/b", "plan", "refused", 1.0, 4.0, 0.5, 30.0, error="infeasible: floor 2.00 MiB"),
+        sweep.SweepRow("ctc/c", "plan", "failure", 1.0, 4.0, 0.5, 30.0, plan_ratio=1.2, error="plan at 1.20 of its budget"),
+    ]}  # fmt: skip
+    page = sweep.document({"plan": rows}, "python -m benchmarks.sweep")
+    assert "Plans: 1 of 3 (33%) within 1.05 of their budget" in page and "1 refused (33%), 1 failures" in page
+    assert "- refused: causal-lm/b: infeasible: floor 2.00 MiB" in page
+    assert "- failure: ctc/c: plan at 1.20 of its budget" in page
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("causal-lm/llama", "dense"), ("causal-lm/mixtral", "MoE"), ("causal-lm/mamba", "state-space or hybrid"),
+    ("causal-lm/jamba", "state-space or hybrid"), ("seq2seq-lm/t5", "encoder-decoder"), ("masked-lm/bert", "encoder"),
+    ("image-classification/vit", "vision"), ("ctc/wav2vec2", "speech"),
+])  # fmt: skip
+def test_family_kind_reads_the_head_and_the_config_s_fields(name, kind):
+    head, model_type = name.split("/")
+    assert sweep_models.family_kind(sweep_models.Architecture(head, model_type, "")) == kind
