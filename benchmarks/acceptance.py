@@ -63,9 +63,6 @@ def transformer4() -> torch.nn.Module:
 
     Returns:
         The model.
-
-    Raises:
-        Nothing.
     """
     torch.manual_seed(0)
     return test_models().transformer(layers=4, dim=64)

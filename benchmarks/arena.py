@@ -92,9 +92,6 @@ def score_row(graph: str, by_peak, by_peak_arena: int, by_arena) -> str:
 
     Returns:
         The row.
-
-    Raises:
-        Nothing.
     """
     changed = "yes" if by_arena.order != by_peak.order else "no"
     return (

@@ -72,9 +72,6 @@ class GraphLog:
         Returns:
             A backend that compiles as ``backend`` does and keeps the graphs, or
             ``None`` when ``backend`` has another form (then nothing is recorded).
-
-        Raises:
-            Nothing.
         """
         if backend == "aot_eager":
             func, compilers = aot_eager, {"fw_compiler": boxed_nop, "bw_compiler": boxed_nop}
@@ -213,9 +210,6 @@ def torch_fp8_hooks() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
 
     Returns:
         ``(pack, unpack)`` for ``torch.autograd.graph.saved_tensors_hooks``.
-
-    Raises:
-        Nothing.
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -511,9 +505,6 @@ def planned(label: str, plan: sh.Plan) -> Config:
 
     Returns:
         A :class:`Config` (closing its step reverts the recompute).
-
-    Raises:
-        Nothing.
     """
 
     def build(workload: Workload, backend: str) -> Step:

@@ -104,9 +104,6 @@ class Workload:
 
         Returns:
             A :class:`ModelWithLoss` sharing :attr:`model`'s parameters.
-
-        Raises:
-            Nothing.
         """
         return ModelWithLoss(self.model, self.loss_of)
 

@@ -67,9 +67,6 @@ def table(rows: list[Row], drop: tuple[str, ...] = ("device",)) -> str:
 
     Returns:
         The table, one line per row after the header.
-
-    Raises:
-        Nothing.
     """
     columns = [c for c in COLUMNS if c[0] not in drop]
     if not any(r.error for r in rows):

@@ -168,9 +168,6 @@ def row_line(row: Row) -> str:
 
     Returns:
         ``"measured <model> / <config> / <backend>: <field> <value>, ..."``.
-
-    Raises:
-        Nothing.
     """
     figures = ", ".join(
         f"{field} {value:.1f}" for field, value in dataclasses.asdict(row).items() if isinstance(value, float)
@@ -345,9 +342,6 @@ def with_baselines(rows: list[Row]) -> list[Row]:
 
     Returns:
         New rows, same order; ``None`` where a value or its baseline is missing.
-
-    Raises:
-        Nothing.
     """
     ok = {(r.model, r.config, r.backend): r for r in rows if not r.error}
     out = []
@@ -373,9 +367,6 @@ def error_text(exc: BaseException) -> str:
 
     Returns:
         ``"<type>: <first line>"``, at most 160 characters.
-
-    Raises:
-        Nothing.
     """
     exc = getattr(exc, "inner_exception", None) or exc  # BackendCompilerFailed: what the backend raised
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]

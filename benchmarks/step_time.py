@@ -360,9 +360,6 @@ def table(timings: Iterable[Timing], header: bool = True) -> str:
 
     Returns:
         The table (its rows only where ``header`` is False), without a final newline.
-
-    Raises:
-        Nothing.
     """
     lines = [
         "| model | config | backend | step ms | step / baseline | lowest, highest | baseline |",

@@ -293,9 +293,6 @@ def summary(rows: list[TrainRow]) -> str:
         One line per model and configuration other than no hooks, in first-seen
         order: for each ``*_vs_no_hooks`` column, ``mean (lowest .. highest)``
         over the seeds, in percent.
-
-    Raises:
-        Nothing.
     """
     groups: dict[tuple[str, str], list[TrainRow]] = {}
     for r in rows:

@@ -171,9 +171,6 @@ def error_text(exc: BaseException) -> str:
 
     Returns:
         ``"<type>: <first line>"``, at most :data:`ERROR_CHARS` characters.
-
-    Raises:
-        Nothing.
     """
     exc = getattr(exc, "inner_exception", None) or exc  # BackendCompilerFailed: what the backend raised
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
@@ -468,9 +465,6 @@ def table(rows: list[ZooRow]) -> str:
 
     Returns:
         The table, one line per model after the header.
-
-    Raises:
-        Nothing.
     """
     header = "| " + " | ".join(c[1] for c in COLUMNS) + " |"
     align = "|" + "|".join("---" if c[2] == "{}" else "---:" for c in COLUMNS) + "|"

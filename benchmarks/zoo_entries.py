@@ -105,9 +105,6 @@ def without_dropout(config: Any) -> Any:
 
     Returns:
         The same config.
-
-    Raises:
-        Nothing.
     """
     for c in configs_of(config):
         for key, value in list(vars(c).items()):
