@@ -25,7 +25,7 @@ import torch
 
 from savedhooks.codecs.backends import check_backend, inductor_traces, uses_fused, uses_triton
 from savedhooks.codecs.base import Codec
-from savedhooks.codecs.layout import Layout, from_rows, innermost_size, to_rows
+from savedhooks.codecs.layout import Layout, blocks_view, from_rows, innermost_size, to_rows
 from savedhooks.kernels import kernel_op
 from savedhooks.kernels.fp8 import FP8_DTYPES, GRANULARITIES
 from savedhooks.kernels.fp8_fused import fused_fp8_dequantize, fused_fp8_quantize
@@ -115,20 +115,7 @@ class Float8(Codec):
         # would cost more than 1/16 of the row). Moderately short rows keep their own scale.
         if 2 * rows.shape[1] * rows.element_size() < self.block_size:
             rows = rows.reshape(1, -1)
-        # A row wider than a block but not a multiple of it would end in a short block, which
-        # the decomposed dequantize joins to the rest with a cat: inductor then stores the whole
-        # dequantized tensor instead of fusing it into its consumer (Llama's 688-wide MLP: full-size
-        # buffers at its backward peak). Where the tensor's size allows, blocks
-        # run on across the row ends instead (a block spans at most two rows).
-        if rows.shape[1] % self.block_size == 0:  # one block per row: the reference chunks by rows
-            # through (rows, blocks, block_size): inductor indexes the two views of a value it computes
-            # affinely, but the one view through ``(block * b + i) % cols``, which it leaves unsimplified
-            # (a fused GELU + quantize kernel would then load its input one lane at a time)
-            blocks = rows.shape[1] // self.block_size
-            rows = rows.view(rows.shape[0], blocks, self.block_size).view(-1, self.block_size)
-        elif rows.shape[1] > self.block_size and rows.numel() % self.block_size == 0:
-            rows = rows.reshape(-1, self.block_size)
-        return rows
+        return blocks_view(rows, self.block_size, short_rows=False)
 
 
 def fp8(

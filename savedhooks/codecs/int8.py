@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from savedhooks.codecs.base import Codec
-from savedhooks.codecs.layout import Layout, from_rows, innermost_size, to_rows
+from savedhooks.codecs.layout import Layout, blocks_view, from_rows, innermost_size, to_rows
 from savedhooks.kernels.int8 import int8_dequantize, int8_quantize, torch_int8_row_dequantize, torch_int8_row_quantize
 
 __all__ = ["Int8Blocks", "Int8Rows", "torch_int8_row_dequantize", "torch_int8_row_quantize"]
@@ -98,15 +98,6 @@ class Int8Rows(Codec):
         return from_rows(_dequantize(codes, scale, dtype), Layout.from_constants(layout))
 
 
-def _blocks_view(rows: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``rows`` as ``(blocks, block_size)`` in memory order where the size allows, else as they are (a scale a row)."""
-    if rows.shape[1] % block_size == 0:  # whole blocks in each row: through (rows, blocks, size), an affine index
-        return rows.view(rows.shape[0], rows.shape[1] // block_size, block_size).view(-1, block_size)
-    if rows.numel() % block_size == 0:  # blocks run on across the row ends
-        return rows.reshape(-1, block_size)
-    return rows
-
-
 @dataclasses.dataclass(frozen=True)
 class Int8Blocks(Codec):
     """int8 codes and one float32 scale per ``block_size`` values in memory order (the policy's codec for factors).
@@ -144,7 +135,7 @@ class Int8Blocks(Codec):
     def encode(self, x: torch.Tensor) -> tuple[Any, ...]:
         """``(codes, scales, dtype, layout constants)``; codes and scales in the blocks' shape."""
         rows, layout = to_rows(x.detach())
-        codes, scale = _quantize(_blocks_view(rows, self.block_size))
+        codes, scale = _quantize(blocks_view(rows, self.block_size))
         return codes, scale, x.dtype, layout.as_constants()
 
     decode = Int8Rows.decode  # the same payload: codes and scales of any 2-D view of the memory-order data

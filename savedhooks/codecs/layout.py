@@ -16,7 +16,7 @@ import torch
 
 from savedhooks._torch.tensors import is_non_overlapping_and_dense_or_false
 
-__all__ = ["Layout", "from_rows", "innermost_size", "is_broadcast", "memory_order", "narrow_broadcast", "to_rows"]
+__all__ = ["Layout", "blocks_view", "from_rows", "innermost_size", "is_broadcast", "memory_order", "narrow_broadcast", "to_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,3 +142,30 @@ def from_rows(y: torch.Tensor, layout: Layout) -> torch.Tensor:
             inverse[dim] = position
         out = y.view(layout.shape).permute(inverse)
     return out.expand(layout.expand) if layout.expand else out
+
+
+def blocks_view(rows: torch.Tensor, block_size: int, short_rows: bool = True) -> torch.Tensor:
+    """``rows`` as ``(blocks, block_size)`` in memory order where the size allows, else as they are (a scale a row).
+
+    A row a whole number of blocks wide goes through ``(rows, blocks, block_size)``:
+    inductor indexes both views of a value affinely, where a flat reshape gives
+    ``(block * b + i) % cols``, which it leaves unsimplified (a fused kernel then
+    loads its input one lane at a time). Otherwise blocks run on across the row
+    ends (a block spans at most two rows) when the tensor's size is a multiple
+    of ``block_size``: a row that ended in a short block would need a ``cat`` to
+    join it back, which keeps inductor from fusing the decode into its consumer.
+
+    Args:
+        rows: a 2-D tensor, rows contiguous (:func:`to_rows`).
+        block_size: values per block.
+        short_rows: rows narrower than a block run on across their ends too
+            (False: such rows keep a scale each).
+
+    Returns:
+        A 2-D view (or reshape) of the same values in the same order.
+    """
+    if rows.shape[1] % block_size == 0:
+        return rows.view(rows.shape[0], rows.shape[1] // block_size, block_size).view(-1, block_size)
+    if (short_rows or rows.shape[1] > block_size) and rows.numel() % block_size == 0:
+        return rows.reshape(-1, block_size)
+    return rows
