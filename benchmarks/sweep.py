@@ -92,7 +92,9 @@ class SweepRow:
         plan_db: the plan's worst gradient SQNR.
         plan_predicted: the plan's predicted peak over its measured peak.
         plan_s: seconds ``sh.plan`` took.
-        floor_mib: an ``InfeasibleBudgetError``'s floor.
+        floor_mib: the planner's floor (its lowest modelled or checked peak; an
+            ``InfeasibleBudgetError``'s floor where it raised one).
+        plan_baseline: the planner's modelled peak without hooks over the measured one (``base_mib``).
         seconds: the row's wall time.
         error: what failed (type and first line), or why the status is not ``ok``.
     """
@@ -111,6 +113,7 @@ class SweepRow:
     plan_predicted: float | None = None
     plan_s: float | None = None
     floor_mib: float | None = None
+    plan_baseline: float | None = None
     seconds: float | None = None
     error: str = ""
 
@@ -222,7 +225,7 @@ def _plan_into(row: SweepRow, model: Any, inputs: dict[str, torch.Tensor], base:
     except _Refused as exc:
         cause = exc.__cause__
         if isinstance(cause, sh.InfeasibleBudgetError) and cause.floor_bytes is not None:
-            row.floor_mib = cause.floor_bytes / MIB
+            row.floor_mib, row.plan_baseline = cause.floor_bytes / MIB, cause.baseline_bytes / base
             if cause.floor_bytes <= policy_peak and row.status == "ok":
                 row.status, row.error = "refused", f"infeasible: floor {row.floor_mib:.2f} MiB"
                 return
@@ -241,6 +244,7 @@ def _plan_into(row: SweepRow, model: Any, inputs: dict[str, torch.Tensor], base:
         chosen.revert(model)
     row.plan_ratio = peak / budget
     row.plan_predicted = chosen.predicted_peak_bytes / peak
+    row.floor_mib, row.plan_baseline = chosen.floor_bytes / MIB, chosen.baseline_peak_bytes / base
     row.plan_db, worst = sh.metrics.worst_sqnr(want, got)
     _gradient_check(row, row.plan_db, worst, "plan")
     if row.status == "ok" and row.plan_ratio > PLAN_LIMIT:
@@ -287,15 +291,17 @@ def _fmt(value: float | None, fmt: str) -> str:
 def _table(rows: list[SweepRow], tier: str) -> list[str]:
     plan = tier == "plan"
     header = ["architecture", "kind", "status", "params MiB", "base MiB", "policy / base", "policy dB", "bf16 dB"]
-    header += ["plan / budget", "plan dB", "predicted / measured", "plan s"] if plan else []
+    header += ["plan / budget", "plan dB", "predicted / measured", "modelled base / base", "floor / policy",
+               "plan s"] if plan else []  # fmt: skip
     header += ["s", "worst gradient, or what failed"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         cells = [r.name, _kind(r.name), r.status, _fmt(r.params_mib, "{:.2f}"), _fmt(r.base_mib, "{:.2f}"),
                  _fmt(r.policy_ratio, "{:.2f}"), _fmt(r.policy_db, "{:.1f}"), _fmt(r.bf16_db, "{:.1f}")]  # fmt: skip
         if plan:
+            floor = r.floor_mib / (r.policy_ratio * r.base_mib) if r.floor_mib and r.policy_ratio else None
             cells += [_fmt(r.plan_ratio, "{:.2f}"), _fmt(r.plan_db, "{:.1f}"), _fmt(r.plan_predicted, "{:.2f}"),
-                      _fmt(r.plan_s, "{:.0f}")]  # fmt: skip
+                      _fmt(r.plan_baseline, "{:.2f}"), _fmt(floor, "{:.2f}"), _fmt(r.plan_s, "{:.0f}")]  # fmt: skip
         note = r.error or (f"`{r.policy_worst}`" if r.policy_worst else "")
         cells += [_fmt(r.seconds, "{:.0f}"), note.replace("|", "\\|")]
         lines.append("| " + " | ".join(cells) + " |")
