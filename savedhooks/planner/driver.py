@@ -7,8 +7,12 @@ Design notes
   selectively (:mod:`savedhooks.planner.recompute`: matrix products and
   attention saved, the rest recomputed), and choose a codec per saved tensor
   of what is still saved (:mod:`savedhooks.planner.survey`,
-  :mod:`savedhooks.planner.search`). Each setting is surveyed once (two
-  compiles and two steps), lazily, and kept for other budgets.
+  :mod:`savedhooks.planner.search`). Each setting is surveyed once (a
+  compile and a step), lazily, and kept for other budgets: a setting whose
+  recompute time alone (its blocks timed eagerly, no compile) models no less
+  than a plan already found is not surveyed, unless that plan's check misses
+  the budget (then every setting is, and the choice is the one a full survey
+  makes). The plan reports what planning took: time, compiles, steps.
 * The driver tries ``k = 0 .. L`` (``L`` blocks; at most :data:`MAX_STRATEGIES`
   values spread evenly over them), each ``k > 0`` selective and full, plans the
   budget with each whose floor meets it, and keeps the least modelled time
@@ -47,8 +51,11 @@ Design notes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import math
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -85,7 +92,7 @@ from savedhooks.planner.result import (
     check_budget,
     check_output_held,
 )
-from savedhooks.planner.step import check_call
+from savedhooks.planner.step import TALLY, check_call
 from savedhooks.planner.survey import NotCompiledError, Survey, survey
 
 __all__ = ["FLOOR_MARGIN", "MAX_STRATEGIES", "Planner"]
@@ -182,6 +189,29 @@ class Planner:
         self._skipped: dict[tuple[int, str], str] = {}
         # plans checked on the graphs compiled with their hooks: (setting, choices) -> (plan, checked peak)
         self._checked: dict[tuple[tuple[int, str], tuple], tuple[Plan, int]] = {}
+        # what planning took: seconds inside the planner's calls (the outermost), compiles and steps since made
+        self._seconds, self._depth, self._entered = 0.0, 0, 0.0
+        self._tally = (TALLY.compiles, TALLY.steps)
+
+    @contextlib.contextmanager
+    def _busy(self) -> Any:
+        """Count the time inside the outermost of the planner's calls (surveys, limits, plans)."""
+        if not self._depth:
+            self._entered = time.perf_counter()
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth:
+                self._seconds += time.perf_counter() - self._entered
+
+    def _cost(self) -> dict[str, Any]:
+        """The plan's fields that say what planning took so far."""
+        running = time.perf_counter() - self._entered if self._depth else 0.0
+        compiles, steps = self._tally
+        return {"planning_seconds": self._seconds + running, "compiles": TALLY.compiles - compiles,
+                "steps": TALLY.steps - steps}  # fmt: skip
 
     def survey(self, k: int, mode: str = FULL) -> Survey:
         """The survey with the first ``k`` blocks recomputed (made once, then kept).
@@ -203,13 +233,19 @@ class Planner:
         check_mode(mode, "Planner.survey: mode")
         mode = mode if k else FULL
         if (k, mode) not in self._surveys:
-            model, inputs, loss_fn, backend, seed = self._args
-            seconds = sum(recompute_seconds(model, inputs, self.blocks, mode)[:k]) if k else 0.0
-            found = survey(model, inputs, loss_fn, backend, seed, self.blocks[:k], seconds, mode, self.output_held)
-            if self.min_sqnr_db is not None:
-                found, self._limited[k, mode] = self.limit().restrict(found)
-            self._surveys[k, mode] = found
+            with self._busy():
+                model, inputs, loss_fn, backend, seed = self._args
+                seconds = self._recompute_seconds(k, mode)
+                found = survey(model, inputs, loss_fn, backend, seed, self.blocks[:k], seconds, mode, self.output_held)
+                if self.min_sqnr_db is not None:
+                    found, self._limited[k, mode] = self.limit().restrict(found)
+                self._surveys[k, mode] = found
         return self._surveys[k, mode]
+
+    def _recompute_seconds(self, k: int, mode: str) -> float:
+        """The modelled recompute time of the first ``k`` blocks (timed eagerly, once per mode: no compile)."""
+        model, inputs, *_ = self._args
+        return sum(recompute_seconds(model, inputs, self.blocks, mode)[:k]) if k else 0.0
 
     def limit(self) -> FidelityLimit:
         """The fidelity limit (:mod:`savedhooks.planner.fidelity`), measured once on the first call.
@@ -223,24 +259,28 @@ class Planner:
         if self.min_sqnr_db is None:
             raise ValueError("Planner.limit: the planner was made without min_sqnr_db")
         if self._limit is None:
-            model, inputs, loss_fn, backend, seed = self._args
-            self._limit = measure_limit(model, inputs, loss_fn, backend, seed, self.min_sqnr_db)
+            with self._busy():
+                model, inputs, loss_fn, backend, seed = self._args
+                self._limit = measure_limit(model, inputs, loss_fn, backend, seed, self.min_sqnr_db)
         return self._limit
 
     def _usable(self) -> list[tuple[tuple[int, str], Survey]]:
         """The strategies' surveys, by setting; a setting that leaves no graphs, or unreadable ones, is skipped."""
-        usable = []
-        for k, mode in self.strategies:
-            if (k, mode) in self._skipped:
-                continue
-            try:
-                usable.append(((k, mode), self.survey(k, mode)))
-            except (ValueError, NotCompiledError) as error:
-                if not k:
-                    raise
-                self._skipped[k, mode] = str(error)
-                warnings.warn(f"sh.plan: {_name(k, mode, 'recomputing')} is not planned: {error}", stacklevel=3)
-        return usable
+        return [(setting, found) for setting in self.strategies if (found := self._usable_one(setting)) is not None]
+
+    def _usable_one(self, setting: tuple[int, str]) -> Survey | None:
+        """One setting's survey, or None where it is skipped (warned once: no graphs, or unreadable ones)."""
+        if setting in self._skipped:
+            return None
+        k, mode = setting
+        try:
+            return self.survey(k, mode)
+        except (ValueError, NotCompiledError) as error:
+            if not k:
+                raise
+            self._skipped[setting] = str(error)
+            warnings.warn(f"sh.plan: {_name(k, mode, 'recomputing')} is not planned: {error}", stacklevel=4)
+            return None
 
     @property
     def baseline_bytes(self) -> int:
@@ -275,42 +315,44 @@ class Planner:
         """
         check_budget(budget_bytes)
         check = resolve_check(check)
-        if check and several():
-            self.floor_bytes  # noqa: B018  every rank surveys every setting, in order: one step each, together
-            if not is_leader():
-                chosen = follow(self._check_here)
-                if verbose:
-                    print(chosen.report())
-                return chosen
-            return lead(lambda: self._plan(budget_bytes, verbose, check))
-        return self._plan(budget_bytes, verbose, check)
+        with self._busy():
+            if check and several():
+                self.floor_bytes  # noqa: B018  every rank surveys every setting, in order: one step each, together
+                if not is_leader():
+                    chosen = follow(self._check_here)
+                    if verbose:
+                        print(chosen.report())
+                    return chosen
+                return lead(lambda: self._plan(budget_bytes, verbose, check))
+            return self._plan(budget_bytes, verbose, check)
 
     def _plan(self, budget_bytes: int, verbose: bool, check: bool) -> Plan:
         """The driver (:meth:`plan` in one process, or on rank 0; its checks run on every rank).
 
         The steps, in order, each a method below:
 
-        1. survey every setting (:meth:`_usable`, once per planner);
-        2. below every modelled floor (``check``): the all-packed plans near the
-           floor, checked (:meth:`_plan_below_floor`);
-        3. search each setting whose floor meets the budget (:meth:`_search`);
-           none within the fidelity limit: a plan checked before, or the error
+        1. survey and search the settings whose floor meets the budget, each
+           surveyed only while its recompute alone models less time than the
+           best plan found (:meth:`_search`);
+        2. none meets it (every setting surveyed): below every modelled floor
+           (``check``), the all-packed plans near the floor, checked
+           (:meth:`_plan_below_floor`); else the error;
+        3. none within the fidelity limit: a plan checked before, or the error
            (:meth:`_checked_before`);
         4. check the settings by modelled time, searching lower while a check
-           peaks above the budget (:meth:`_check_ranked`);
+           peaks above the budget (:meth:`_check_lazily`);
         5. choose: the plan returned, with the driver's log (:meth:`_chosen`).
         """
-        baseline, floor = self.baseline_bytes, self.floor_bytes  # 1. survey
-        log = [f"{_name(*setting)}: not planned: {why}" for setting, why in self._skipped.items()]
-        if check and budget_bytes < floor:
-            best, kept = self._plan_below_floor(budget_bytes, log)  # 2.
-            return self._chosen(best, log, kept, verbose)
-        check_budget(budget_bytes, floor, baseline)
-        ranked, unfaithful = self._search(budget_bytes, log)  # 3.
-        if not ranked:
-            best, kept = self._checked_before(budget_bytes, unfaithful, check)
+        log: list[str] = []
+        ranked, unfaithful = self._search(budget_bytes, log)  # 1.
+        if not ranked and not unfaithful:  # 2. every setting surveyed, each floor above the budget
+            if not check:
+                raise InfeasibleBudgetError(budget_bytes, self.floor_bytes, self.baseline_bytes)
+            best, kept = self._plan_below_floor(budget_bytes, log)
+        elif not ranked:
+            best, kept = self._checked_before(budget_bytes, unfaithful, check)  # 3.
         elif check:
-            best, kept = self._check_ranked(ranked, budget_bytes, log)  # 4.
+            best, kept = self._check_lazily(ranked, budget_bytes, log)  # 4.
         else:
             best, kept = ranked[0][2], "the least modelled time"
             log.append("not checked (check=False)")
@@ -340,9 +382,16 @@ class Planner:
         raise InfeasibleBudgetError(budget_bytes, lowest, self.baseline_bytes, checked=True) from None
 
     def _search(
-        self, budget_bytes: int, log: list[str]
+        self, budget_bytes: int, log: list[str], lazy: bool = True
     ) -> tuple[list[tuple[tuple[int, str], Survey, Plan]], list[Plan]]:
-        """Step 3: each usable setting's plan for the budget, by modelled time, and the plans below the fidelity limit.
+        """Step 1: each usable setting's plan for the budget, by modelled time, and the plans below the fidelity limit.
+
+        A plan's modelled time is its recompute time plus its codecs' time, and
+        the recompute time is known before a survey (blocks timed eagerly). With
+        ``lazy``, a setting not surveyed yet whose recompute time alone is no
+        less than the least time of a plan found so far is not surveyed: it
+        could not be ranked first (ties go to the setting tried first). While
+        no plan is found, every setting is surveyed.
 
         Returns:
             ``(ranked, unfaithful)``: ``(setting, survey, plan)`` for each setting
@@ -352,7 +401,21 @@ class Planner:
         """
         ranked: list[tuple[tuple[int, str], Survey, Plan]] = []
         unfaithful: list[Plan] = []
-        for setting, found in self._usable():
+        best = math.inf
+        for setting in self.strategies:
+            if setting in self._skipped:
+                log.append(f"{_name(*setting)}: not planned: {self._skipped[setting]}")
+                continue
+            if lazy and setting not in self._surveys:
+                bound = self._recompute_seconds(*setting) if setting[0] else 0.0
+                if bound >= best:
+                    log.append(f"{_name(*setting)}: not surveyed: its recompute alone models {bound * 1e3:.2f} ms, "
+                               f"no less than a plan found ({best * 1e3:.2f} ms)")  # fmt: skip
+                    continue
+            found = self._usable_one(setting)
+            if found is None:
+                log.append(f"{_name(*setting)}: not planned: {self._skipped[setting]}")
+                continue
             if budget_bytes < found.floor_bytes:
                 log.append(f"{_name(*setting)}: floor {found.floor_bytes / _MiB:.2f} MiB is above the budget")
                 continue
@@ -364,10 +427,26 @@ class Planner:
             )
             if self._faithful(candidate):
                 ranked.append((setting, found, candidate))
+                best = min(best, candidate.seconds)
             else:
                 unfaithful.append(candidate)
         ranked.sort(key=lambda r: r[2].seconds)  # stable: ties go to the setting tried first
         return ranked, unfaithful
+
+    def _check_lazily(
+        self, ranked: list[tuple[tuple[int, str], Survey, Plan]], budget_bytes: int, log: list[str]
+    ) -> tuple[Plan, str]:
+        """Step 4: the first ranked setting checked alone while settings are left unsurveyed; if its checked plans
+        miss the budget, every setting surveyed and ranked again (:meth:`_check_ranked`: the same choice as
+        with every setting surveyed from the start, checks kept)."""
+        if all(s in self._surveys or s in self._skipped for s in self.strategies):
+            return self._check_ranked(ranked, budget_bytes, log)
+        try:
+            return self._checked_best(ranked[:1], budget_bytes, log)
+        except (InfeasibleBudgetError, InfeasibleFidelityError):
+            log.append(f"{_name(*ranked[0][0])}: checked above the budget: the settings not surveyed are surveyed")
+        ranked, _ = self._search(budget_bytes, log, lazy=False)
+        return self._check_ranked(ranked, budget_bytes, log)
 
     def _checked_before(self, budget_bytes: int, unfaithful: list[Plan], check: bool) -> tuple[Plan, str]:
         """Step 3, no setting within the fidelity limit: a plan checked for an earlier budget that meets this one.
@@ -411,8 +490,9 @@ class Planner:
         if self.min_sqnr_db is not None:
             log.append(fidelity_line(best, self.min_sqnr_db, self._limited.get(setting, 0)))
         log.append(f"kept: {_name(*setting)}, {kept}")
+        floor = min(found.floor_bytes for found in self._surveys.values())  # over the settings surveyed
         chosen = dataclasses.replace(
-            best, baseline_peak_bytes=self.baseline_bytes, floor_bytes=self.floor_bytes, log=(*best.log, *log)
+            best, baseline_peak_bytes=self.baseline_bytes, floor_bytes=floor, log=(*best.log, *log), **self._cost()
         )
         if verbose:
             print(chosen.report())

@@ -28,8 +28,8 @@ from savedhooks.planner.recompute import (
 __all__ = ["CODECS", "InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor", "check_budget", "check_output_held"]
 
 _MiB = 1 << 20
-_JSON_VERSION = 5  # 2: recompute, recompute_seconds; 3: recompute_mode; 4: predicted_sqnr_db, checked_sqnr_db;
-# 5: output_held
+_JSON_VERSION = 6  # 2: recompute, recompute_seconds; 3: recompute_mode; 4: predicted_sqnr_db, checked_sqnr_db;
+# 5: output_held; 6: planning_seconds, compiles, steps
 # the codecs a plan chooses among, by the names its JSON uses
 # (offload: only tensors on an accelerator; every one the plan chooses moves, needed soon or not)
 CODECS: dict[str, Codec] = {
@@ -262,8 +262,11 @@ class Plan:
         budget_bytes: the budget asked for.
         predicted_peak_bytes: the modelled peak of the planned step.
         baseline_peak_bytes: the modelled peak without hooks.
-        floor_bytes: the lowest modelled peak reachable (the survey's model; a
-            plan checked on the graphs compiled with its hooks may peak lower).
+        floor_bytes: the lowest modelled peak reachable over the recompute
+            settings the planner surveyed (the survey's model; a plan checked
+            on the graphs compiled with its hooks may peak lower). A setting
+            whose recompute alone models more time than the plan is not
+            surveyed; :attr:`Planner.floor_bytes` surveys them all.
         backend: the ``torch.compile`` backend the plan is for.
         log: the search's moves.
         recompute: module paths (relative to the planned model) of the blocks
@@ -282,6 +285,10 @@ class Plan:
             (``out = model(x)``); False: the loss holds it alone
             (``loss_fn(model(x)).backward()``). Plans read from JSON of
             version 4 or earlier: False.
+        planning_seconds: wall time the planner spent on the model until this
+            plan (its surveys and checks, for this and earlier budgets).
+        compiles: fresh compiles of the model in that time (one per survey and per check).
+        steps: training steps in that time (compiled and eager).
     """
 
     tensors: tuple[PlannedTensor, ...]
@@ -297,6 +304,9 @@ class Plan:
     predicted_sqnr_db: float | None = None
     checked_sqnr_db: float | None = None
     output_held: bool = False
+    planning_seconds: float = dataclasses.field(default=0.0, compare=False)  # what planning took: not the plan
+    compiles: int = dataclasses.field(default=0, compare=False)
+    steps: int = dataclasses.field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         check_mode(self.recompute_mode, "Plan: recompute_mode")
@@ -378,7 +388,8 @@ class Plan:
         """A Markdown table: per plan key, op, bytes, choice and modelled cost, under a heading.
 
         The heading: the budget and peaks, the blocks recomputed, the predicted
-        fidelity, and whether the step keeps the model's output.
+        fidelity, whether the step keeps the model's output, and what planning
+        took (time, compiles, training steps).
         """
         heading = (
             f"plan for {self.backend}: budget {self.budget_bytes / _MiB:.2f} MiB, predicted peak "
@@ -395,6 +406,10 @@ class Plan:
             heading += f", checked {self.checked_sqnr_db:.1f} dB"
         held = "kept to the end of the step" if self.output_held else "dropped once the loss has read it"
         heading += f"\nthe model's output: {held}"
+        if self.compiles:
+            heading += (
+                f"\nplanning: {self.planning_seconds:.1f} s, {self.compiles} compiles, {self.steps} training steps"
+            )
         lines = [
             heading,
             "",

@@ -26,7 +26,9 @@ from savedhooks.planner.recompute import FULL, checkpointed, resolve_blocks
 from savedhooks.planner.recording import AOT_ID, COPIED_INPUTS, GraphRecorder, recording_backend
 
 __all__ = [
+    "TALLY",
     "NotCompiledError",
+    "Tally",
     "RecordedStep",
     "check_call",
     "checkpoint_regions",
@@ -119,6 +121,22 @@ def check_call(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | 
         )
 
 
+@dataclasses.dataclass
+class Tally:
+    """What planning has run in this process: compiles and training steps (read by the planner's report).
+
+    Attributes:
+        compiles: fresh compiles of the model (:func:`record_step`: one each).
+        steps: training steps, compiled or eager (:func:`train_step`: one each).
+    """
+
+    compiles: int = 0
+    steps: int = 0
+
+
+TALLY = Tally()  # the process's counts; a planner reports the difference over its own work
+
+
 def train_step(
     fn: Callable[..., Any],
     model: torch.nn.Module,
@@ -146,6 +164,7 @@ def train_step(
         Whatever the model or the loss raises.
     """
     model.zero_grad(set_to_none=True)
+    TALLY.steps += 1
     with kept_buffers(model), caches_off(model), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         output = call_model(fn, example_inputs)
@@ -311,6 +330,7 @@ def record_step(
     """
     recording, recorder, fused = recording_backend(backend, unhook=unhook)
     runs: list[int] = []
+    TALLY.compiles += 1
     with (
         checkpointed(model, tuple(recompute), recompute_mode),
         dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16),

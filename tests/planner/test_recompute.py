@@ -313,7 +313,8 @@ def test_a_recompute_setting_that_leaves_nothing_compiled_is_skipped_with_a_warn
     torch.manual_seed(0)
     planner = sh.planner.Planner(_EagerOuter(), (torch.randn(256, 64),), loss_fn=_loss, backend="aot_eager")
     with pytest.warns(UserWarning, match="recomputing 2 blocks is not planned: plan: the model did not compile"):
-        planned = planner.plan(1 << 40)
+        planner.floor_bytes  # noqa: B018  surveys every setting
+    planned = planner.plan(1 << 40)
     assert any(line.startswith("recompute 2 blocks: not planned") for line in planned.log)
     assert any(line.startswith("recompute 1 blocks: not planned") and "ran 0 checkpointed regions" in line
                for line in planned.log), planned.log
@@ -390,3 +391,40 @@ def test_the_model_still_compiles_after_the_planner_compiled_it_many_times():
 
     torch.compile(model, backend=keep)(x)
     assert len(graphs) == 1
+
+
+def test_a_budget_the_codecs_meet_surveys_only_the_settings_whose_recompute_could_be_cheaper_and_plans_the_same(
+    monkeypatch,
+):
+    # blocks timed at 1 s each: the codecs of half the saved bytes model far less, so no recompute is surveyed
+    monkeypatch.setattr(sh.planner.driver, "recompute_seconds", lambda model, inputs, paths, mode: (1.0,) * len(paths))
+    model, x = _net()
+    lazy = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
+    codecs_only = lazy.survey(0)
+    budget = (codecs_only.baseline_bytes + codecs_only.floor_bytes) // 2
+    planned = lazy.plan(budget)
+    assert 0 < planned.seconds < 1.0 and planned.recompute == ()
+    assert list(lazy._surveys) == [(0, "full")]
+    assert sum("not surveyed: its recompute alone models 1000.00 ms" in line for line in planned.log) == 2
+    assert sum("not surveyed: its recompute alone" in line for line in planned.log) == len(lazy.strategies) - 1
+    assert planned.compiles == 1 + len(lazy._checked) and planned.steps >= planned.compiles
+    assert f"planning: {planned.planning_seconds:.1f} s, {planned.compiles} compiles, {planned.steps}" in planned.report()
+    full = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
+    full.floor_bytes  # noqa: B018  surveys every setting
+    surveyed = full.plan(budget)  # the same choice; its floor is over every setting, its log says more
+    assert surveyed.floor_bytes <= planned.floor_bytes and surveyed.compiles == len(full.strategies) + len(full._checked)
+    assert dataclasses.replace(surveyed, log=(), floor_bytes=0) == dataclasses.replace(planned, log=(), floor_bytes=0)
+    loaded = sh.Plan.from_json(planned.to_json())
+    assert (loaded.compiles, loaded.steps) == (planned.compiles, planned.steps)
+
+
+def test_settings_whose_recompute_models_no_time_are_surveyed_until_one_cannot_be_cheaper(monkeypatch):
+    # the first block free to recompute, the others 1 s each: recompute 1 block (both modes) could beat the codecs
+    monkeypatch.setattr(sh.planner.driver, "recompute_seconds",
+                        lambda model, inputs, paths, mode: (0.0,) + (1.0,) * (len(paths) - 1))  # fmt: skip
+    model, x = _net()
+    planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
+    codecs_only = planner.survey(0)
+    planned = planner.plan((codecs_only.baseline_bytes + codecs_only.floor_bytes) // 2)
+    assert set(planner._surveys) == {(0, "full"), (1, "selective"), (1, "full")}
+    assert planned.compiles == 3 + len(planner._checked)
