@@ -4,7 +4,7 @@ A Llama built from its config (random init, byte vocabulary; nothing
 downloaded) is planned for a budget of 0.6 of the modelled activation peak
 without hooks on one batch: ``sh.planner.Planner`` surveys the compiled step
 once and reads that peak (``Planner.plan`` is what ``sh.plan(model, batch,
-budget_bytes)`` calls, for a budget known in bytes). The plan is written with
+budget_bytes=...)`` calls, for a budget known in bytes). The plan is written with
 ``Plan.to_json``, read back with ``sh.Plan.from_json``, applied (the blocks it
 recomputes) and trained a few steps under ``sh.saved_tensors_hooks(plan.hooks)``.
 ``python docs/examples/plan_json.py --steps 20`` (``--backend inductor``: plan

@@ -21,6 +21,7 @@ __all__ = ["plan"]
 def plan(
     model: torch.nn.Module,
     example_inputs: Any,
+    *,
     budget_bytes: int,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     backend: str = "inductor",
@@ -42,6 +43,8 @@ def plan(
     memory) is a choice on a GPU only (not yet run on one). To plan several
     budgets, keep a :class:`Planner`. Each survey ends with
     ``torch.compiler.reset()``: plan before compiling anything else.
+
+    Every argument after ``example_inputs`` is keyword-only.
 
     Args:
         model: the module to train (not compiled: the plan compiles it). A
@@ -96,7 +99,7 @@ def plan(
         then ``torch.compile`` inside ``sh.saved_tensors_hooks(plan.hooks)``.
 
     Raises:
-        TypeError: ``model`` is not a module, ``budget_bytes`` not an int,
+        TypeError: an option passed by position, ``model`` is not a module, ``budget_bytes`` not an int,
             ``blocks`` a string, ``min_sqnr_db`` not a number, ``check``
             not a bool or None, ``output_held`` not a bool, or ``loss_fn``
             returns other than a floating tensor.
@@ -122,5 +125,6 @@ def plan(
             (:class:`~savedhooks.planner.lockstep.ChecksAborted`, on every rank).
     """
     check_budget(budget_bytes)
-    planner = Planner(model, example_inputs, loss_fn, backend, seed, blocks, min_sqnr_db, output_held)
-    return planner.plan(budget_bytes, verbose, check)
+    planner = Planner(model, example_inputs, loss_fn=loss_fn, backend=backend, seed=seed, blocks=blocks,
+                      min_sqnr_db=min_sqnr_db, output_held=output_held)  # fmt: skip
+    return planner.plan(budget_bytes, verbose=verbose, check=check)

@@ -121,6 +121,7 @@ class Planner:
         self,
         model: torch.nn.Module,
         example_inputs: Any,
+        *,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         backend: str = "inductor",
         seed: int = 0,
@@ -292,7 +293,7 @@ class Planner:
         """The lowest modelled peak over the strategies (surveys them all)."""
         return min(found.floor_bytes for _, found in self._usable())
 
-    def plan(self, budget_bytes: int, verbose: bool = False, check: bool | None = None) -> Plan:
+    def plan(self, budget_bytes: int, *, verbose: bool = False, check: bool | None = None) -> Plan:
         """The least-time plan meeting ``budget_bytes`` over the strategies (surveys them all).
 
         Args:

@@ -166,3 +166,14 @@ def test_the_input_check_leaves_the_model_as_it_was():
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_options_passed_by_position_are_refused_before_anything_runs():
+    model, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
+    with pytest.raises(TypeError, match="positional"):
+        sh.plan(model, (x,), 1 << 20)
+    with pytest.raises(TypeError, match="positional"):
+        sh.planner.Planner(model, (x,), None, "aot_eager")
+    planner = sh.planner.Planner(model, (x,), backend="aot_eager")
+    with pytest.raises(TypeError, match="positional"):
+        planner.plan(1 << 20, True)

@@ -105,7 +105,7 @@ def test_output_held_is_kept_in_json_checked_and_false_for_older_plans():
         dataclasses.replace(plan, output_held=1)
     model, x = _wide_head()
     with pytest.raises(TypeError, match="output_held must be a bool"):
-        sh.plan(model, (x,), 1 << 20, _cross_entropy, output_held="yes")
+        sh.plan(model, (x,), budget_bytes=1 << 20, loss_fn=_cross_entropy, output_held="yes")
 
 
 def test_a_complex_output_handed_to_the_loss_gets_its_gradient_through():
