@@ -60,7 +60,7 @@ from benchmarks.zoo import (
     step_fn,
 )
 
-__all__ = ["GRADIENT_DB", "PLAN_LIMIT", "STATUSES", "TIERS", "SweepRow", "document", "measure", "run"]
+__all__ = ["GRADIENT_DB", "PLAN_LIMIT", "STATUSES", "TIERS", "SweepRow", "compiled_part", "document", "loaded", "measure", "run"]
 
 TIERS = ("eager", "compiled", "plan")
 STATUSES = ("ok", "refused", "failure", "transformers", "unbuilt")
@@ -272,6 +272,43 @@ def load(tier: str, results: pathlib.Path = RESULTS) -> dict[str, SweepRow]:
                 row = SweepRow(**json.loads(line))
                 rows[row.name] = row
     return rows
+
+
+def compiled_part(row: SweepRow) -> SweepRow:
+    """A plan tier row's compiled step without hooks and with ``sh.policy()``: the compiled tier's row for it.
+
+    The plan tier measures both before it plans; the plan's own outcome (its
+    peak, gradient, refusal, crash or time-out) is left out.
+
+    Args:
+        row: a plan tier row.
+
+    Returns:
+        A compiled tier row: the plan row's status where the policy's step did
+        not end (the build, the step without hooks or the policy's step failed
+        or was refused), else ok or a failure by the policy's gradient.
+    """
+    out = dataclasses.replace(row, tier="compiled", plan_ratio=None, plan_db=None, plan_predicted=None, plan_s=None,
+                              floor_mib=None, plan_baseline=None)  # fmt: skip
+    if row.policy_ratio is None:
+        return out
+    out.status, out.error = "ok", ""
+    _gradient_check(out, row.policy_db if row.policy_db is not None else math.nan, row.policy_worst, "policy")
+    return out
+
+
+def loaded(results: pathlib.Path = RESULTS) -> dict[str, dict[str, SweepRow]]:
+    """Every tier's rows by name; the compiled tier also holds the plan tier's compiled steps (:func:`compiled_part`).
+
+    Args:
+        results: the folder of the JSONL files.
+
+    Returns:
+        ``{tier: {name: row}}``; a compiled tier row of its own wins over one from the plan tier.
+    """
+    tiers = {tier: load(tier, results) for tier in TIERS}
+    tiers["compiled"] = {**{n: compiled_part(r) for n, r in tiers["plan"].items()}, **tiers["compiled"]}
+    return tiers
 
 
 def _append(row: SweepRow, results: pathlib.Path) -> None:
@@ -526,11 +563,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     results = pathlib.Path(args.results)
     done = load(args.tier, results)
+    if args.tier == "compiled":  # the plan tier measured these compiled steps already
+        done = {**load("plan", results), **done}
     if not args.redo:
         archs = [a for a in archs if a.name not in done]
     print(f"{len(archs)} architectures to measure in tier {args.tier}", file=sys.stderr, flush=True)
     run(archs, args.tier, args.jobs, args.timeout, results, log=lambda line: print(line, file=sys.stderr, flush=True))
-    tiers = {tier: load(tier, results) for tier in TIERS}
+    tiers = loaded(results)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(document(tiers, "python -m benchmarks.sweep --jobs 2 --timeout 600"))
     return 0

@@ -192,3 +192,21 @@ def test_the_plan_tier_s_page_counts_plans_within_the_limit_and_lists_refusals_a
 def test_family_kind_reads_the_head_and_the_config_s_fields(name, kind):
     head, model_type = name.split("/")
     assert sweep_models.family_kind(sweep_models.Architecture(head, model_type, "")) == kind
+
+
+def test_the_plan_tier_s_compiled_steps_count_in_the_compiled_tier_without_the_plan_s_outcome(tmp_path):
+    rows = [
+        sweep.SweepRow("causal-lm/a", "plan", "failure", 1.0, 4.0, 0.5, 30.0, "w", plan_ratio=1.2,
+                       error="plan at 1.20 of its budget"),
+        sweep.SweepRow("causal-lm/b", "plan", "failure", 1.0, 4.0, 0.5, 12.0, "v", error="policy gradient 12.0 dB (v)"),
+        sweep.SweepRow("causal-lm/c", "plan", "refused", 1.0, 4.0, error="NotCompiledError: graph breaks"),
+        sweep.SweepRow("ctc/d", "plan", "transformers", 1.0, error="ValueError: x"),
+    ]  # fmt: skip
+    for row in rows:
+        sweep._append(row, tmp_path)
+    sweep._append(sweep.SweepRow("ctc/d", "compiled", "ok", 1.0, 4.0, 0.5, 35.0, "u"), tmp_path)
+    compiled = sweep.loaded(tmp_path)["compiled"]
+    assert [(n, r.status) for n, r in compiled.items()] == [
+        ("causal-lm/a", "ok"), ("causal-lm/b", "failure"), ("causal-lm/c", "refused"), ("ctc/d", "ok")]
+    assert compiled["causal-lm/a"].plan_ratio is None and compiled["causal-lm/a"].error == ""
+    assert compiled["causal-lm/b"].error == "policy gradient 12.0 dB (v)" and compiled["ctc/d"].policy_db == 35.0
