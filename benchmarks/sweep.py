@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import multiprocessing
 import os
 import pathlib
+import statistics
 import sys
 import time
 import traceback
@@ -95,6 +97,8 @@ class SweepRow:
         floor_mib: the planner's floor (its lowest modelled or checked peak; an
             ``InfeasibleBudgetError``'s floor where it raised one).
         plan_baseline: the planner's modelled peak without hooks over the measured one (``base_mib``).
+        base_s: the first step without hooks: in the compiled tiers its compile and one step (the process
+            warmed up first by a small compiled step of its own, as ``sh.plan`` is).
         seconds: the row's wall time.
         error: what failed (type and first line), or why the status is not ``ok``.
     """
@@ -114,6 +118,7 @@ class SweepRow:
     plan_s: float | None = None
     floor_mib: float | None = None
     plan_baseline: float | None = None
+    base_s: float | None = None
     seconds: float | None = None
     error: str = ""
 
@@ -201,7 +206,12 @@ def _measure_into(row: SweepRow, arch: Architecture, tier: str) -> None:
     def fn() -> Any:
         return model if tier == "eager" else _compiled(model)
 
-    base, want = _reference(lambda: _measure(step_fn(fn(), model, inputs, loss_of), model))
+    if tier != "eager":
+        _warm_up()
+    first: list[float] = []
+    step = _first_timed(step_fn(fn(), model, inputs, loss_of), first)
+    base, want = _reference(lambda: _measure(step, model))
+    row.base_s = first[0] if first else None
     row.base_mib = base / MIB
     peak, got = _hooked(lambda: _measure(step_fn(fn(), model, inputs, loss_of, _policy), model))
     row.policy_ratio = peak / base
@@ -214,6 +224,26 @@ def _measure_into(row: SweepRow, arch: Architecture, tier: str) -> None:
         row.bf16_db, _ = sh.metrics.worst_sqnr(want, rounded)
     if tier == "plan":
         _plan_into(row, model, inputs, base, peak, want)
+
+
+@functools.cache
+def _warm_up() -> None:
+    """Compile and run a small training step once per process: what any first compile pays, paid before timing."""
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    torch.compile(net)(torch.randn(8, 16)).sum().backward()
+    torch._dynamo.reset()
+
+
+def _first_timed(step: Callable[[], None], into: list[float]) -> Callable[[], None]:
+    """``step``, appending the seconds its first call took to ``into``."""
+
+    def run() -> None:
+        began = time.perf_counter()
+        step()
+        if not into:
+            into.append(time.perf_counter() - began)
+
+    return run
 
 
 def _plan_into(row: SweepRow, model: Any, inputs: dict[str, torch.Tensor], base: int, policy_peak: int,
@@ -289,7 +319,7 @@ def compiled_part(row: SweepRow) -> SweepRow:
         or was refused), else ok or a failure by the policy's gradient.
     """
     out = dataclasses.replace(row, tier="compiled", plan_ratio=None, plan_db=None, plan_predicted=None, plan_s=None,
-                              floor_mib=None, plan_baseline=None)  # fmt: skip
+                              floor_mib=None, plan_baseline=None)  # fmt: skip (base_s stays: the compiled step's)
     if row.policy_ratio is None:
         return out
     out.status, out.error = "ok", ""
@@ -329,7 +359,7 @@ def _table(rows: list[SweepRow], tier: str) -> list[str]:
     plan = tier == "plan"
     header = ["architecture", "kind", "status", "params MiB", "base MiB", "policy / base", "policy dB", "bf16 dB"]
     header += ["plan / budget", "plan dB", "predicted / measured", "modelled base / base", "floor / policy",
-               "plan s"] if plan else []  # fmt: skip
+               "plan s", "plan s / base s"] if plan else []  # fmt: skip
     header += ["s", "worst gradient, or what failed"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
@@ -338,7 +368,8 @@ def _table(rows: list[SweepRow], tier: str) -> list[str]:
         if plan:
             floor = r.floor_mib / (r.policy_ratio * r.base_mib) if r.floor_mib and r.policy_ratio else None
             cells += [_fmt(r.plan_ratio, "{:.2f}"), _fmt(r.plan_db, "{:.1f}"), _fmt(r.plan_predicted, "{:.2f}"),
-                      _fmt(r.plan_baseline, "{:.2f}"), _fmt(floor, "{:.2f}"), _fmt(r.plan_s, "{:.0f}")]  # fmt: skip
+                      _fmt(r.plan_baseline, "{:.2f}"), _fmt(floor, "{:.2f}"), _fmt(r.plan_s, "{:.0f}"),
+                      _fmt(r.plan_s / r.base_s if r.plan_s and r.base_s else None, "{:.1f}")]  # fmt: skip
         note = r.error or (f"`{r.policy_worst}`" if r.policy_worst else "")
         cells += [_fmt(r.seconds, "{:.0f}"), note.replace("|", "\\|")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -442,6 +473,7 @@ def _plan_summary(rows: list[SweepRow], s: dict[str, Any]) -> list[str]:
     failed = [r for r in rows if r.status == "failure"]
     modelled = [r for r in rows if r.plan_baseline is not None]
     floors = [r for r in rows if r.floor_mib is not None and r.policy_ratio is not None and r.base_mib]
+    times = [r.plan_s / r.base_s for r in rows if r.plan_s and r.base_s]
     trains = max(s["trains"], 1)
     lines = [
         f"Plans: {s['planned']} of {s['trains']} ({s['planned'] / trains:.0%}) within {PLAN_LIMIT:g} of their budget "
@@ -449,7 +481,9 @@ def _plan_summary(rows: list[SweepRow], s: dict[str, Any]) -> list[str]:
         f"{len(failed)} failures. The planner's modelled peak without hooks within 5% of the measured one on "
         f"{sum(abs(r.plan_baseline - 1) <= 0.05 for r in modelled)} of {len(modelled)}; its floor at or below the "
         f"measured `sh.policy()` peak on {sum(r.floor_mib <= r.policy_ratio * r.base_mib for r in floors)} of "
-        f"{len(floors)}.",
+        f"{len(floors)}."
+        + (f" Planning time over the first compiled step without hooks: median {statistics.median(times):.1f}, "
+           f"highest {max(times):.1f} ({len(times)} plans)." if times else ""),
         "",
     ]
     lines += [f"- refused: {r.name}: {r.error}" for r in refused] + [f"- failure: {r.name}: {r.error}" for r in failed]

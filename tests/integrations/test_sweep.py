@@ -172,7 +172,7 @@ def test_the_page_counts_statuses_and_round_trips_the_rows(tmp_path):
 def test_the_plan_tier_s_page_counts_plans_within_the_limit_and_lists_refusals_and_failures():
     rows = {r.name: r for r in [
         sweep.SweepRow("causal-lm/a", "plan", "ok", 1.0, 4.0, 0.5, 30.0, plan_ratio=0.98, floor_mib=1.5,
-                       plan_baseline=1.01),
+                       plan_baseline=1.01, plan_s=30.0, base_s=10.0),
         sweep.SweepRow("causal-lm/b", "plan", "refused", 1.0, 4.0, 0.5, 30.0, floor_mib=2.0, plan_baseline=1.2,
                        error="infeasible: floor 2.00 MiB"),
         sweep.SweepRow("ctc/c", "plan", "failure", 1.0, 4.0, 0.5, 30.0, plan_ratio=1.2, error="plan at 1.20 of its budget"),
@@ -180,6 +180,7 @@ def test_the_plan_tier_s_page_counts_plans_within_the_limit_and_lists_refusals_a
     page = sweep.document({"plan": rows}, "python -m benchmarks.sweep")
     assert "Plans: 1 of 3 (33%) within 1.05 of their budget" in page and "1 refused (33%), 1 failures" in page
     assert "- refused: causal-lm/b: infeasible: floor 2.00 MiB" in page
+    assert "without hooks: median 3.0, highest 3.0 (1 plans)" in page and "| 3.0 |" in page
     assert "within 5% of the measured one on 1 of 2; its floor at or below the measured `sh.policy()` peak on 2 of 2" in page
     assert "- failure: ctc/c: plan at 1.20 of its budget" in page
 
