@@ -31,6 +31,7 @@ its share of the threads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -177,7 +178,7 @@ def measure(arch: Architecture, tier: str, timeout_s: float | None = None) -> Sw
         raise KeyError(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
     row, began = SweepRow(arch.name, tier), time.perf_counter()
     try:
-        with _time_limit(timeout_s), warnings.catch_warnings():
+        with _time_limit(timeout_s), warnings.catch_warnings(), _cold_compiles():
             warnings.simplefilter("ignore")
             _measure_into(row, arch, tier)
     except _Transformers as exc:
@@ -224,6 +225,17 @@ def _measure_into(row: SweepRow, arch: Architecture, tier: str) -> None:
         row.bf16_db, _ = sh.metrics.worst_sqnr(want, rounded)
     if tier == "plan":
         _plan_into(row, model, inputs, base, peak, want)
+
+
+def _cold_compiles() -> contextlib.ExitStack:
+    """Compiles that trace (no FX graph or AOTAutograd cache read from disk): timed as a first compile, as the planner's."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+    return stack
 
 
 @functools.cache

@@ -61,7 +61,7 @@ def test_each_plan_predicts_the_loop_it_was_made_for_and_a_kept_output_needs_out
     model, x = _wide_head()
     plans, measured = {}, {}
     for held in (True, False):
-        planner = sh.planner.Planner(model, (x,), _cross_entropy, backend=backend, blocks=(), output_held=held)
+        planner = sh.planner.Planner(model, (x,), loss_fn=_cross_entropy, backend=backend, blocks=(), output_held=held)
         plans[held] = planner.plan((planner.baseline_bytes + planner.floor_bytes) // 2)
         assert plans[held].output_held is held and {t.choice for t in plans[held].tensors} - {"keep"}
         measured[held] = _step_peak(model, x, plans[held].hooks, backend, held)
