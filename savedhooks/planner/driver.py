@@ -84,7 +84,9 @@ from savedhooks.planner.fidelity import (
     predicted_db,
 )
 from savedhooks.planner.lockstep import checked_together, follow, is_leader, lead, several
-from savedhooks.planner.recompute import FULL, SELECTIVE, check_mode, checkpointed_blocks, find_blocks, resolve_blocks
+from savedhooks.planner.recompute import (
+    FULL, SELECTIVE, called_modules, check_mode, checkpointed_blocks, find_blocks, resolve_blocks,
+)
 from savedhooks.planner.result import (
     InfeasibleBudgetError,
     InfeasibleFidelityError,
@@ -177,9 +179,14 @@ class Planner:
                 f"plan: blocks {list(applied)} are checkpointed by a plan's apply: plan the model as it runs "
                 "without them (plan.revert(model) first), or its surveys would model them as never recomputed"
             )
-        self.blocks = find_blocks(model) if blocks is None else tuple(blocks)
-        resolve_blocks(model, self.blocks)  # a bad path fails here, before any compile
-        check_call(model, example_inputs, loss_fn)  # so do bad inputs and a loss that is not a scalar
+        if blocks is None:
+            with called_modules(model) as ran:
+                check_call(model, example_inputs, loss_fn)  # bad inputs and a loss that is not a scalar fail here
+            self.blocks = find_blocks(model, ran)  # the largest list whose blocks all run on these inputs
+        else:
+            self.blocks = tuple(blocks)
+            resolve_blocks(model, self.blocks)  # a bad path fails here, before any compile
+            check_call(model, example_inputs, loss_fn)
         self._args = (model, example_inputs, loss_fn, backend, seed)
         count = len(self.blocks)
         steps = min(count + 1, MAX_STRATEGIES)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,8 +46,8 @@ from savedhooks._torch.ops import TorchDispatchMode
 from savedhooks.fidelity.sensitivity import call_model, kept_buffers
 from savedhooks.planner.caches import cache_positions, caches_off, without_cache_arguments
 
-__all__ = ["FULL", "MODES", "SAVED_OPS", "SELECTIVE", "block_seconds", "check_mode", "checkpoint_blocks", "checkpointed",
-           "checkpointed_blocks", "find_blocks", "resolve_blocks", "restore_blocks", "save_products"]
+__all__ = ["FULL", "MODES", "SAVED_OPS", "SELECTIVE", "block_seconds", "called_modules", "check_mode", "checkpoint_blocks",
+           "checkpointed", "checkpointed_blocks", "find_blocks", "resolve_blocks", "restore_blocks", "save_products"]
 
 _ORIGINAL = "_savedhooks_forward"  # attribute of a checkpointed block: its forward before
 _CACHE_HOOK = "_savedhooks_cache_hook"  # attribute of a checkpointed block: its pre-hook's handle (_no_cache)
@@ -92,11 +92,16 @@ def check_mode(mode: Any, what: str = "recompute mode") -> None:
         raise ValueError(f"{what} must be one of {MODES}, got {mode!r}")
 
 
-def find_blocks(model: torch.nn.Module) -> tuple[str, ...]:
+def find_blocks(model: torch.nn.Module, ran: Collection[torch.nn.Module] | None = None) -> tuple[str, ...]:
     """The module paths of a model's repeated blocks: the children of its largest list of modules of one class.
 
     Args:
         model: the module.
+        ran: the modules a forward of the model called (:func:`called_modules`);
+            when given, a list counts only if every one of its children is
+            among them (a multimodal model's audio encoder does not run on
+            text; a list of lists is never called itself). None: every list
+            counts.
 
     Returns:
         The paths (``"transformer.h.0"``, ...) in order: the children of the
@@ -110,10 +115,8 @@ def find_blocks(model: torch.nn.Module) -> tuple[str, ...]:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"find_blocks: model must be a torch.nn.Module, got {type(model).__name__}")
     best: tuple[int, str, torch.nn.Module] | None = None
-    for name, module in model.named_modules():
-        if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) or len(module) < 2:
-            continue
-        if len({type(child) for child in module}) != 1:
+    for name, module in _block_lists(model):
+        if ran is not None and not all(child in ran for child in module):
             continue
         size = sum(p.numel() for p in module.parameters())
         if best is None or size > best[0]:
@@ -122,6 +125,34 @@ def find_blocks(model: torch.nn.Module) -> tuple[str, ...]:
         return ()
     _, name, module = best
     return tuple(f"{name}.{i}" if name else str(i) for i in range(len(module)))
+
+
+def _block_lists(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """The model's lists of at least two modules, all of one class, with their paths."""
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(module) >= 2:
+            if len({type(child) for child in module}) == 1:
+                yield name, module
+
+
+@contextlib.contextmanager
+def called_modules(model: torch.nn.Module) -> Iterator[set[torch.nn.Module]]:
+    """Collect, while open, the children of the model's block lists that a forward calls (see :func:`find_blocks`).
+
+    Args:
+        model: the module.
+
+    Yields:
+        The set of called modules, filled as the forward runs.
+    """
+    ran: set[torch.nn.Module] = set()
+    children = {child for _, module in _block_lists(model) for child in module}
+    handles = [child.register_forward_pre_hook(lambda module, _: ran.add(module)) for child in children]
+    try:
+        yield ran
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def resolve_blocks(model: torch.nn.Module, paths: Sequence[str]) -> list[torch.nn.Module]:

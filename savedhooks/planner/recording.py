@@ -75,7 +75,9 @@ class GraphRecorder(CustomGraphPass):
             unhook_names(graph)
         if self._before is not None:
             self._before(graph)
-        self._last = self.keep(torch.fx.GraphModule(torch.nn.Module(), graph))
+        # the graph's own module holds its constants (get_attr nodes: a tensor the forward built from literals)
+        root = graph.owning_module if graph.owning_module is not None else torch.nn.Module()
+        self._last = self.keep(torch.fx.GraphModule(root, graph))
 
     def keep(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         """File a compiled graph under its kind: forward, backward, or inference (a graph with no backward).

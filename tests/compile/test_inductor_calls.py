@@ -172,3 +172,18 @@ def test_a_convolution_s_scratch_is_measured_with_the_strides_inductor_passes_it
         del node.meta[EXTERN_STRIDES]
     on_graph_strides = [op_scratch_bytes(n, fused=True) for n in convs]
     assert all(mine > theirs > 0 for mine, theirs in zip(on_graph_strides, passed, strict=True))
+
+
+def test_a_graph_with_a_tensor_constant_is_recorded_with_its_constant():
+    """A tensor built from literals in the forward is a constant of the graph (a get_attr node): the recorded
+    graph module holds it, as the graph inductor compiles does."""
+    torch._dynamo.reset()
+    recorder = GraphRecorder()
+    x = torch.randn(8, 4)
+    compiled = torch.compile(lambda x: x * torch.tensor([1.0, 2.0, 3.0, 4.0]), backend="inductor")
+    with inductor_config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False):
+        compiled(x)
+    torch._dynamo.reset()
+    (gm,) = recorder.inferences
+    (constant,) = [n.target for n in gm.graph.find_nodes(op="get_attr")]
+    assert torch.equal(getattr(gm, constant), torch.tensor([1.0, 2.0, 3.0, 4.0]))

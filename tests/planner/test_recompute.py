@@ -13,6 +13,7 @@ from savedhooks.memory.fusion import inlined_nodes
 from savedhooks.planner import recompute
 from savedhooks.planner.recompute import (
     block_seconds,
+    called_modules,
     checkpoint_blocks,
     checkpointed,
     find_blocks,
@@ -80,6 +81,34 @@ def test_find_blocks_takes_the_largest_list_of_one_class():
     assert find_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())) == ()
     with pytest.raises(TypeError, match="torch.nn.Module"):
         find_blocks(lambda x: x)
+
+
+class _Unused(torch.nn.Module):
+    """A decoder's layers that run, beside a wider encoder's that the text inputs never reach, and a list of lists."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))  # never called
+        # larger than the layers as a whole, each inner list smaller
+        self.stages = torch.nn.ModuleList(torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2)) for _ in range(2))
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            for layer in stage:
+                x = torch.relu(layer(x))
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def test_find_blocks_takes_the_largest_list_whose_blocks_run():
+    model, x = _Unused(), torch.randn(4, 16)
+    assert find_blocks(model) == ("encoder.0", "encoder.1", "encoder.2")  # by size alone
+    with called_modules(model) as ran:
+        model(x)
+    assert find_blocks(model, ran) == ("layers.0", "layers.1", "layers.2")  # the encoder never ran; a list of lists is not called
+    assert sh.planner.Planner(model, (x,)).blocks == ("layers.0", "layers.1", "layers.2")
 
 
 def test_checkpointed_blocks_give_the_same_gradients_save_less_and_keep_the_module_tree():
