@@ -25,7 +25,10 @@ Design notes
   not) takes the worst harm per byte measured. bf16's harm is fp8's divided
   by ``10 ** (BF16_MARGIN_DB / 10)``: bf16 rounds to 8 significant bits, e4m3
   to 4, a relative error bound of 2^-8 against 2^-4 (24 dB; an estimate, not
-  measured). Keep, offload and bitmask are lossless: no harm.
+  measured); int8 rows' is fp8's less ``INT8_ROWS_MARGIN_DB`` (12 dB: its
+  error is 2^-8 of a row's largest, 24 dB better than e4m3's for the largest
+  values and no better for those 16 times smaller; an estimate). Keep,
+  offload and bitmask are lossless: no harm.
 * The limit holds for the plan: the search meets a harm of
   ``10 ** (-min_sqnr_db / 10)`` at the least time
   (:func:`~savedhooks.planner.search.search_within`), trading codec time
@@ -59,6 +62,7 @@ from savedhooks.planner.survey import Survey
 __all__ = [
     "BF16_MARGIN_DB",
     "FidelityLimit",
+    "INT8_ROWS_MARGIN_DB",
     "check_min_sqnr",
     "fidelity_line",
     "measure_limit",
@@ -67,7 +71,10 @@ __all__ = [
 ]
 
 BF16_MARGIN_DB = 24.0  # bf16's rounding error against e4m3's: 4 more significant bits
-_MARGINS = {"fp8": 0.0, "bf16": BF16_MARGIN_DB}  # lossy options: dB above fp8's measured SQNR
+# int8 rows' error, 2**-8 of a row's largest, against e4m3's 2**-4 of each value: 24 dB for a row's largest
+# values, none for those 16 times smaller; half of it, an estimate
+INT8_ROWS_MARGIN_DB = 12.0
+_MARGINS = {"fp8": 0.0, "bf16": BF16_MARGIN_DB, "int8rows": INT8_ROWS_MARGIN_DB}  # lossy: dB above fp8's measured
 _DB_SLACK = 1e-9  # a harm at the limit, read back in dB
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from savedhooks.codecs import Bitmask, Downcast, Float8, Offload, Policy
+from savedhooks.codecs import Bitmask, Downcast, Float8, Int8Rows, Offload, Policy
 from savedhooks.codecs.base import Codec
 from savedhooks.codecs.policy import readers_tolerate
 from savedhooks.hooks import HookPair, hook_context
@@ -37,6 +37,7 @@ CODECS: dict[str, Codec] = {
     "fp8": Float8(),
     "bitmask": Bitmask(),
     "offload": Offload(keep_needed_soon=False),
+    "int8rows": Int8Rows(),  # the policy's codec for fused attention's value (offered only where the policy uses it)
 }
 
 

@@ -73,7 +73,7 @@ class Option:
     """One way to hold a unit's tensors.
 
     Attributes:
-        name: ``"keep"`` or a codec name (``"bf16"``, ``"fp8"``, ``"bitmask"``, ``"offload"``).
+        name: ``"keep"`` or a codec name (``"bf16"``, ``"fp8"``, ``"bitmask"``, ``"offload"``, ``"int8rows"``).
         payload: device bytes held while packed.
         seconds: modelled time added per step (pack and unpack).
         fused: its decode runs inside the readers' kernels (it frees the unit's

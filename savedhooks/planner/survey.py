@@ -35,7 +35,8 @@ Design notes
   pinned host memory for tensors on an accelerator (no device payload). Where
   the policy holds a tensor in a 16-bit float or in int8 rows (fused
   attention's operands, ``Policy.attention``), fp8 is not offered (plans keep
-  them or hold them in bf16): the backward recomputes the
+  them or hold them in bf16, or in int8 rows where the policy does: a plan
+  packing every candidate is then never larger than the policy's choice): the backward recomputes the
   attention probabilities from them, and fp8's rounding there lands whole in
   the query and key gradients (:func:`savedhooks.codecs.policy.is_attention_operand`). Payload
   bytes (device bytes) come from encoding a fake tensor of the candidate's
@@ -110,6 +111,8 @@ def _options(
     names = ("bitmask",) if first.dtype == torch.bool else ("bf16", "fp8") if first.dtype.is_floating_point else ()
     if any(isinstance(t.packed_as, (Downcast, Int8Rows)) for t in tensors):
         names = tuple(n for n in names if n != "fp8")
+        if all(isinstance(t.packed_as, Int8Rows) for t in tensors):
+            names = (*names, "int8rows")  # what the policy holds them in: the planner's floor is never above it
     for name in (*names, "offload"):
         codec = CODECS[name]
         if name == "bf16" and first.dtype not in (torch.float32, torch.float64):

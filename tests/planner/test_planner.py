@@ -174,10 +174,15 @@ def test_offload_is_a_choice_for_accelerator_tensors_with_no_device_payload(monk
 
 @pytest.mark.parametrize("held_as", [sh.codecs.Downcast(torch.bfloat16), sh.codecs.Int8Rows()], ids=repr)
 def test_no_fp8_option_where_the_policy_holds_a_tensor_in_bf16_or_int8_rows(monkeypatch, held_as):
+    """What the policy holds in int8 rows is offered int8 rows too: the smallest payload is never above the policy's."""
     survey_module = _survey_module()
     monkeypatch.setattr(survey_module, "seconds_per_byte", lambda codec, dtype, device, backend: 1e-9)
     held = SavedTensor("g0:q", "mm", (64, 64), torch.float32, 64 * 64 * 4, held_as)
-    assert [o.name for o in survey_module._options([held], torch.device("cpu"), "inductor")] == ["keep", "bf16"]
+    options = survey_module._options([held], torch.device("cpu"), "inductor")
+    rows = isinstance(held_as, sh.codecs.Int8Rows)
+    assert [o.name for o in options] == ["keep", "bf16", *(["int8rows"] if rows else [])]
+    if rows:  # one byte a value and a float32 scale per row of 64
+        assert options[-1].payload == 64 * 64 + 64 * 4
     packed = SavedTensor("g0:mm", "mm", (64, 64), torch.float32, 64 * 64 * 4, sh.codecs.Float8())
     assert [o.name for o in survey_module._options([packed], torch.device("cpu"), "inductor")] == [
         "keep",
@@ -188,8 +193,8 @@ def test_no_fp8_option_where_the_policy_holds_a_tensor_in_bf16_or_int8_rows(monk
 
 def test_a_plan_never_packs_fused_attentions_operands_in_fp8():
     """The census records the policy's int8 rows for SDPA's value (its query, key and output are kept); the
-    plan offers it bf16 at most, and at the floor keeps it: the query and key, views of the same projection's
-    output, hold its storage, so that packing the value would free nothing."""
+    plan offers it bf16 or the policy's int8 rows, never fp8, and at the floor keeps it: the query and key, views of
+    the same projection's output, hold its storage, so that packing the value would free nothing."""
     torch.manual_seed(0)
     model, x = transformer(2, 64), torch.randn(4, 64, 64)
     survey = sh.planner.survey(model, (x,), loss_fn=_loss, backend="aot_eager")
@@ -197,7 +202,7 @@ def test_a_plan_never_packs_fused_attentions_operands_in_fp8():
     attention = {key for key, ts in survey.saved.items() if any(isinstance(t.packed_as, sh.codecs.Int8Rows) for t in ts)}
     assert len(attention) == 2
     options = {u.key: [o.name for o in u.options] for u in survey.units}
-    assert all(options[key] == ["keep", "bf16"] for key in attention)
+    assert all(options[key] == ["keep", "bf16", "int8rows"] for key in attention)
     assert any("fp8" in names for names in options.values())
     floor = survey.plan(survey.floor_bytes)
     choices = {t.key: t.choice for t in floor.tensors}

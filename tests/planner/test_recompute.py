@@ -90,7 +90,8 @@ class _Unused(torch.nn.Module):
         super().__init__()
         self.encoder = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))  # never called
         # larger than the layers as a whole, each inner list smaller
-        self.stages = torch.nn.ModuleList(torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2)) for _ in range(2))
+        stage = lambda: torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))  # noqa: E731
+        self.stages = torch.nn.ModuleList(stage() for _ in range(2))
         self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +108,8 @@ def test_find_blocks_takes_the_largest_list_whose_blocks_run():
     assert find_blocks(model) == ("encoder.0", "encoder.1", "encoder.2")  # by size alone
     with called_modules(model) as ran:
         model(x)
-    assert find_blocks(model, ran) == ("layers.0", "layers.1", "layers.2")  # the encoder never ran; a list of lists is not called
+    # the encoder never ran; a list of lists is not called itself
+    assert find_blocks(model, ran) == ("layers.0", "layers.1", "layers.2")
     assert sh.planner.Planner(model, (x,)).blocks == ("layers.0", "layers.1", "layers.2")
 
 
