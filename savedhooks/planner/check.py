@@ -32,14 +32,16 @@ Design notes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
 
+from savedhooks._torch import inductor
 from savedhooks.compiler.api import saved_tensors_hooks
 from savedhooks.fidelity.sensitivity import default_loss
 from savedhooks.planner.census import step_timeline
@@ -103,11 +105,20 @@ def check_peak(
     loss_bytes: int | None = None,
     grads: dict[str, torch.Tensor | None] | None = None,
     loss_saved: Collection[str] | None = None,
+    readings: dict[str, int] | None = None,
 ) -> int:
-    """The modelled step peak of the graphs compiled with the plan's recompute and hooks.
+    """The checked step peak with the plan's recompute and hooks: measured under inductor, else modelled.
 
-    One compile and one training step (gradients cleared after, parameters
-    unchanged); the recompute is undone after it, and dynamo reset.
+    One compile and a training step that records the graphs the memory model
+    reads (gradients cleared after, parameters unchanged). Under inductor two
+    more steps run the same compiled graphs as a training loop does (the
+    output dropped once the loss has read it unless ``plan.output_held``),
+    the second under :func:`savedhooks.memory.measure_peak`: the measurement
+    calibrates the model, and is the peak the budget is checked against.
+    (Under aot_eager the recorded step runs the graphs as torch generated
+    them, without the placement the plan runs with: the model alone; so too
+    where a measured step compiled again.) The recompute is undone after,
+    and dynamo reset.
 
     Args:
         model: the planned module (not compiled).
@@ -120,19 +131,22 @@ def check_peak(
         grads: filled with the step's parameter gradients (CPU copies), if given.
         loss_saved: the plan keys of the tensors the eager loss saves
             (:attr:`Survey.loss_saved`); None: every eager plan key.
+        readings: filled, if given, with ``"modelled"`` and ``"measured"``
+            (the latter only where it was measured).
 
     Returns:
-        Bytes above what is alive before the step, as :attr:`Plan.predicted_peak_bytes` counts them.
+        Bytes above what is alive before the step, as :attr:`Plan.predicted_peak_bytes` counts them
+        (parameter gradients included).
 
     Raises:
         ValueError: the plan names a block that ``model`` lacks.
         NotCompiledError: the model did not compile.
     """
     loss_fn = loss_fn or default_loss
-    hooks = functools.partial(saved_tensors_hooks, plan.hooks, reorder=False)  # the recorder places them
-    step = record_step(
-        model, example_inputs, loss_fn, plan.backend, seed, hooks, False, plan.recompute, plan.recompute_mode, grads
-    )
+    hooks = functools.partial(_as_the_plan_runs, plan)
+    step = record_step(model, example_inputs, loss_fn, plan.backend, seed, hooks, False, plan.recompute,
+                       plan.recompute_mode, grads, measure=plan.backend == "inductor",
+                       output_held=plan.output_held)  # fmt: skip
     # the eager loss's point as the survey models it: its peak measured without hooks, plus the payload
     # of each tensor the loss saves that the plan packs (a plan made by the planner packs none: the loss
     # peaks in its backward, where a packed tensor is unpacked while its payload is held; survey notes),
@@ -147,7 +161,22 @@ def check_peak(
     unpacked = sum(t.payload for t, own in zip(packed, by_loss) if own)
     freed = sum(t.bytes - t.payload for t, own in zip(packed, by_loss) if not own)
     point = max(sum(t.bytes for t in eager), loss) + unpacked - freed
-    return max(step_timeline(step.forwards, step.backwards, [], point, held).live, default=0)
+    modelled = max(step_timeline(step.forwards, step.backwards, [], point, held).live, default=0)
+    if readings is not None:
+        readings.update(modelled=modelled, **({} if step.measured is None else {"measured": step.measured}))
+    return modelled if step.measured is None else step.measured
+
+
+@contextlib.contextmanager
+def _as_the_plan_runs(plan: Plan) -> Iterator[None]:
+    """The plan's hooks with inductor's settings as :func:`savedhooks.compiler.inductor_placement` makes them.
+
+    The recorder places the hooks itself (the reorder pass before it keeps the
+    graphs); inductor's buffer-reuse pool is off, as in the plan's own step:
+    the pool keeps a freed buffer until a later one of its size takes it.
+    """
+    with saved_tensors_hooks(plan.hooks, reorder=False), inductor.config.patch(allow_buffer_reuse=False):
+        yield
 
 
 def tighten(

@@ -97,13 +97,14 @@ from savedhooks.planner.result import (
 from savedhooks.planner.step import TALLY, check_call
 from savedhooks.planner.survey import NotCompiledError, Survey, survey
 
-__all__ = ["FLOOR_MARGIN", "MAX_STRATEGIES", "Planner"]
+__all__ = ["FLOOR_MARGIN", "MAX_STRATEGIES", "MODEL_TOLERANCE", "Planner"]
 
 _MiB = 1 << 20
 MAX_STRATEGIES = 5  # recompute settings tried at most (k = 0 .. L blocks, spread evenly)
 # below the modelled floor, the settings whose modelled floor is within this share of the least are checked
 # with every candidate packed: the margin covers the model's error at the floor (under 10 % on the benchmark models)
 FLOOR_MARGIN = 0.10
+MODEL_TOLERANCE = 0.05  # a check's modelled and measured peaks further apart than this share are logged
 _CHECKED = "the first setting by modelled time whose checked plan meets the budget"
 _SMALLEST = "the least modelled time among the checked plans that meet it (every candidate packed, or checked before)"
 
@@ -597,20 +598,36 @@ class Planner:
                 peak = checked_together(setting, plan.to_json(), functools.partial(self._check_here, setting, plan))
             else:
                 grads = None if self.min_sqnr_db is None else {}  # in one process the check measures fidelity too
-                peak = self._check_here(setting, plan, grads)
+                readings: dict[str, int] = {}
+                peak = self._check_here(setting, plan, grads, readings)
                 if grads:
                     plan = dataclasses.replace(plan, checked_sqnr_db=worst_sqnr(self.limit().reference, grads)[0])
+                plan = _with_readings(plan, readings)
             self._checked[key] = (plan, peak)
         return self._checked[key][1]
 
-    def _check_here(self, setting: tuple[int, str], plan: Plan, grads: dict | None = None) -> int:
-        """This process's check of a plan (:func:`~savedhooks.planner.check.check_peak`); ``grads`` filled if given."""
+    def _check_here(
+        self, setting: tuple[int, str], plan: Plan, grads: dict | None = None, readings: dict | None = None
+    ) -> int:
+        """This process's check of a plan (:func:`~savedhooks.planner.check.check_peak`); ``grads``, ``readings`` filled if given."""
         model, inputs, loss_fn, _, seed = self._args
         # the eager loss's peak on the same output, measured by the survey (0: unknown, measured again)
         # (never surveyed here: under several processes a survey alone on one rank would run its collectives alone)
         found = self._surveys.get(setting)
         loss = found.loss_bytes if found is not None and found.loss_bytes else None
-        return check_peak(model, inputs, plan, loss_fn, seed, loss, grads, found.loss_saved if found else None)
+        return check_peak(model, inputs, plan, loss_fn, seed, loss, grads, found.loss_saved if found else None, readings)
+
+
+def _with_readings(plan: Plan, readings: dict[str, int]) -> Plan:
+    """``plan`` with its check's measured peak, and a log line where the model and the measure differ by over 5 %."""
+    measured, modelled = readings.get("measured"), readings.get("modelled")
+    if measured is None or modelled is None:
+        return plan
+    log = plan.log
+    if abs(measured - modelled) > MODEL_TOLERANCE * max(measured, 1):
+        log = (*log, f"checked: modelled {modelled / _MiB:.2f} MiB, measured {measured / _MiB:.2f} MiB "
+                     f"({modelled / max(measured, 1):.2f}x): the measurement is the plan's peak")  # fmt: skip
+    return dataclasses.replace(plan, measured_peak_bytes=measured, log=log)
 
 
 def _name(k: int, mode: str, verb: str = "recompute") -> str:

@@ -29,7 +29,7 @@ __all__ = ["CODECS", "InfeasibleBudgetError", "Plan", "Planned", "PlannedTensor"
 
 _MiB = 1 << 20
 _JSON_VERSION = 6  # 2: recompute, recompute_seconds; 3: recompute_mode; 4: predicted_sqnr_db, checked_sqnr_db;
-# 5: output_held; 6: planning_seconds, compiles, steps
+# 5: output_held; 6: measured_peak_bytes, planning_seconds, compiles, steps
 # the codecs a plan chooses among, by the names its JSON uses
 # (offload: only tensors on an accelerator; every one the plan chooses moves, needed soon or not)
 CODECS: dict[str, Codec] = {
@@ -286,6 +286,10 @@ class Plan:
             (``out = model(x)``); False: the loss holds it alone
             (``loss_fn(model(x)).backward()``). Plans read from JSON of
             version 4 or earlier: False.
+        measured_peak_bytes: the peak the check measured on a step with the
+            plan's hooks (:func:`savedhooks.planner.check.check_peak`), or None
+            (not checked, checked under aot_eager, or in several processes);
+            where it is known, ``predicted_peak_bytes`` of a checked plan is it.
         planning_seconds: wall time the planner spent on the model until this
             plan (its surveys and checks, for this and earlier budgets).
         compiles: fresh compiles of the model in that time (one per survey and per check).
@@ -305,6 +309,7 @@ class Plan:
     predicted_sqnr_db: float | None = None
     checked_sqnr_db: float | None = None
     output_held: bool = False
+    measured_peak_bytes: int | None = dataclasses.field(default=None, compare=False)
     planning_seconds: float = dataclasses.field(default=0.0, compare=False)  # what planning took: not the plan
     compiles: int = dataclasses.field(default=0, compare=False)
     steps: int = dataclasses.field(default=0, compare=False)
@@ -407,6 +412,8 @@ class Plan:
             heading += f", checked {self.checked_sqnr_db:.1f} dB"
         held = "kept to the end of the step" if self.output_held else "dropped once the loss has read it"
         heading += f"\nthe model's output: {held}"
+        if self.measured_peak_bytes is not None:
+            heading += f"\nchecked: measured peak {self.measured_peak_bytes / _MiB:.2f} MiB on a step with the plan's hooks"
         if self.compiles:
             heading += (
                 f"\nplanning: {self.planning_seconds:.1f} s, {self.compiles} compiles, {self.steps} training steps"

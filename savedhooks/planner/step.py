@@ -61,6 +61,8 @@ class RecordedStep:
             compile order, which a census's ``g<i>`` follows where every graph
             saves a tensor): a graph dynamo reused within the step appears once
             per run (:func:`graph_timelines`).
+        measured: with ``measure``, the peak measured on a later step of the
+            same compiled graphs (:func:`savedhooks.memory.measure_peak`), else None.
     """
 
     forwards: list[GraphTimeline]
@@ -68,6 +70,7 @@ class RecordedStep:
     output: Any
     fused: bool
     runs: tuple[int, ...]
+    measured: int | None = None
 
 
 def device_of(example_inputs: Any) -> torch.device:
@@ -297,6 +300,8 @@ def record_step(
     recompute: Sequence[str] = (),
     recompute_mode: str = FULL,
     grads: dict[str, torch.Tensor | None] | None = None,
+    measure: bool = False,
+    output_held: bool = False,
 ) -> RecordedStep:
     """Compile ``model`` afresh with ``backend``, run one step inside ``within()``, and model its graphs.
 
@@ -317,6 +322,10 @@ def record_step(
         recompute: module paths of the blocks to checkpoint.
         recompute_mode: ``"full"`` or ``"selective"``.
         grads: filled with the step's parameter gradients, if given (:func:`train_step`).
+        measure: run two more steps on the compiled graphs (no compile) and
+            measure the second's peak on the inputs' device (:attr:`RecordedStep.measured`).
+        output_held: the measured step holds the model's output to its end
+            (else it drops it once the loss has read it).
 
     Returns:
         A :class:`RecordedStep`.
@@ -330,6 +339,7 @@ def record_step(
     """
     recording, recorder, fused = recording_backend(backend, unhook=unhook)
     runs: list[int] = []
+    ran, measured = 0, None
     TALLY.compiles += 1
     with (
         checkpointed(model, tuple(recompute), recompute_mode),
@@ -338,9 +348,13 @@ def record_step(
         inductor.config.patch(fx_graph_cache=False),
     ):
         try:
-            with within(), recorder.kernel_order(), dynamo.graph_breaks() as breaks:
+            with within(), dynamo.graph_breaks() as breaks:
                 compiled = torch.compile(model, backend=counting_runs(recording, recorder, runs))
-                output = train_step(compiled, model, example_inputs, loss_fn, seed, grads)
+                with recorder.kernel_order():
+                    output = train_step(compiled, model, example_inputs, loss_fn, seed, grads)
+                ran = len(runs)  # the measured steps' runs are not the recorded step's
+                if measure:
+                    measured = _measured_step(compiled, model, example_inputs, loss_fn, seed, output_held, recorder)
         finally:
             torch.compiler.reset()
     if recorder.forwards and breaks and len(recorder.forwards) != len(recorder.backwards):
@@ -360,7 +374,7 @@ def record_step(
             "(Below a DDP or FSDP2 wrapper dynamo compiles only frames of user code: a model whose forward is "
             "torch's, such as nn.Sequential, runs eagerly, and so does a checkpointed block there.)"
         )
-    order = run_order(runs, len(recorder.forwards))
+    order = run_order(runs[:ran], len(recorder.forwards))
     regions = sum(len(checkpoint_regions(recorder.forwards[g])) for g in order)
     blocks = len({id(b) for b in resolve_blocks(model, recompute)}) if recompute else 0
     if regions < blocks:
@@ -370,7 +384,46 @@ def record_step(
             "forward with a graph break in the loop over its blocks), which the memory model does not see"
         )
     forwards, backwards = graph_timelines(recorder, fused, order)
-    return RecordedStep(forwards, backwards, output, fused, order)
+    return RecordedStep(forwards, backwards, output, fused, order, measured)
+
+
+def _measured_step(
+    compiled: Callable[..., Any], model: torch.nn.Module, example_inputs: Any, loss_fn: Callable, seed: int,
+    output_held: bool, recorder: GraphRecorder,
+) -> int | None:
+    """The measured peak of a training step on graphs compiled already, as a training loop runs it.
+
+    Run outside the recorder's kernel order; one step first (the first steps
+    after a compile can allocate what later ones do not), then the measured
+    one. The output is dropped once the loss has read it unless
+    ``output_held``. None where a step compiled again (a guard failed): its
+    peak is not that of the recorded graphs, whose list is restored.
+    """
+    kept = [list(graphs) for graphs in (recorder.forwards, recorder.backwards, recorder.inferences)]
+
+    def step() -> None:
+        TALLY.steps += 1
+        torch.manual_seed(seed)
+        output = call_model(compiled, example_inputs)
+        mark_loss()
+        loss = loss_fn(output)
+        if not output_held:
+            del output
+        loss.backward()
+
+    # buffers, caches and the RNG state are set aside outside the measured step (their copies are not the step's)
+    with kept_buffers(model), caches_off(model), torch.random.fork_rng(devices=[]):
+        try:
+            model.zero_grad(set_to_none=True)
+            step()
+            model.zero_grad(set_to_none=True)  # the step's gradients count in its peak, as in the recorded step
+            peak = measure_peak(step, device=device_of(example_inputs))
+        finally:
+            model.zero_grad(set_to_none=True)
+    if [len(graphs) for graphs in kept] != [len(recorder.forwards), len(recorder.backwards), len(recorder.inferences)]:
+        recorder.forwards[:], recorder.backwards[:], recorder.inferences[:] = kept
+        return None
+    return peak
 
 
 def counting_runs(compile: Callable[..., Any], recorder: GraphRecorder, runs: list[int]) -> Callable[..., Any]:

@@ -307,3 +307,41 @@ def test_a_lockstep_check_sorts_what_a_check_raises(tmp_path):
         assert isinstance(info.value.__cause__, MemoryError)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_under_inductor_the_check_measures_a_step_and_the_measurement_is_the_plans_peak(monkeypatch):
+    model, x = planner_mlp()
+    planner = sh.planner.Planner(model, (x,), loss_fn=square_mean_loss, backend="inductor", blocks=())
+    budget = (planner.baseline_bytes + planner.floor_bytes) // 2
+    plan = planner.plan(budget)
+    readings = {}
+    peak = check_peak(model, (x,), plan, square_mean_loss, readings=readings)
+    assert peak == readings["measured"] == plan.predicted_peak_bytes == plan.measured_peak_bytes
+    assert abs(readings["measured"] - readings["modelled"]) <= 0.02 * readings["modelled"]  # this MLP: modelled right
+    assert f"checked: measured peak {plan.measured_peak_bytes / 2**20:.2f} MiB" in plan.report()
+    # the step as a training loop runs it measures what the planner measured
+    compiled = torch.compile(model)
+    step = lambda: square_mean_loss(compiled(x)).backward()  # noqa: E731
+    plan.apply(model)
+    try:
+        with sh.saved_tensors_hooks(plan.hooks):
+            step()
+            model.zero_grad(set_to_none=True)
+            assert sh.memory.measure_peak(step, device="cpu") == plan.predicted_peak_bytes
+    finally:
+        plan.revert(model)
+        model.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+    # a step that measures above the model: the measurement is the plan's peak, and the log says how far off
+    import savedhooks.planner.step as step_module
+
+    monkeypatch.setattr(step_module, "measure_peak", lambda fn, device=None: (fn(), 2 * budget)[1])
+    again = sh.planner.Planner(model, (x,), loss_fn=square_mean_loss, backend="inductor", blocks=())
+    with pytest.raises(sh.InfeasibleBudgetError) as info:
+        again.plan(budget)
+    assert info.value.checked
+    checked = [p for p, _ in again._checked.values()]
+    assert checked and all(p.measured_peak_bytes == 2 * budget for p in checked)
+    assert all(any(line.startswith("checked: modelled") and "the measurement is the plan's peak" in line
+                   for line in p.log) for p in checked)  # fmt: skip

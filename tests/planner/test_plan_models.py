@@ -186,7 +186,10 @@ class _SpareBlock(torch.nn.Module):
 def test_a_block_the_forward_never_runs_leaves_recompute_out_with_a_warning_naming_it():
     torch.manual_seed(0)
     model, x = _SpareBlock(), torch.randn(256, 64)
-    planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager")
+    # found by the planner, a list one of whose blocks never runs on the inputs is not taken as blocks
+    assert sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager").blocks == ()
+    every = ["layers.0", "layers.1", "layers.2"]
+    planner = sh.planner.Planner(model, (x,), loss_fn=_loss, backend="aot_eager", blocks=every)
     with pytest.warns(UserWarning, match=r"blocks \['layers.2'\] did not run in the model's forward"):
         floor = planner.floor_bytes  # surveys every setting
     plan = planner.plan((planner.baseline_bytes + floor) // 2)
