@@ -15,8 +15,10 @@ Design notes
   models it as the survey models its own step, the eager loss's point too
   (its peak without hooks, plus the payload of each tensor it saves that the
   plan packs: a plan the planner made packs none, see the survey's notes). A
-  plan that packs nothing runs the graphs surveyed: its modelled peak is
-  already checked.
+  plan that packs nothing runs the graphs surveyed: under aot_eager its
+  modelled peak is checked already; under inductor it is measured as any
+  other (the survey's model of a step can be off on a model it was not
+  checked on).
 * :func:`tighten`: search, check; while the checked peak is above the budget,
   search again with the target lowered by the excess below the plan's
   modelled peak (never below the survey's floor; lowered again while the
@@ -49,7 +51,8 @@ from savedhooks.planner.result import Plan
 from savedhooks.planner.step import device_of, loss_peak, output_terms, record_step
 from savedhooks.planner.survey import Survey
 
-__all__ = ["ROUNDS", "cheapest", "check_peak", "choices_of", "packs_nothing", "resolve_check", "tighten", "warn_unchecked"]
+__all__ = ["ROUNDS", "cheapest", "check_peak", "choices_of", "measures", "packs_nothing", "resolve_check", "tighten",
+           "warn_unchecked"]
 
 ROUNDS = 3  # plans checked per budget and recompute setting, one compile each (then the all-packed plan)
 _MiB = 1 << 20
@@ -94,6 +97,18 @@ def packs_nothing(plan: Plan) -> bool:
         True if every choice is ``"keep"``.
     """
     return all(t.choice == "keep" for t in plan.tensors)
+
+
+def measures(plan: Plan) -> bool:
+    """Whether a check of the plan measures its step (under inductor), or only models it (aot_eager).
+
+    Args:
+        plan: a plan.
+
+    Returns:
+        True where :func:`check_peak` measures a step run as the plan runs it.
+    """
+    return plan.backend == "inductor"
 
 
 def check_peak(
@@ -145,7 +160,7 @@ def check_peak(
     loss_fn = loss_fn or default_loss
     hooks = functools.partial(_as_the_plan_runs, plan)
     step = record_step(model, example_inputs, loss_fn, plan.backend, seed, hooks, False, plan.recompute,
-                       plan.recompute_mode, grads, measure=plan.backend == "inductor",
+                       plan.recompute_mode, grads, measure=measures(plan),
                        output_held=plan.output_held)  # fmt: skip
     # the eager loss's point as the survey models it: its peak measured without hooks, plus the payload
     # of each tensor the loss saves that the plan packs (a plan made by the planner packs none: the loss

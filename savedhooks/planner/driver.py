@@ -69,6 +69,7 @@ from savedhooks.planner.check import (
     cheapest,
     check_peak,
     choices_of,
+    measures,
     packs_nothing,
     resolve_check,
     tighten,
@@ -558,7 +559,7 @@ class Planner:
         lowest: int | None = None
         for setting, found, first in ranked:
             name = _name(*setting)
-            if packs_nothing(first):
+            if packs_nothing(first) and not measures(first):  # under inductor measured: the model can be off
                 log.append(f"{name}: packs nothing: its graphs are those surveyed")
                 return first, "packing nothing: the surveyed graphs, modelled already"
             failed = False

@@ -58,7 +58,7 @@ class InfeasibleBudgetError(ValueError):
         self.floor_bytes = floor_bytes
         self.baseline_bytes = baseline_bytes
         self.checked = checked
-        how = " (modelled on the graphs compiled with a plan's hooks)" if checked else ""
+        how = " (checked on steps compiled with a plan's hooks: measured under inductor)" if checked else ""
         super().__init__(
             f"sh.plan: a budget of {budget_bytes / _MiB:.2f} MiB cannot be met: the lowest peak the planner "
             f"reaches{how} is {floor_bytes / _MiB:.2f} MiB (no hooks: {baseline_bytes / _MiB:.2f} MiB); "

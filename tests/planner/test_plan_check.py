@@ -345,3 +345,15 @@ def test_under_inductor_the_check_measures_a_step_and_the_measurement_is_the_pla
     assert checked and all(p.measured_peak_bytes == 2 * budget for p in checked)
     assert all(any(line.startswith("checked: modelled") and "the measurement is the plan's peak" in line
                    for line in p.log) for p in checked)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_plan_that_packs_nothing_is_measured_under_inductor_and_modelled_under_aot_eager():
+    model, x = planner_mlp()
+    for backend, measured in (("inductor", True), ("aot_eager", False)):
+        planner = sh.planner.Planner(model, (x,), loss_fn=square_mean_loss, backend=backend, blocks=())
+        plan = planner.plan(2 * planner.baseline_bytes)
+        assert {t.choice for t in plan.tensors} == {"keep"}
+        assert (plan.measured_peak_bytes is not None) is measured
+        if measured:
+            assert plan.predicted_peak_bytes == plan.measured_peak_bytes
