@@ -189,7 +189,7 @@ def test_a_budget_below_the_modelled_floor_is_met_by_a_checked_smallest_payload_
     planner, calls = _faked_planner(monkeypatch, {("codecs", packed): 52, ("selective", packed): 45})
     assert planner.floor_bytes == 55
     # below every checked peak: the error names the lowest, and the setting outside the margin is not checked
-    with pytest.raises(sh.InfeasibleBudgetError, match="modelled on the graphs compiled") as info:
+    with pytest.raises(sh.InfeasibleBudgetError, match="checked on steps compiled with a plan.s hooks") as info:
         planner.plan(40)
     assert info.value.checked and info.value.floor_bytes == 45
     assert sorted(p.recompute_mode if p.recompute else "codecs" for p in calls) == ["codecs", "selective"]
