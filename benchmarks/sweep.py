@@ -482,6 +482,7 @@ def document(tiers: dict[str, dict[str, SweepRow]], command: str) -> str:
 
 def _plan_summary(rows: list[SweepRow], s: dict[str, Any]) -> list[str]:
     refused = [r for r in rows if r.status == "refused"]
+    unsupported = [r for r in refused if not (r.error or "").startswith("infeasible:")]
     failed = [r for r in rows if r.status == "failure"]
     modelled = [r for r in rows if r.plan_baseline is not None]
     floors = [r for r in rows if r.floor_mib is not None and r.policy_ratio is not None and r.base_mib]
@@ -489,7 +490,9 @@ def _plan_summary(rows: list[SweepRow], s: dict[str, Any]) -> list[str]:
     trains = max(s["trains"], 1)
     lines = [
         f"Plans: {s['planned']} of {s['trains']} ({s['planned'] / trains:.0%}) within {PLAN_LIMIT:g} of their budget "
-        f"with gradients at {GRADIENT_DB:g} dB or more; {len(refused)} refused ({len(refused) / trains:.0%}), "
+        f"with gradients at {GRADIENT_DB:g} dB or more; {len(refused)} refused ({len(refused) / trains:.0%}: "
+        f"{len(refused) - len(unsupported)} an infeasible budget whose floor is at or below the policy's peak, "
+        f"{len(unsupported)} ({len(unsupported) / trains:.0%}) an error naming what is unsupported), "
         f"{len(failed)} failures. The planner's modelled peak without hooks within 5% of the measured one on "
         f"{sum(abs(r.plan_baseline - 1) <= 0.05 for r in modelled)} of {len(modelled)}; its floor at or below the "
         f"measured `sh.policy()` peak on {sum(r.floor_mib <= r.policy_ratio * r.base_mib for r in floors)} of "

@@ -178,7 +178,9 @@ def test_the_plan_tier_s_page_counts_plans_within_the_limit_and_lists_refusals_a
         sweep.SweepRow("ctc/c", "plan", "failure", 1.0, 4.0, 0.5, 30.0, plan_ratio=1.2, error="plan at 1.20 of its budget"),
     ]}  # fmt: skip
     page = sweep.document({"plan": rows}, "python -m benchmarks.sweep")
-    assert "Plans: 1 of 3 (33%) within 1.05 of their budget" in page and "1 refused (33%), 1 failures" in page
+    assert "Plans: 1 of 3 (33%) within 1.05 of their budget" in page
+    assert ("1 refused (33%: 1 an infeasible budget whose floor is at or below the policy's peak, 0 (0%) an error "
+            "naming what is unsupported), 1 failures") in page
     assert "- refused: causal-lm/b: infeasible: floor 2.00 MiB" in page
     assert "without hooks: median 3.0, highest 3.0 (1 plans)" in page and "| 3.0 |" in page
     assert "within 5% of the measured one on 1 of 2; its floor at or below the measured `sh.policy()` peak on 2 of 2" in page
