@@ -125,10 +125,10 @@ def check_peak(
     """The checked step peak with the plan's recompute and hooks: measured under inductor, else modelled.
 
     One compile and a training step that records the graphs the memory model
-    reads (gradients cleared after, parameters unchanged). Under inductor two
-    more steps run the same compiled graphs as a training loop does (the
+    reads (gradients cleared after, parameters unchanged). Under inductor one
+    more step runs the same compiled graphs as a training loop does (the
     output dropped once the loss has read it unless ``plan.output_held``),
-    the second under :func:`savedhooks.memory.measure_peak`: the measurement
+    under :func:`savedhooks.memory.measure_peak`: the measurement
     calibrates the model, and is the peak the budget is checked against.
     (Under aot_eager the recorded step runs the graphs as torch generated
     them, without the placement the plan runs with: the model alone; so too

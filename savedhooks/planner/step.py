@@ -322,8 +322,8 @@ def record_step(
         recompute: module paths of the blocks to checkpoint.
         recompute_mode: ``"full"`` or ``"selective"``.
         grads: filled with the step's parameter gradients, if given (:func:`train_step`).
-        measure: run two more steps on the compiled graphs (no compile) and
-            measure the second's peak on the inputs' device (:attr:`RecordedStep.measured`).
+        measure: run one more step on the compiled graphs (no compile) and
+            measure its peak on the inputs' device (:attr:`RecordedStep.measured`).
         output_held: the measured step holds the model's output to its end
             (else it drops it once the loss has read it).
 
@@ -393,9 +393,8 @@ def _measured_step(
 ) -> int | None:
     """The measured peak of a training step on graphs compiled already, as a training loop runs it.
 
-    Run outside the recorder's kernel order; one step first (the first steps
-    after a compile can allocate what later ones do not), then the measured
-    one. The output is dropped once the loss has read it unless
+    Run outside the recorder's kernel order, after the recorded step (the
+    first after the compile, which can allocate what later ones do not). The output is dropped once the loss has read it unless
     ``output_held``. None where a step compiled again (a guard failed): its
     peak is not that of the recorded graphs, whose list is restored.
     """
@@ -414,8 +413,6 @@ def _measured_step(
     # buffers, caches and the RNG state are set aside outside the measured step (their copies are not the step's)
     with kept_buffers(model), caches_off(model), torch.random.fork_rng(devices=[]):
         try:
-            model.zero_grad(set_to_none=True)
-            step()
             model.zero_grad(set_to_none=True)  # the step's gradients count in its peak, as in the recorded step
             peak = measure_peak(step, device=device_of(example_inputs))
         finally:
