@@ -610,7 +610,10 @@ class Planner:
     def _check_here(
         self, setting: tuple[int, str], plan: Plan, grads: dict | None = None, readings: dict | None = None
     ) -> int:
-        """This process's check of a plan (:func:`~savedhooks.planner.check.check_peak`); ``grads``, ``readings`` filled if given."""
+        """This process's check of a plan (:func:`~savedhooks.planner.check.check_peak`).
+
+        ``grads`` and ``readings`` are filled if given.
+        """
         model, inputs, loss_fn, _, seed = self._args
         # the eager loss's peak on the same output, measured by the survey (0: unknown, measured again)
         # (never surveyed here: under several processes a survey alone on one rank would run its collectives alone)

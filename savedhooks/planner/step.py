@@ -394,8 +394,8 @@ def _measured_step(
     """The measured peak of a training step on graphs compiled already, as a training loop runs it.
 
     Run outside the recorder's kernel order, after the recorded step (the
-    first after the compile, which can allocate what later ones do not). The output is dropped once the loss has read it unless
-    ``output_held``. None where a step compiled again (a guard failed): its
+    first after the compile, which can allocate what later ones do not).
+    The output is dropped once the loss has read it unless ``output_held``. None where a step compiled again (a guard failed): its
     peak is not that of the recorded graphs, whose list is restored.
     """
     kept = [list(graphs) for graphs in (recorder.forwards, recorder.backwards, recorder.inferences)]
