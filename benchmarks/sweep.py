@@ -18,7 +18,8 @@ architecture does not build from its shrunk defaults, or lacks a library);
 ``transformers`` (the step without hooks fails: transformers' own failure);
 ``refused`` (savedhooks raised one of its own errors, which names what it does
 not support; in the plan tier also an ``InfeasibleBudgetError`` whose floor is
-at or below the measured ``sh.policy()`` peak); ``failure`` (a crash from
+at or below the measured ``sh.policy()`` peak, measured with the model's KV
+cache off where ``sh.plan`` turns it off); ``failure`` (a crash from
 inside savedhooks or torch with hooks, a gradient below
 :data:`GRADIENT_DB` dB, a plan above :data:`PLAN_LIMIT` of its budget, or a
 time-out). Rows are appended to ``docs/results/sweep/<tier>.jsonl`` as they
@@ -50,6 +51,7 @@ from typing import Any
 import torch
 
 import savedhooks as sh
+from savedhooks.planner.caches import cache_configs, caches_off
 from benchmarks.sweep_models import HEADS, KINDS, Architecture, architectures, build, family_kind, loss_of
 from benchmarks.zoo import (
     MIB,
@@ -98,6 +100,9 @@ class SweepRow:
         floor_mib: the planner's floor (its lowest modelled or checked peak; an
             ``InfeasibleBudgetError``'s floor where it raised one).
         plan_baseline: the planner's modelled peak without hooks over the measured one (``base_mib``).
+        policy_planned_mib: (plan tier) where the planner's floor is above the policy's peak and the model has
+            a KV cache on (``use_cache``), which ``sh.plan`` turns off (``Plan.apply``): the policy's peak
+            measured with the cache off, as the plan trains; the floor is compared with it.
         base_s: the first step without hooks: in the compiled tiers its compile and one step (the process
             warmed up first by a small compiled step of its own, as ``sh.plan`` is).
         seconds: the row's wall time.
@@ -119,6 +124,7 @@ class SweepRow:
     plan_s: float | None = None
     floor_mib: float | None = None
     plan_baseline: float | None = None
+    policy_planned_mib: float | None = None
     base_s: float | None = None
     seconds: float | None = None
     error: str = ""
@@ -268,11 +274,16 @@ def _plan_into(row: SweepRow, model: Any, inputs: dict[str, torch.Tensor], base:
         cause = exc.__cause__
         if isinstance(cause, sh.InfeasibleBudgetError) and cause.floor_bytes is not None:
             row.floor_mib, row.plan_baseline = cause.floor_bytes / MIB, cause.baseline_bytes / base
+            if cause.floor_bytes > policy_peak and cache_configs(model):
+                policy_peak = _policy_as_planned(model, inputs)
+                row.policy_planned_mib = policy_peak / MIB
             if cause.floor_bytes <= policy_peak and row.status == "ok":
                 row.status, row.error = "refused", f"infeasible: floor {row.floor_mib:.2f} MiB"
                 return
+            cache = " (KV cache off, as the plan trains)" if row.policy_planned_mib is not None else ""
             row.status = "failure"
-            row.error = f"infeasible: floor {row.floor_mib:.2f} MiB above the policy's {policy_peak / MIB:.2f} MiB"
+            row.error = (f"infeasible: floor {row.floor_mib:.2f} MiB above the policy's {policy_peak / MIB:.2f} MiB"
+                         f"{cache}")  # fmt: skip
             return
         raise
     finally:
@@ -291,6 +302,18 @@ def _plan_into(row: SweepRow, model: Any, inputs: dict[str, torch.Tensor], base:
     _gradient_check(row, row.plan_db, worst, "plan")
     if row.status == "ok" and row.plan_ratio > PLAN_LIMIT:
         row.status, row.error = "failure", f"plan at {row.plan_ratio:.2f} of its budget"
+
+
+def _policy_as_planned(model: Any, inputs: dict[str, torch.Tensor]) -> int:
+    """The compiled ``sh.policy()`` step's peak with the model's KV caches off, as ``sh.plan`` plans and trains it.
+
+    A transformers model's training step can peak otherwise with ``use_cache`` on
+    than off (another mask or attention path), so a planner's floor is compared
+    with the policy's peak in the configuration the plan runs in.
+    """
+    with caches_off(model):
+        peak, _ = _hooked(lambda: _measure(step_fn(_compiled(model), model, inputs, loss_of, _policy), model))
+    return peak
 
 
 # ---------------------------------------------------------------------------------------------------- files
@@ -331,7 +354,7 @@ def compiled_part(row: SweepRow) -> SweepRow:
         or was refused), else ok or a failure by the policy's gradient.
     """
     out = dataclasses.replace(row, tier="compiled", plan_ratio=None, plan_db=None, plan_predicted=None, plan_s=None,
-                              floor_mib=None, plan_baseline=None)  # fmt: skip (base_s stays: the compiled step's)
+                              floor_mib=None, plan_baseline=None, policy_planned_mib=None)  # fmt: skip (base_s stays: the compiled step's)
     if row.policy_ratio is None:
         return out
     out.status, out.error = "ok", ""
@@ -448,8 +471,8 @@ def document(tiers: dict[str, dict[str, SweepRow]], command: str) -> str:
         "peak; policy: `sh.policy()` around the same step, peak over base and the worst parameter gradient's SQNR "
         f"against base (rounding-noise gradients skipped); plan: `sh.plan` at {PLAN_FRACTION:g} of the compiled "
         f"peak. Statuses: ok; refused (a savedhooks error naming what it does not support, or an infeasible budget "
-        f"whose floor is at or below the policy's peak); failure (a crash with hooks, a gradient below "
-        f"{GRADIENT_DB:g} dB, a plan above {PLAN_LIMIT:g} of its budget, a time-out); transformers (the step "
+        "whose floor is at or below the policy's peak, measured with the KV cache off where the plan turns it "
+        f"off); failure (a crash with hooks, a gradient below {GRADIENT_DB:g} dB, a plan above {PLAN_LIMIT:g} of its budget, a time-out); transformers (the step "
         "without hooks fails); unbuilt (the shrunk defaults do not build, or a library is missing). bf16 dB: where "
         "the policy's gradient is below the bar, the worst gradient with every floating saved tensor stored in bf16 "
         "(sh.downcast(torch.bfloat16)), the rounding of bf16 training: below the bar too, the gradient's terms "
@@ -480,6 +503,11 @@ def document(tiers: dict[str, dict[str, SweepRow]], command: str) -> str:
     return "\n".join(lines)
 
 
+def _policy_mib(row: SweepRow) -> float:
+    """The policy's peak a plan tier row compares the planner's floor with (:attr:`SweepRow.policy_planned_mib`)."""
+    return row.policy_planned_mib if row.policy_planned_mib is not None else row.policy_ratio * row.base_mib
+
+
 def _plan_summary(rows: list[SweepRow], s: dict[str, Any]) -> list[str]:
     refused = [r for r in rows if r.status == "refused"]
     unsupported = [r for r in refused if not (r.error or "").startswith("infeasible:")]
@@ -495,7 +523,7 @@ def _plan_summary(rows: list[SweepRow], s: dict[str, Any]) -> list[str]:
         f"{len(unsupported)} ({len(unsupported) / trains:.0%}) an error naming what is unsupported), "
         f"{len(failed)} failures. The planner's modelled peak without hooks within 5% of the measured one on "
         f"{sum(abs(r.plan_baseline - 1) <= 0.05 for r in modelled)} of {len(modelled)}; its floor at or below the "
-        f"measured `sh.policy()` peak on {sum(r.floor_mib <= r.policy_ratio * r.base_mib for r in floors)} of "
+        f"measured `sh.policy()` peak on {sum(r.floor_mib <= _policy_mib(r) for r in floors)} of "
         f"{len(floors)}."
         + (f" Planning time over the first compiled step without hooks: median {statistics.median(times):.1f}, "
            f"highest {max(times):.1f} ({len(times)} plans)." if times else ""),

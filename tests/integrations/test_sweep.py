@@ -23,6 +23,7 @@ import savedhooks as sh
 pytest.importorskip("transformers")
 
 from benchmarks import sweep, sweep_models  # noqa: E402
+from benchmarks.zoo import MIB  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECORDED = sweep.load("eager", ROOT / sweep.RESULTS)
@@ -185,6 +186,45 @@ def test_the_plan_tier_s_page_counts_plans_within_the_limit_and_lists_refusals_a
     assert "without hooks: median 3.0, highest 3.0 (1 plans)" in page and "| 3.0 |" in page
     assert "within 5% of the measured one on 1 of 2; its floor at or below the measured `sh.policy()` peak on 2 of 2" in page
     assert "- failure: ctc/c: plan at 1.20 of its budget" in page
+
+
+class _Config:
+    use_cache = True
+
+
+class _Cached(torch.nn.Module):
+    """A module whose config has a KV cache on, as a transformers decoder's has."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = _Config()
+
+
+@pytest.mark.parametrize("floor_mib, status", [(5.0, "refused"), (7.0, "failure")])
+def test_an_infeasible_floor_is_compared_with_the_policy_s_peak_with_the_kv_cache_off_as_the_plan_trains(
+    monkeypatch, floor_mib, status
+):
+    """The policy measured 4 MiB with the cache on, 6 MiB with it off (the configuration sh.plan trains in)."""
+    model, seen = _Cached(), []
+
+    def infeasible(*args, **kwargs):
+        raise sh.InfeasibleBudgetError(int(2.8 * MIB), int(floor_mib * MIB), int(8 * MIB), checked=True)
+
+    def measure(step, model_):
+        seen.append(model.config.use_cache)
+        return int(6 * MIB), {}
+
+    monkeypatch.setattr(sh, "plan", infeasible)
+    monkeypatch.setattr(sweep, "_measure", measure)
+    monkeypatch.setattr(sweep, "_compiled", lambda m: m)
+    row = sweep.SweepRow("causal-lm/a", "plan", "ok", 1.0, 4.0, 1.0, 30.0)
+    sweep._plan_into(row, model, {}, int(4 * MIB), int(4 * MIB), {})
+    assert seen == [False] and model.config.use_cache is True  # measured with the cache off, then restored
+    assert row.status == status and row.policy_planned_mib == 6.0, row
+    if status == "failure":
+        assert row.error == "infeasible: floor 7.00 MiB above the policy's 6.00 MiB (KV cache off, as the plan trains)"
+    page = sweep.document({"plan": {row.name: row}}, "python -m benchmarks.sweep")
+    assert f"its floor at or below the measured `sh.policy()` peak on {int(status == 'refused')} of 1" in page
 
 
 @pytest.mark.parametrize("name, kind", [
