@@ -41,6 +41,7 @@ __all__ = [
     "is_cast_of_input",
     "is_narrow_softmax",
     "is_periodic_argument",
+    "is_softmax_output",
     "is_statistic_of",
     "largest_saved_bytes",
     "policy",
@@ -110,6 +111,9 @@ _CAST_OR_VIEW_NODES = VIEW_NODES | {"ToCopyBackward0", "CloneBackward0"}
 # (log-)softmax outputs: autograd node names in eager mode, aten op names in graphs
 _SOFTMAX_NODES = ("LogSoftmaxBackward0", "SoftmaxBackward0")
 _SOFTMAX_OPS = ("_log_softmax", "_softmax", "log_softmax", "softmax")
+# softmax outputs alone (probabilities), with the masked softmax of SDPA's math path
+_PROBABILITY_NODES = ("SoftmaxBackward0", "SafeSoftmaxBackward0")
+_PROBABILITY_OPS = ("_softmax", "softmax", "_safe_softmax")
 # matrix products: attention's probabilities times its values
 _MATMUL_OPS = ("bmm", "mm", "matmul", "baddbmm", "addmm", "einsum")
 
@@ -323,6 +327,33 @@ def is_narrow_softmax(x: torch.Tensor, node: torch.fx.Node | None, classes: int)
     if producing_op(node) not in _SOFTMAX_OPS and op_name(node.meta.get("original_aten")) not in _SOFTMAX_OPS:
         return False
     return not _feeds_a_matmul(node)
+
+
+def is_softmax_output(x: torch.Tensor, node: torch.fx.Node | None) -> bool:
+    """Whether a saved value is a softmax's output: probabilities, such as attention's written out.
+
+    Its backward ``y * (g - sum(g * y))`` is linear in ``y``, and where a row
+    is spread evenly (attention at initialization) the difference cancels, so
+    each value's error should be small against the row's largest, not only
+    against itself: the policy packs such values in its ``attention`` codec
+    (:class:`~savedhooks.codecs.Int8Rows`: 2**-8 of the row's largest, where
+    fp8 gives each value 2**-4 of itself).
+
+    Args:
+        x: the saved tensor.
+        node: its node in the forward graph under compile; None in eager mode,
+            where the autograd node that made ``x`` decides.
+
+    Returns:
+        True for the output of ``softmax`` or ``_safe_softmax`` (the masked
+        softmax of SDPA's math path), under inductor also a value that
+        the decomposed softmax made (``meta["original_aten"]``); False for
+        ``log_softmax``.
+    """
+    if node is None:
+        return type(x.grad_fn).__name__ in _PROBABILITY_NODES
+    node = through_aliases(node)
+    return producing_op(node) in _PROBABILITY_OPS or op_name(node.meta.get("original_aten")) in _PROBABILITY_OPS
 
 
 def _feeds_a_matmul(node: torch.fx.Node) -> bool:
@@ -551,7 +582,10 @@ class Policy(Codec):
         ctx = hook_context()
         if codec is not None and self._centers(x, ctx):
             return self.centered
-        if codec is not None and self.attention is not None and is_attention_operand(x, ctx.node if ctx else None):
+        node = ctx.node if ctx is not None else None
+        if codec is not None and self.attention is not None and (
+            is_attention_operand(x, node) or is_softmax_output(x, node)
+        ):
             return self.attention
         return codec
 
@@ -572,7 +606,8 @@ class Policy(Codec):
         """Pick the codec for ``x`` (index into :meth:`codecs`), or -1 to keep it as is.
 
         A lossy codec is picked only where :meth:`tolerated` says its readers
-        tolerate it, and ``blocks`` instead of ``floating`` where every reader
+        tolerate it (``attention`` only where every reader is linear in the
+        value: :func:`readers_error` is ``"block"``), and ``blocks`` instead of ``floating`` where every reader
         is linear in the value (:func:`readers_error` is ``"block"``), except
         while inductor traces the hooks (fp8's fused form there);
         lossless ones wherever they accept ``x``.
@@ -582,8 +617,8 @@ class Policy(Codec):
             return -1
         if codec.lossy:
             error = readers_error(x, self.allow, centred=isinstance(codec, Centered))
-            if error is None:
-                return -1
+            if error is None or (codec is self.attention and error != "block"):
+                return -1  # int8 rows round a row's small values to 0: only for readers linear in the value
             # not while inductor traces: the fp8 codec's fused form is the one made to compile without
             # full-size buffers (docs/results/zoo_torch_fp8.md measures it)
             blocks = self.blocks is not None and not inductor_traces() and self.blocks.accepts(x)
@@ -635,7 +670,8 @@ def policy(
     least 30 dB a block), fp8 for the other floating tensors (each value to
     2**-4 of itself, what a mask or exp's output needs; under inductor, a batch norm's input as
     its deviation from each channel's mean: ``centered``), the value of fused
-    attention in ``attention`` (int8 rows: :func:`is_attention_operand`; its
+    attention and a softmax's probabilities in ``attention`` (int8 rows:
+    :func:`is_attention_operand`, :func:`is_softmax_output`; fused attention's
     query, key and output are kept by the tolerance rules; in eager mode the
     operands are held until the op saves its output: :attr:`Policy.eager_window`),
     bitmasks for bool ones, max-pool
@@ -673,8 +709,11 @@ def policy(
             ``floating`` is None.
         attention: the codec for the value of a fused attention op
             (:func:`is_attention_operand`; the tolerance rules keep its
-            query, key and output), instead of ``floating``; default :class:`~savedhooks.codecs.Int8Rows`
-            (int8 codes, a float32 scale per head vector; rows under 8
+            query, key and output) and for a softmax's output
+            (:func:`is_softmax_output`: probabilities, whose backward's row
+            sum cancels where a row is spread evenly), instead of ``floating``,
+            where every reader is linear in the value; default :class:`~savedhooks.codecs.Int8Rows`
+            (int8 codes, a float32 scale per row; rows under 8
             values are kept as they are). None: ``floating``. Unused
             when ``floating`` is None.
         allow: further forward op names (aten names, leading underscores

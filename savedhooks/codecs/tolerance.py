@@ -137,10 +137,19 @@ FAMILIES: tuple[Family, ...] = (
         "factor exp(m * e))",
     ),
     Family(
-        "softmax outputs", frozenset({"softmax", "log_softmax", "safe_softmax"}), "result",
-        "softmax's backward y * (g - sum(g * y)) is a product in its output; log-softmax's g - exp(y) * sum(g) "
-        "moves each probability p by p * |log p| times the error, at most 1/e of it (narrow (log-)softmaxes, "
-        "a classifier's head, are kept by the policy's narrow_softmax rule)",
+        "softmax outputs", frozenset({"softmax", "safe_softmax"}), "result",
+        "softmax's backward y * (g - sum(g * y)) is linear in its output y, probabilities of one scale per row: "
+        "an error relative to the row's largest will do, and the policy packs them in int8 rows (Int8Rows). "
+        "Not fp8: where a row is spread evenly (attention at initialization) g - sum(g * y) is a difference "
+        "that cancels, and an error of 2**-4 of each probability, 16 times int8's on such a row, passes into "
+        "sum(g * y) whole (narrow softmaxes, a classifier's head, are kept by the policy's narrow_softmax rule)",
+        "block",
+    ),
+    Family(
+        "log-softmax outputs", frozenset({"log_softmax"}), "result",
+        "log-softmax's backward g - exp(y) * sum(g) moves each probability p by p * |log p| times the error, "
+        "at most 1/e of it (narrow log-softmaxes, a classifier's head, are kept by the policy's narrow_softmax "
+        "rule)",
     ),
     Family(
         "powers of at least 1", frozenset({"pow"}), "any",

@@ -272,3 +272,65 @@ def test_the_docs_list_every_family_with_its_reason():
         assert f"\n| {family.name} |" in table, family.name
         row = table[table.index(f"\n| {family.name} |"):].split("\n")[1]
         assert f" | {family.error} | " in row, (family.name, family.error)
+
+
+class _KeyBias(nn.Module):
+    """Attention written out whose rows are spread evenly, with a learned per-key bias that is zero at
+    initialization (transformers' Doge: a dynamic mask ``exp(A * softplus(dt))`` with ``A = 0``): the bias
+    scale's gradient sums the probabilities' gradient over rows that sum to zero, and the values share a
+    large common part, so the row sums of ``g * y`` in softmax's backward cancel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.gate, self.out = nn.Linear(64, 192), nn.Linear(64, 1), nn.Linear(64, 64)
+        self.scale = nn.Parameter(torch.zeros(1))
+        with torch.no_grad():
+            self.qkv.bias[128:] += 3.0  # the values' common part
+            self.qkv.weight[:128] *= 0.1  # small logits: rows spread evenly
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        bias = self.scale * F.softplus(self.gate(x)).transpose(1, 2)  # (batch, 1, keys)
+        probs = torch.softmax(q @ k.transpose(1, 2) / 8 + bias, dim=-1)
+        return self.out(probs @ v)
+
+
+def _traced() -> contextlib.ExitStack:
+    """Compiles that trace the hooks (no graph from inductor's or AOTAutograd's cache): a census sees them."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+    stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+    return stack
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_the_policy_packs_softmax_probabilities_in_int8_rows_where_fp8_s_error_cancels_into_a_gradient(backend):
+    torch.manual_seed(0)
+    model, x = _KeyBias(), torch.randn(4, 64, 64)
+
+    def gradients(codec=None):
+        torch._dynamo.reset()
+        fn = model if backend == "eager" else torch.compile(model, backend=backend)
+        model.zero_grad(set_to_none=True)
+        with sh.saved_tensors_hooks(codec.hooks()) if codec is not None else contextlib.nullcontext():
+            loss = fn(x).square().mean()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    try:
+        want = gradients()
+        policy = sh.codecs.Policy()
+        db, worst = sh.metrics.worst_sqnr(want, gradients(policy))
+        assert db >= 30.0, (db, worst)
+        if backend == "eager":  # eager mode packs what bmm saves, a view of the probabilities: int8 blocks
+            return
+        torch._dynamo.reset()
+        with keyed_run() as run, sh.saved_tensors_hooks(Census(policy).hooks()), _traced():
+            torch.compile(model, backend=backend)(x)
+        probs = [t.packed_as for t in run.census if t.op in ("_softmax", "div")]  # div: inductor decomposes it
+        assert probs and all(isinstance(c, sh.codecs.Int8Rows) for c in probs), run.census
+        # the same probabilities in fp8 (no int8 codec): the bias scale's gradient is noise
+        fp8 = sh.metrics.sqnr(want["scale"], gradients(sh.codecs.Policy(attention=None, blocks=None))["scale"])
+        assert fp8 < 10.0, fp8
+    finally:
+        torch._dynamo.reset()
