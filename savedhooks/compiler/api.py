@@ -175,6 +175,18 @@ def _with_pass(slot, ours: ReorderPass):
     return ours if not passes else (*passes, ours)
 
 
+def placed_buffers() -> contextlib.AbstractContextManager[None]:
+    """Inductor's buffer settings under :func:`inductor_placement`: its buffer-reuse pool off.
+
+    For a caller that places hooks itself (the planner's check records a step
+    as the plan's own step runs it). The reason is in :func:`inductor_placement`.
+
+    Returns:
+        A context manager that restores the setting on exit.
+    """
+    return inductor.config.patch(allow_buffer_reuse=False)
+
+
 @contextlib.contextmanager
 def inductor_placement(enabled: bool = True) -> Iterator[None]:
     """Make inductor place inlined hooks in the graphs compiled inside the block.
@@ -204,7 +216,7 @@ def inductor_placement(enabled: bool = True) -> Iterator[None]:
         yield
         return
     slot = _with_pass(inductor.config.post_grad_custom_post_pass, _REORDER_PASSES[False, True])
-    with inductor.config.patch(post_grad_custom_post_pass=slot, allow_buffer_reuse=False), \
+    with inductor.config.patch(post_grad_custom_post_pass=slot), placed_buffers(), \
             aot.config.patch(force_non_lazy_backward_lowering=True):  # fmt: skip
         yield
 

@@ -43,8 +43,7 @@ from typing import Any
 
 import torch
 
-from savedhooks._torch import inductor
-from savedhooks.compiler.api import saved_tensors_hooks
+from savedhooks.compiler.api import placed_buffers, saved_tensors_hooks
 from savedhooks.fidelity.sensitivity import default_loss
 from savedhooks.planner.census import step_timeline
 from savedhooks.planner.result import Plan
@@ -190,7 +189,7 @@ def _as_the_plan_runs(plan: Plan) -> Iterator[None]:
     graphs); inductor's buffer-reuse pool is off, as in the plan's own step:
     the pool keeps a freed buffer until a later one of its size takes it.
     """
-    with saved_tensors_hooks(plan.hooks, reorder=False), inductor.config.patch(allow_buffer_reuse=False):
+    with saved_tensors_hooks(plan.hooks, reorder=False), placed_buffers():
         yield
 
 
