@@ -353,8 +353,9 @@ def compiled_part(row: SweepRow) -> SweepRow:
         not end (the build, the step without hooks or the policy's step failed
         or was refused), else ok or a failure by the policy's gradient.
     """
+    # base_s stays: the compiled step's
     out = dataclasses.replace(row, tier="compiled", plan_ratio=None, plan_db=None, plan_predicted=None, plan_s=None,
-                              floor_mib=None, plan_baseline=None, policy_planned_mib=None)  # fmt: skip (base_s stays: the compiled step's)
+                              floor_mib=None, plan_baseline=None, policy_planned_mib=None)  # fmt: skip
     if row.policy_ratio is None:
         return out
     out.status, out.error = "ok", ""
@@ -472,8 +473,8 @@ def document(tiers: dict[str, dict[str, SweepRow]], command: str) -> str:
         f"against base (rounding-noise gradients skipped); plan: `sh.plan` at {PLAN_FRACTION:g} of the compiled "
         f"peak. Statuses: ok; refused (a savedhooks error naming what it does not support, or an infeasible budget "
         "whose floor is at or below the policy's peak, measured with the KV cache off where the plan turns it "
-        f"off); failure (a crash with hooks, a gradient below {GRADIENT_DB:g} dB, a plan above {PLAN_LIMIT:g} of its budget, a time-out); transformers (the step "
-        "without hooks fails); unbuilt (the shrunk defaults do not build, or a library is missing). bf16 dB: where "
+        f"off); failure (a crash with hooks, a gradient below {GRADIENT_DB:g} dB, a plan above {PLAN_LIMIT:g} of "
+        "its budget, a time-out); transformers (the step without hooks fails); unbuilt (the shrunk defaults do not build, or a library is missing). bf16 dB: where "
         "the policy's gradient is below the bar, the worst gradient with every floating saved tensor stored in bf16 "
         "(sh.downcast(torch.bfloat16)), the rounding of bf16 training: below the bar too, the gradient's terms "
         "cancel and no lossy codec holds it.",

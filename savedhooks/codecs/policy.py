@@ -606,11 +606,11 @@ class Policy(Codec):
         """Pick the codec for ``x`` (index into :meth:`codecs`), or -1 to keep it as is.
 
         A lossy codec is picked only where :meth:`tolerated` says its readers
-        tolerate it (``attention`` only where every reader is linear in the
-        value: :func:`readers_error` is ``"block"``), and ``blocks`` instead of ``floating`` where every reader
-        is linear in the value (:func:`readers_error` is ``"block"``), except
-        while inductor traces the hooks (fp8's fused form there);
-        lossless ones wherever they accept ``x``.
+        tolerate it. Where every reader is linear in the value
+        (:func:`readers_error` is ``"block"``), ``blocks`` replaces
+        ``floating`` (except while inductor traces the hooks: fp8's fused form
+        there); ``attention`` is used only there, else the value is kept.
+        Lossless codecs wherever they accept ``x``.
         """
         codec = self._candidate(x)
         if codec is None or not codec.accepts(x):
