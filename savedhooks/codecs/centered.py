@@ -6,7 +6,8 @@ recomputes batch norm and ReLU from the saved convolution output, also the
 forward's normalized values and the ReLU mask). When a channel's mean is large
 against its spread, fp8's error on ``x`` becomes a large error on ``x - mean``:
 the benchmark's cnn under inductor loses gradient SQNR this way. Packing
-``x - mean`` instead keeps the error relative to the spread; the mean (one float32 per channel) is stored as it is and added back.
+``x - mean`` instead keeps the error relative to the spread; a shift (one
+float32 per channel, below) is added back.
 
 The decoded values keep each channel's mean exactly (up to float32
 rounding). Batch norm's input gradient sums to zero over each channel, because
