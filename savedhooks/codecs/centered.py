@@ -14,16 +14,15 @@ rounding). Batch norm's input gradient sums to zero over each channel, because
 the normalized values have zero mean. From rounded values it does not: each
 channel's rounding errors add up to a sum that flows back whole into
 everything before the batch norm. Where the true gradient of a parameter there
-cancels (a bias a few layers up, whose gradient is a sum over positions: on
-transformers' MobileViTV2 under inductor the worst gradient went from -7 dB to
-over 20 dB), that sum is the gradient's error. So the encoder reduces its own
-decoded payload once (a reduction that reads the payload, fused with the decode
-under inductor) and stores the shift that gives each channel back its mean.
-(Matching the variance too, a scale per channel, gained 1 dB more there, but
-the extra multiply in the decode made inductor write the decoded values out
-in full where the batch norm's backward reads them twice.)
+cancels (a bias a few layers up, whose gradient is a sum over positions, as in
+transformers' MobileViTV2), that sum is the gradient's error. So the encoder
+reduces its own decoded payload once (a reduction that reads the payload, fused
+with the decode under inductor) and stores the shift that gives each channel
+back its mean. The variance is not matched: a scale per channel would add a
+multiply to the decode, and inductor then writes the decoded values out in full
+where batch norm's backward reads them twice.
 
-Non-finite values and overflow: a channel is not centered (its mean is stored
+Non-finite values and overflow: a channel is not centered (its shift is stored
 as 0, so the inner codec sees its values unchanged and keeps infinities where it
 can) when it holds an inf or NaN, or when ``max |x| + |mean|`` exceeds half the
 dtype's largest value (``x - mean`` could overflow there).
