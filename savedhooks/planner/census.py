@@ -83,6 +83,7 @@ from savedhooks.planner.recording import (
 
 __all__ = [
     "GraphTimeline",
+    "Scope",
     "StepTimeline",
     "key_of_saved",
     "plan_key",
@@ -168,6 +169,25 @@ def key_of_saved(saved: SavedTensor) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class Scope:
+    """Where a saved value comes from in the model, for a model of recomputing its blocks.
+
+    Attributes:
+        paths: the module paths (outermost first) that enclose the op making it
+            and every op of the forward reading it (:func:`scope_of`): a block's
+            own activations have the block among them; its output, which the
+            next block reads, does not.
+        made_by: the op that made its storage (views looked through; an
+            overload-packet name such as ``"mm"``).
+        nbytes: its bytes.
+    """
+
+    paths: tuple[str, ...]
+    made_by: str
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class GraphTimeline:
     """One graph's share of the step timeline.
 
@@ -187,6 +207,7 @@ class GraphTimeline:
             the ``(start, end)`` interval from its first use to its last, where
             a fused decode holds only the payload; only for inputs that no
             extern kernel reads (those need the full tensor).
+        scopes: forward only: saved node -> its :class:`Scope`.
     """
 
     live: tuple[int, ...]
@@ -195,6 +216,7 @@ class GraphTimeline:
     together: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     reread: Mapping[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
     saved_output: int = 0
+    scopes: Mapping[str, Scope] = dataclasses.field(default_factory=dict)
 
 
 def _storage(node: torch.fx.Node) -> int | None:
@@ -485,7 +507,60 @@ def timeline_of(
     together = {n: group for n, group in groups.items() if len(group) > 1}
     retained = (after[-1] - inputs) if after else 0
     retained += sum(copies.values())
-    return GraphTimeline(live, at, retained, together, saved_output=_saved_output_bytes(gm.graph, saved))
+    scopes = {n: Scope(scope_of(nodes[n]), _op_name(_maker(nodes[n])), _nbytes(nodes[n])) for n in at}
+    return GraphTimeline(live, at, retained, together, saved_output=_saved_output_bytes(gm.graph, saved), scopes=scopes)
+
+
+# dynamo names a module by the source it read it from: ``L['self'].model.layers.0``, ``L['args'][0].layers.0``
+_SOURCE = re.compile(r"^[A-Za-z_]+(\[[^\]]*\])+\.?")
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    packet = getattr(target, "overloadpacket", target)
+    return getattr(packet, "__name__", str(packet))
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    return tensor_nbytes(val) if isinstance(val, torch.Tensor) else 0
+
+
+def _module_paths(node: torch.fx.Node) -> tuple[str, ...]:
+    """The module paths (from the root module, outermost first) of the modules whose forward made ``node``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return tuple(_SOURCE.sub("", str(entry[0])) for entry in stack.values())
+
+
+def scope_of(node: torch.fx.Node) -> tuple[str, ...]:
+    """The module paths enclosing a forward node and all its readers in its graph (the common outer part of their stacks).
+
+    Read from the ``nn_module_stack`` that dynamo records and AOTAutograd
+    carries onto the graphs' nodes: ``("model", "model.layers.0")`` for an
+    activation that layer 0 makes and reads alone; ``("model",)`` for the
+    layer's output, which layer 1 reads. Views are looked through (the
+    storage's maker counts); readers without a stack (ops AOTAutograd
+    added) do not narrow it. Empty where the maker has no stack.
+
+    Args:
+        node: a node of a forward graph.
+
+    Returns:
+        Module paths, outermost first.
+    """
+    maker = _maker(node)
+    scope = _module_paths(maker)
+    for reader in (*maker.users, *node.users):
+        if reader.op == "output":
+            continue
+        theirs = _module_paths(reader)
+        if not theirs:
+            continue
+        common = 0
+        while common < min(len(scope), len(theirs)) and scope[common] == theirs[common]:
+            common += 1
+        scope = scope[:common]
+    return scope
 
 
 def _copies(gm: torch.fx.GraphModule, saved: set[str]) -> dict[torch.fx.Node, int]:

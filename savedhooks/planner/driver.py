@@ -98,13 +98,16 @@ from savedhooks.planner.result import (
 from savedhooks.planner.step import TALLY, check_call
 from savedhooks.planner.survey import NotCompiledError, Survey, survey
 
-__all__ = ["FLOOR_MARGIN", "MAX_STRATEGIES", "MODEL_TOLERANCE", "Planner"]
+__all__ = ["ESTIMATE_MARGIN", "FLOOR_MARGIN", "MAX_STRATEGIES", "MODEL_TOLERANCE", "Planner"]
 
 _MiB = 1 << 20
 MAX_STRATEGIES = 5  # recompute settings tried at most (k = 0 .. L blocks, spread evenly)
 # below the modelled floor, the settings whose modelled floor is within this share of the least are checked
 # with every candidate packed: the margin covers the model's error at the floor (under 10 % on the benchmark models)
 FLOOR_MARGIN = 0.10
+# a setting not surveyed yet whose estimate (Planner._estimate) misses the budget, or the time of a plan found, by
+# more than this share is not surveyed once a plan is found
+ESTIMATE_MARGIN = 0.10
 MODEL_TOLERANCE = 0.05  # a check's modelled and measured peaks further apart than this share are logged
 _CHECKED = "the first setting by modelled time whose checked plan meets the budget"
 _SMALLEST = "the least modelled time among the checked plans that meet it (every candidate packed, or checked before)"
@@ -195,6 +198,8 @@ class Planner:
         ks = sorted({round(i * count / max(steps - 1, 1)) for i in range(steps)})
         self.strategies = tuple((k, mode) for k in ks for mode in ((SELECTIVE, FULL) if k else (FULL,)))
         self._surveys: dict[tuple[int, str], Survey] = {}
+        self._previews: dict[tuple[int, str], Survey] = {}  # estimates of settings from the survey without recompute
+        self._estimated: dict[tuple[int, str, int], float] = {}  # (k, mode, budget) -> the preview's plan time
         # settings not planned (nothing compiled, or graphs the memory model cannot read), and why
         self._skipped: dict[tuple[int, str], str] = {}
         # plans checked on the graphs compiled with their hooks: (setting, choices) -> (plan, checked peak)
@@ -412,7 +417,10 @@ class Planner:
         ranked: list[tuple[tuple[int, str], Survey, Plan]] = []
         unfaithful: list[Plan] = []
         best = math.inf
-        for setting in self.strategies:
+        pending = list(self.strategies)
+        while pending:
+            setting = min(pending, key=lambda s: self._survey_order(s, budget_bytes)) if lazy else pending[0]
+            pending.remove(setting)
             if setting in self._skipped:
                 log.append(f"{_name(*setting)}: not planned: {self._skipped[setting]}")
                 continue
@@ -421,6 +429,10 @@ class Planner:
                 if bound >= best:
                     log.append(f"{_name(*setting)}: not surveyed: its recompute alone models {bound * 1e3:.2f} ms, "
                                f"no less than a plan found ({best * 1e3:.2f} ms)")  # fmt: skip
+                    continue
+                ruled_out = self._estimate_rules_out(setting, budget_bytes, best)
+                if ruled_out:
+                    log.append(f"{_name(*setting)}: not surveyed: {ruled_out}")
                     continue
             found = self._usable_one(setting)
             if found is None:
@@ -440,8 +452,70 @@ class Planner:
                 best = min(best, candidate.seconds)
             else:
                 unfaithful.append(candidate)
-        ranked.sort(key=lambda r: r[2].seconds)  # stable: ties go to the setting tried first
+        ranked.sort(key=lambda r: (r[2].seconds, self.strategies.index(r[0])))  # ties: the setting listed first
         return ranked, unfaithful
+
+    def _estimate(self, setting: tuple[int, str], budget_bytes: int) -> tuple[float, float] | None:
+        """A setting's floor and plan time, estimated without surveying it; None without a basis.
+
+        The estimate is the survey without recompute, previewed with the
+        setting's blocks recomputed (:meth:`Survey.preview`), its floor moved
+        by what the surveys of that mode measured: the error of the preview of
+        the surveyed setting with the most blocks, scaled by the blocks
+        (calibrated by measurement). The time is the preview's plan for the
+        budget (for its own floor where that is above the budget).
+        """
+        if self.strategies[0] not in self._surveys or not setting[0]:
+            return None
+        k, mode = setting
+        preview = self._preview(k, mode)
+        floor = preview.floor_bytes + self._floor_error(mode) * k
+        if (k, mode, budget_bytes) not in self._estimated:
+            try:
+                seconds = preview.plan(max(budget_bytes, preview.floor_bytes)).seconds
+            except InfeasibleBudgetError:  # the search's floor is the preview's: reached only by rounding
+                seconds = math.inf
+            self._estimated[k, mode, budget_bytes] = seconds
+        return floor, self._estimated[k, mode, budget_bytes]
+
+    def _preview(self, k: int, mode: str) -> Survey:
+        """The survey without recompute, previewed with the first ``k`` blocks recomputed (kept)."""
+        if (k, mode) not in self._previews:
+            base = self._surveys[self.strategies[0]]
+            self._previews[k, mode] = base.preview(self.blocks[:k], mode, self._recompute_seconds(k, mode))
+        return self._previews[k, mode]
+
+    def _floor_error(self, mode: str) -> float:
+        """Per recomputed block, how far the surveyed floor of ``mode`` with the most blocks lies above its preview."""
+        surveyed = [k for (k, m) in self._surveys if k and m == mode]
+        if not surveyed:
+            return 0.0
+        k = max(surveyed)
+        return (self._surveys[k, mode].floor_bytes - self._preview(k, mode).floor_bytes) / k
+
+    def _survey_order(self, setting: tuple[int, str], budget_bytes: int) -> tuple[int, float, int]:
+        """Sort key of the settings still to survey: surveyed first, then those estimated to meet the budget by
+        their estimated time, then the others, each group as listed."""
+        index = self.strategies.index(setting)
+        if setting in self._surveys or setting in self._skipped or not setting[0]:
+            return (0, 0.0, index)
+        estimate = self._estimate(setting, budget_bytes)
+        if estimate is None:
+            return (1, 0.0, index)
+        floor, seconds = estimate
+        return (1, seconds, index) if floor <= budget_bytes else (2, 0.0, index)
+
+    def _estimate_rules_out(self, setting: tuple[int, str], budget_bytes: int, best: float) -> str | None:
+        """Why a setting need not be surveyed once a plan is found (its estimate cannot beat it), or None."""
+        estimate = None if math.isinf(best) else self._estimate(setting, budget_bytes)
+        if estimate is None:
+            return None
+        floor, seconds = estimate
+        if floor > budget_bytes * (1 + ESTIMATE_MARGIN):
+            return f"its estimated floor {floor / _MiB:.2f} MiB is above the budget"
+        if floor <= budget_bytes and seconds >= best * (1 + ESTIMATE_MARGIN):
+            return f"its plan is estimated at {seconds * 1e3:.2f} ms, above a plan found ({best * 1e3:.2f} ms)"
+        return None
 
     def _check_lazily(
         self, ranked: list[tuple[tuple[int, str], Survey, Plan]], budget_bytes: int, log: list[str]

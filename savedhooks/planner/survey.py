@@ -74,16 +74,17 @@ from savedhooks.compiler.api import saved_tensors_hooks
 from savedhooks.fidelity.select import Census, SavedTensor, keyed_run
 from savedhooks.fidelity.sensitivity import default_loss
 from savedhooks.memory.sizes import tensor_nbytes
-from savedhooks.planner.census import GraphTimeline, StepTimeline, key_of_saved, step_timeline
+from savedhooks.planner.census import GraphTimeline, Scope, StepTimeline, key_of_saved, step_timeline
 from savedhooks.planner.costs import recompute_seconds as blocks_recompute_seconds
 from savedhooks.planner.costs import seconds_per_byte
-from savedhooks.planner.recompute import FULL
+from savedhooks.planner.recompute import FULL, SAVED_OPS, SELECTIVE
 from savedhooks.planner.result import CODECS, Plan, PlannedTensor, check_budget, check_output_held
 from savedhooks.planner.search import Option, SearchResult, Unit, floor_of, result_of, search, search_within, sqnr_db
 from savedhooks.planner.step import NotCompiledError, device_of, loss_peak, output_terms, record_step
 
 __all__ = ["NotCompiledError", "Survey", "survey"]
 
+_SELECTIVE_SAVED = frozenset(op.__name__ for op in SAVED_OPS)
 # the codecs whose decode inductor fuses into the readers (decomposed forms): they hold only the payload to the last read
 _FUSED_DECODES = ("bf16", "fp8")
 
@@ -151,6 +152,9 @@ class Survey:
         loss_saved: the plan keys of the tensors the eager loss saves (kept;
             the model's own eager saves, outside its compiled graphs, are not
             among them).
+        scopes: timeline key (``"g<run>:<node>"``) -> each saved value's
+            :class:`~savedhooks.planner.census.Scope` and span (candidates or
+            not): read by :meth:`preview`.
     """
 
     units: tuple[Unit, ...]
@@ -164,6 +168,7 @@ class Survey:
     max_harm: float | None = None
     output_held: bool = False
     loss_saved: frozenset[str] = frozenset()
+    scopes: Mapping[str, tuple[Scope, tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
     @property
     def baseline_bytes(self) -> int:
@@ -220,6 +225,60 @@ class Survey:
         check_budget(budget_bytes)
         log = ("every candidate at its smallest payload",)
         return self._planned(result_of(self.live, self.units, floor_of(self.units), log), budget_bytes)
+
+    def preview(self, blocks: Sequence[str], mode: str, seconds: float) -> Survey:
+        """A model of this survey's step with ``blocks`` checkpointed too, from its own timeline (no compile).
+
+        A survey of a recompute setting costs a compile and a step; this
+        estimate tells the planner which settings are worth one. A saved
+        value that a recomputed block makes and only that block reads
+        (:attr:`scopes`) is no longer saved (``"selective"``: unless a
+        matrix product or attention made its storage,
+        :data:`~savedhooks.planner.recompute.SAVED_OPS`): it is held again
+        only from the first backward use of any value its block saves (where
+        the recompute runs) to its own first use. Its forward life up to its
+        last forward reader is left out (a few ops), and so is the recompute's
+        own workspace; values the partitioner saves only with recompute (a
+        product's input) are not added. A block's output, which the next
+        block reads, stays saved (as the checkpoint of that block saves its
+        input). A unit all of whose values are recomputed leaves the candidates.
+
+        Args:
+            blocks: module paths of the blocks to recompute in addition to
+                :attr:`recompute`.
+            mode: ``"full"`` or ``"selective"``.
+            seconds: the modelled recompute time of the result (all its blocks).
+
+        Returns:
+            A :class:`Survey` of the estimate: its floor and its plans' times
+            estimate a survey of the setting (its keys are this survey's, not
+            the setting's graphs').
+        """
+        owned = set(blocks)
+        gone: dict[tuple[int, int], tuple[str, int]] = {}  # span -> (block, bytes)
+        first_use: dict[str, int] = {}  # block -> the first backward use of a value it saves: its recompute runs there
+        for scope, span in self.scopes.values():
+            owner = next((p for p in scope.paths if p in owned), None)
+            if owner is None:
+                continue
+            first_use[owner] = min(first_use.get(owner, span[1]), span[1])
+            if not (mode == SELECTIVE and scope.made_by in _SELECTIVE_SAVED):
+                gone[span] = (owner, gone.get(span, (owner, 0))[1] + scope.nbytes)
+        delta = [0] * (len(self.live) + 1)
+        for (start, end), (owner, nbytes) in gone.items():
+            stop = min(first_use[owner], end)
+            if start < stop:
+                delta[start] -= nbytes
+                delta[stop] += nbytes
+        live, change = [], 0
+        for point, value in enumerate(self.live):
+            change += delta[point]
+            live.append(value + change)
+        units = tuple(u for u in self.units if not u.spans or any((a, b) not in gone for a, b, _ in u.spans))
+        return dataclasses.replace(
+            self, units=units, live=tuple(live), recompute=(*self.recompute, *blocks),
+            recompute_seconds=seconds, recompute_mode=mode,
+        )  # fmt: skip
 
     def _planned(self, result: SearchResult, budget_bytes: int) -> Plan:
         """The :class:`Plan` of a search result."""
@@ -348,8 +407,18 @@ def survey(
         loss,
         output_held=output_held,
         loss_saved=by_loss,
+        scopes=_scopes(forwards, timeline),
     )
 
+
+def _scopes(forwards: list[GraphTimeline], timeline: StepTimeline) -> dict[str, tuple[Scope, tuple[int, int]]]:
+    """Timeline key ``"g<run>:<node>"`` -> the saved value's scope and span, for each value with a span."""
+    return {
+        key: (scope, timeline.spans[key])
+        for r, fw in enumerate(forwards)
+        for name, scope in fw.scopes.items()
+        if (key := f"g{r}:{name}") in timeline.spans
+    }
 
 def _run_keys(key: str, runs: tuple[int, ...]) -> list[str]:
     """The timeline keys of a census key: ``"g<i>:<node>"`` once per run of graph ``i`` (see :attr:`RecordedStep.runs`).

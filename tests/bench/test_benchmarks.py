@@ -833,3 +833,22 @@ def test_results_file_names_its_command_and_gives_ratios_within_the_run(tmp_path
     assert "`python -m benchmarks --x`; torch 9, cpu." in text
     assert "- sh: fp8" in text and "- m: a model" in text and "unused" not in text
     assert table(rows) in text and headline(rows) in text
+
+
+def test_plan_time_page_summarizes_ratios_and_leaves_missing_values_blank():
+    from benchmarks.plan_time import PlanTimeRow, document
+
+    rows = [
+        PlanTimeRow("a", first_s=10.0, base_mib=100.0, policy_mib=60.0, budget_mib=70.0, plan_s=30.0, compiles=3,
+                    steps=4, modelled_base_mib=103.0, floor_mib=55.0, plan_mib=70.0),
+        PlanTimeRow("b", first_s=10.0, base_mib=100.0, policy_mib=60.0, budget_mib=70.0, plan_s=70.0, compiles=6,
+                    steps=7, modelled_base_mib=120.0, floor_mib=65.0, plan_mib=80.0),
+        PlanTimeRow("c", first_s=10.0, base_mib=100.0, policy_mib=60.0, budget_mib=70.0, plan_s=50.0,
+                    modelled_base_mib=100.0, floor_mib=75.0, error="infeasible"),
+    ]
+    page = document(rows, "header")
+    assert "3 models. Planning time over the first compiled step: median 5.00x, largest 7.00x." in page
+    assert "within 5 % of the measured on 2 of 3; floor at or below the policy's measured peak on 1 of 3" in page
+    assert "plan within 1.05 of its budget on 1 of 2." in page
+    assert "| a | 10.0 | 30.0 | 3.00 | 3 | 4 | 100.00 | 1.030 | 60.00 | 0.917 | 70.00 | 1.000 |  |" in page
+    assert "| c | 10.0 | 50.0 | 5.00 |  |  | 100.00 | 1.000 | 60.00 | 1.250 | 70.00 |  | infeasible |" in page
