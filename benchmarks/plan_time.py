@@ -189,8 +189,8 @@ def document(rows: list[PlanTimeRow], header: str) -> str:
         f"{len(rows)} models. Planning time over the first compiled step: median "
         f"{_fmt(statistics.median(ratios) if ratios else None, '{:.2f}')}x, largest "
         f"{_fmt(max(ratios, default=None), '{:.2f}')}x. Modelled peak without hooks within 5 % of the measured on "
-        f"{sum(e <= 0.05 for e in model_errors)} of {len(model_errors)}; floor at or below the policy's measured peak on "
-        f"{sum(f <= 1 for f in floors)} of {len(floors)}; plan within 1.05 of its budget on "
+        f"{sum(e <= 0.05 for e in model_errors)} of {len(model_errors)}; floor at or below the policy's measured "
+        f"peak on {sum(f <= 1 for f in floors)} of {len(floors)}; plan within 1.05 of its budget on "
         f"{sum(p <= 1.05 for p in plans)} of {len(plans)}."
     ), "", "| " + " | ".join(c[0] for c in _COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     for row in rows:

@@ -533,7 +533,7 @@ def _module_paths(node: torch.fx.Node) -> tuple[str, ...]:
 
 
 def scope_of(node: torch.fx.Node) -> tuple[str, ...]:
-    """The module paths enclosing a forward node and all its readers in its graph (the common outer part of their stacks).
+    """The module paths enclosing a forward node and all its readers in its graph (the outer part their stacks share).
 
     Read from the ``nn_module_stack`` that dynamo records and AOTAutograd
     carries onto the graphs' nodes: ``("model", "model.layers.0")`` for an
