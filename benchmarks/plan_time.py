@@ -223,12 +223,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: plan {_fmt(_ratio(row.plan_s, row.first_s), '{:.2f}')}x {row.error}", file=sys.stderr,
                   flush=True)  # fmt: skip
             rows_file.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in rows.values()))
+            _write_page(args.out, rows, time.perf_counter() - began)  # after each model: a stopped run keeps its rows
+    return 0
+
+
+def _write_page(out: pathlib.Path, rows: dict[str, PlanTimeRow], seconds: float) -> None:
     ordered = [rows[n] for n in MODELS if n in rows]
     header = (f"`{COMMAND}`; torch {torch.__version__}, savedhooks {sh.__version__}; device cpu ({platform.machine()}, "
-              f"{os.cpu_count()} cores; one model at a time); last run {time.perf_counter() - began:.0f} s. "
+              f"{os.cpu_count()} cores; one model at a time); last run {seconds:.0f} s. "
               f"Budget: {PLAN_FRACTION} of the compiled step's peak.")  # fmt: skip
-    args.out.write_text(document(ordered, header))
-    return 0
+    out.write_text(document(ordered, header))
 
 
 if __name__ == "__main__":
