@@ -463,12 +463,16 @@ class Planner:
         by what the surveys of that mode measured: the error of the preview of
         the surveyed setting with the most blocks, scaled by the blocks
         (calibrated by measurement). The time is the preview's plan for the
-        budget (for its own floor where that is above the budget).
+        budget (for its own floor where that is above the budget). None also
+        where the preview finds none of the blocks' own saved values (their
+        module paths not in the graphs' module stacks).
         """
         if self.strategies[0] not in self._surveys or not setting[0]:
             return None
         k, mode = setting
         preview = self._preview(k, mode)
+        if preview is self._surveys[self.strategies[0]]:
+            return None  # no saved value is known to be the blocks' own
         floor = preview.floor_bytes + self._floor_error(mode) * k
         if (k, mode, budget_bytes) not in self._estimated:
             try:

@@ -252,7 +252,8 @@ class Survey:
         Returns:
             A :class:`Survey` of the estimate: its floor and its plans' times
             estimate a survey of the setting (its keys are this survey's, not
-            the setting's graphs').
+            the setting's graphs'); this survey itself where no saved value
+            is the blocks' own (no scope names them: no basis for an estimate).
         """
         owned = set(blocks)
         gone: dict[tuple[int, int], tuple[str, int]] = {}  # span -> (block, bytes)
@@ -264,6 +265,8 @@ class Survey:
             first_use[owner] = min(first_use.get(owner, span[1]), span[1])
             if not (mode == SELECTIVE and scope.made_by in _SELECTIVE_SAVED):
                 gone[span] = (owner, gone.get(span, (owner, 0))[1] + scope.nbytes)
+        if not gone:
+            return self
         delta = [0] * (len(self.live) + 1)
         for (start, end), (owner, nbytes) in gone.items():
             stop = min(first_use[owner], end)

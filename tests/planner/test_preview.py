@@ -75,10 +75,10 @@ def test_preview_of_selective_recompute_keeps_what_products_made():
     assert [u.key for u in preview.units] == ["b"]
 
 
-def test_preview_without_scopes_changes_nothing():
-    found = _survey({})
-    preview = found.preview(("m.0",), FULL, 0.0)
-    assert preview.live == found.live and preview.units == found.units
+def test_preview_without_scopes_naming_the_blocks_is_the_survey_itself():
+    found = _survey({"g0:a": (Scope(("m", "m.5"), "mul", 10), (1, 6))})
+    assert found.preview(("m.0",), FULL, 0.0) is found
+    assert _survey({}).preview(("m.0",), SELECTIVE, 0.0).live == _survey({}).live
 
 
 class _Residual(torch.nn.Module):
