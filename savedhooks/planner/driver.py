@@ -98,7 +98,7 @@ from savedhooks.planner.result import (
 from savedhooks.planner.step import TALLY, check_call
 from savedhooks.planner.survey import NotCompiledError, Survey, survey
 
-__all__ = ["ESTIMATE_MARGIN", "FLOOR_MARGIN", "MAX_STRATEGIES", "MODEL_TOLERANCE", "Planner"]
+__all__ = ["CALIBRATED_MARGIN", "ESTIMATE_MARGIN", "FLOOR_MARGIN", "MAX_STRATEGIES", "MODEL_TOLERANCE", "Planner"]
 
 _MiB = 1 << 20
 MAX_STRATEGIES = 5  # recompute settings tried at most (k = 0 .. L blocks, spread evenly)
@@ -108,6 +108,8 @@ FLOOR_MARGIN = 0.10
 # a setting not surveyed yet whose estimate (Planner._estimate) misses the budget, or the time of a plan found, by
 # more than this share is not surveyed once a plan is found
 ESTIMATE_MARGIN = 0.10
+# the same share for an estimated floor once a setting of its mode is surveyed (the estimates calibrated by it)
+CALIBRATED_MARGIN = 0.02
 MODEL_TOLERANCE = 0.05  # a check's modelled and measured peaks further apart than this share are logged
 _CHECKED = "the first setting by modelled time whose checked plan meets the budget"
 _SMALLEST = "the least modelled time among the checked plans that meet it (every candidate packed, or checked before)"
@@ -473,7 +475,7 @@ class Planner:
         preview = self._preview(k, mode)
         if preview is self._surveys[self.strategies[0]]:
             return None  # no saved value is known to be the blocks' own
-        floor = preview.floor_bytes + self._floor_error(mode) * k
+        floor = preview.floor_bytes + (self._floor_error(mode) or 0.0) * k
         if (k, mode, budget_bytes) not in self._estimated:
             try:
                 seconds = preview.plan(max(budget_bytes, preview.floor_bytes)).seconds
@@ -489,11 +491,14 @@ class Planner:
             self._previews[k, mode] = base.preview(self.blocks[:k], mode, self._recompute_seconds(k, mode))
         return self._previews[k, mode]
 
-    def _floor_error(self, mode: str) -> float:
-        """Per recomputed block, how far the surveyed floor of ``mode`` with the most blocks lies above its preview."""
+    def _floor_error(self, mode: str) -> float | None:
+        """Per recomputed block, how far the surveyed floor of ``mode`` with the most blocks lies above its preview.
+
+        None while no setting of ``mode`` is surveyed (the estimates are not calibrated).
+        """
         surveyed = [k for (k, m) in self._surveys if k and m == mode]
         if not surveyed:
-            return 0.0
+            return None
         k = max(surveyed)
         return (self._surveys[k, mode].floor_bytes - self._preview(k, mode).floor_bytes) / k
 
@@ -515,7 +520,8 @@ class Planner:
         if estimate is None:
             return None
         floor, seconds = estimate
-        if floor > budget_bytes * (1 + ESTIMATE_MARGIN):
+        margin = ESTIMATE_MARGIN if self._floor_error(setting[1]) is None else CALIBRATED_MARGIN
+        if floor > budget_bytes * (1 + margin):
             return f"its estimated floor {floor / _MiB:.2f} MiB is above the budget"
         if floor <= budget_bytes and seconds >= best * (1 + ESTIMATE_MARGIN):
             return f"its plan is estimated at {seconds * 1e3:.2f} ms, above a plan found ({best * 1e3:.2f} ms)"

@@ -119,3 +119,17 @@ def test_the_estimate_of_full_recompute_is_near_its_survey_and_plans_skip_survey
     assert chosen.recompute and chosen.predicted_peak_bytes <= budget
     skipped = [line for line in chosen.log if "not surveyed" in line]
     assert len(fresh._surveys) + len(skipped) == len(fresh.strategies), chosen.log
+
+
+def test_an_estimate_rules_a_setting_out_by_a_floor_margin_that_narrows_once_its_mode_is_surveyed(monkeypatch):
+    torch.manual_seed(0)
+    planner = plan_module.Planner(_Residual(), (torch.randn(8, 64),), loss_fn=square_mean_loss, backend="aot_eager")
+    monkeypatch.setattr(planner, "_estimate", lambda setting, budget: (105.0, 1.0))
+    monkeypatch.setattr(planner, "_floor_error", lambda mode: None)
+    assert planner._estimate_rules_out((1, FULL), 100, 2.0) is None  # 5 % above the budget: within 10 %
+    assert planner._estimate_rules_out((1, FULL), 100, float("inf")) is None  # no plan found yet
+    monkeypatch.setattr(planner, "_floor_error", lambda mode: 0.0)  # calibrated: 2 %
+    assert "its estimated floor" in planner._estimate_rules_out((1, FULL), 100, 2.0)
+    monkeypatch.setattr(planner, "_estimate", lambda setting, budget: (90.0, 2.5))
+    assert "estimated at 2500.00 ms, above a plan found (2000.00 ms)" in planner._estimate_rules_out((1, FULL), 100, 2.0)
+    assert planner._estimate_rules_out((1, FULL), 100, 2.3) is None  # within 10 % of the plan found
