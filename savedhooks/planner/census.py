@@ -69,7 +69,7 @@ from savedhooks.hooks import hook_context
 from savedhooks.memory import build_graph_memory, freed_inputs, saved_activations, simulate
 from savedhooks.memory.estimate import _input_bytes, _report_device
 from savedhooks.memory.fusion import inlined_nodes, is_alias, is_view
-from savedhooks.memory.graph import producing_op
+from savedhooks.memory.graph import op_name, producing_op
 from savedhooks.memory.sizes import size_hint, storage_key, tensor_nbytes
 from savedhooks.planner.recording import (
     COPIED_INPUTS,
@@ -507,18 +507,12 @@ def timeline_of(
     together = {n: group for n, group in groups.items() if len(group) > 1}
     retained = (after[-1] - inputs) if after else 0
     retained += sum(copies.values())
-    scopes = {n: Scope(scope_of(nodes[n]), _op_name(_maker(nodes[n])), _nbytes(nodes[n])) for n in at}
+    scopes = {n: Scope(scope_of(nodes[n]), op_name(_maker(nodes[n]).target) or "", _nbytes(nodes[n])) for n in at}
     return GraphTimeline(live, at, retained, together, saved_output=_saved_output_bytes(gm.graph, saved), scopes=scopes)
 
 
 # dynamo names a module by the source it read it from: ``L['self'].model.layers.0``, ``L['args'][0].layers.0``
 _SOURCE = re.compile(r"^[A-Za-z_]+(\[[^\]]*\])+\.?")
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    target = node.target
-    packet = getattr(target, "overloadpacket", target)
-    return getattr(packet, "__name__", str(packet))
 
 
 def _nbytes(node: torch.fx.Node) -> int:
